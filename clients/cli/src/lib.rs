@@ -1,0 +1,137 @@
+//! The sandcell client: publish submissions to RabbitMQ, read results from Postgres.
+//!
+//! This is the flow the design prescribes for asynchronous agents: submit through the queue
+//! (with publisher confirms, so a returned `Ok` means the broker has the job), then poll the
+//! `job_results` view — or, as [`Client::wait`] does, `LISTEN` on `sandcell_jobs` and read
+//! the result when its notification arrives, with a periodic re-read in case a notification
+//! was lost while the listener reconnected.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use lapin::Channel;
+use sandcell_core::broker;
+use sandcell_core::jobs::JobStore;
+use sandcell_protocol::{ArtifactState, JobResult, Submission};
+use sqlx::postgres::{PgListener, PgPoolOptions};
+
+/// What can go wrong for a client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No job with that id for that tenant.
+    #[error("no job {job_id:?} for tenant {tenant:?}")]
+    NotFound {
+        /// Tenant.
+        tenant: String,
+        /// Job id.
+        job_id: String,
+    },
+    /// The job has no artifact at that path.
+    #[error("job has no artifact {0:?}")]
+    NoSuchArtifact(String),
+    /// The artifact's TTL passed and it was deleted.
+    #[error("artifact_expired: {0:?} has expired and was deleted")]
+    ArtifactExpired(String),
+    /// The job did not finish in time.
+    #[error("job did not finish within {0:?}; last status {1}")]
+    Timeout(Duration, String),
+    /// Anything else (connection, broker, database).
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// A connected client.
+pub struct Client {
+    _conn: lapin::Connection,
+    publisher: Channel,
+    jobs: JobStore,
+    database_url: String,
+}
+
+impl Client {
+    /// Connect to the broker and the database.
+    pub async fn connect(amqp_url: &str, database_url: &str) -> Result<Self, ClientError> {
+        let conn = broker::connect(amqp_url, "sandcell-client").await?;
+        let ch = conn.create_channel().await.context("opening channel")?;
+        broker::declare_topology(&ch).await?;
+        let publisher = broker::publisher_channel(&conn).await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(database_url)
+            .await
+            .with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
+        Ok(Client { _conn: conn, publisher, jobs: JobStore::new(pool), database_url: database_url.to_string() })
+    }
+
+    /// Connect using `SANDCELL_AMQP_URL` and `SANDCELL_DATABASE_URL`.
+    pub async fn from_env() -> Result<Self, ClientError> {
+        let amqp = sandcell_core::config::var_required("SANDCELL_AMQP_URL")?;
+        let db = sandcell_core::config::var_required("SANDCELL_DATABASE_URL")?;
+        Client::connect(&amqp, &db).await
+    }
+
+    /// Publish a submission; returns once the broker confirmed it.
+    pub async fn submit(&self, sub: &Submission) -> Result<(), ClientError> {
+        let body = serde_json::to_vec(sub).context("serializing submission")?;
+        self.submit_raw(&body, Some(&sub.job_id)).await
+    }
+
+    /// Publish raw bytes as a submission (for testing how sandcell treats bad input).
+    pub async fn submit_raw(&self, body: &[u8], message_id: Option<&str>) -> Result<(), ClientError> {
+        let props = match message_id {
+            Some(id) => broker::json_properties(id),
+            None => lapin::BasicProperties::default().with_delivery_mode(2),
+        };
+        broker::publish_confirmed(&self.publisher, broker::SUBMISSIONS_QUEUE, body, props).await?;
+        Ok(())
+    }
+
+    /// The job's current result record, if the job exists.
+    pub async fn result(&self, tenant: &str, job_id: &str) -> Result<Option<JobResult>, ClientError> {
+        Ok(self.jobs.result(tenant, job_id).await?)
+    }
+
+    /// Wait until the job reaches a terminal status and return its result.
+    pub async fn wait(&self, tenant: &str, job_id: &str, timeout: Duration) -> Result<JobResult, ClientError> {
+        let mut listener = PgListener::connect(&self.database_url).await.context("connecting listener")?;
+        listener.listen("sandcell_jobs").await.context("LISTEN sandcell_jobs")?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = "not recorded yet".to_string();
+        loop {
+            if let Some(r) = self.result(tenant, job_id).await? {
+                if r.status.is_terminal() {
+                    return Ok(r);
+                }
+                last = r.status.to_string();
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Err(ClientError::Timeout(timeout, last));
+            }
+            // Wake on a notification for this job, or re-read after a second regardless.
+            let wake = (deadline - now).min(Duration::from_secs(1));
+            let _ = tokio::time::timeout(wake, async {
+                while let Ok(n) = listener.recv().await {
+                    let v: serde_json::Value = serde_json::from_str(n.payload()).unwrap_or_default();
+                    if v["tenant"] == tenant && v["job_id"] == job_id {
+                        break;
+                    }
+                }
+            })
+            .await;
+        }
+    }
+
+    /// The download URL of one artifact, or [`ClientError::ArtifactExpired`] once it expired.
+    pub async fn artifact_url(&self, tenant: &str, job_id: &str, path: &str) -> Result<String, ClientError> {
+        let r = self
+            .result(tenant, job_id)
+            .await?
+            .ok_or_else(|| ClientError::NotFound { tenant: tenant.into(), job_id: job_id.into() })?;
+        let a = r.artifacts.into_iter().find(|a| a.path == path).ok_or_else(|| ClientError::NoSuchArtifact(path.into()))?;
+        match (a.state, a.download_url) {
+            (ArtifactState::Available, Some(url)) if a.expires_at > chrono::Utc::now() => Ok(url),
+            _ => Err(ClientError::ArtifactExpired(path.into())),
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! Configuration from environment variables. Every variable has a documented default
+//! (see `docs/configuration.md`); a variable that is set but unparsable is an error, never
+//! silently ignored.
+
+use std::str::FromStr;
+
+use anyhow::{anyhow, Context, Result};
+use sandcell_protocol::{ExecutionLimits, IntakeLimits, LimitPolicy};
+
+/// Read `name`, or `default` when unset or empty.
+pub fn var_or(name: &str, default: &str) -> String {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v,
+        _ => default.to_string(),
+    }
+}
+
+/// Read a required variable.
+pub fn var_required(name: &str) -> Result<String> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => Ok(v),
+        _ => Err(anyhow!("environment variable {name} is required (see docs/configuration.md; the local stack writes it to /var/lib/sandcell/sandcell.env)")),
+    }
+}
+
+/// Read and parse `name`, or `default` when unset or empty.
+pub fn parse_or<T>(name: &str, default: T) -> Result<T>
+where
+    T: FromStr,
+    T::Err: std::fmt::Display,
+{
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v.parse::<T>().map_err(|e| anyhow!("{e}")).with_context(|| format!("invalid value {v:?} for {name}")),
+        _ => Ok(default),
+    }
+}
+
+/// Connection settings of the three stateful services.
+#[derive(Debug, Clone)]
+pub struct Services {
+    /// `SANDCELL_AMQP_URL`.
+    pub amqp_url: String,
+    /// `SANDCELL_DATABASE_URL`.
+    pub database_url: String,
+    /// S3 settings.
+    pub s3: S3Settings,
+}
+
+/// Object store settings (`SANDCELL_S3_*`).
+#[derive(Debug, Clone)]
+pub struct S3Settings {
+    /// Endpoint URL, e.g. `http://127.0.0.1:3900`.
+    pub endpoint: String,
+    /// Region name the store expects (`garage` for Garage).
+    pub region: String,
+    /// Bucket holding artifacts.
+    pub bucket: String,
+    /// Access key id.
+    pub access_key_id: String,
+    /// Secret access key.
+    pub secret_access_key: String,
+}
+
+impl Services {
+    /// Read the service settings from the environment.
+    pub fn from_env() -> Result<Self> {
+        Ok(Services {
+            amqp_url: var_required("SANDCELL_AMQP_URL")?,
+            database_url: var_required("SANDCELL_DATABASE_URL")?,
+            s3: S3Settings {
+                endpoint: var_or("SANDCELL_S3_ENDPOINT", "http://127.0.0.1:3900"),
+                region: var_or("SANDCELL_S3_REGION", "garage"),
+                bucket: var_or("SANDCELL_S3_BUCKET", "sandcell-artifacts"),
+                access_key_id: var_required("SANDCELL_S3_ACCESS_KEY_ID")?,
+                secret_access_key: var_required("SANDCELL_S3_SECRET_ACCESS_KEY")?,
+            },
+        })
+    }
+}
+
+/// The operator's limit policy: `SANDCELL_DEFAULT_<LIMIT>` and `SANDCELL_MAX_<LIMIT>` for each
+/// limit, e.g. `SANDCELL_DEFAULT_TIMEOUT_MS`, `SANDCELL_MAX_MEMORY_MB`.
+pub fn limit_policy_from_env() -> Result<LimitPolicy> {
+    let base = LimitPolicy::default();
+    Ok(LimitPolicy { default: limits_from_env("DEFAULT", &base.default)?, max: limits_from_env("MAX", &base.max)? })
+}
+
+fn limits_from_env(prefix: &str, d: &ExecutionLimits) -> Result<ExecutionLimits> {
+    let n = |name: &str| format!("SANDCELL_{prefix}_{name}");
+    Ok(ExecutionLimits {
+        timeout_ms: parse_or(&n("TIMEOUT_MS"), d.timeout_ms)?,
+        memory_mb: parse_or(&n("MEMORY_MB"), d.memory_mb)?,
+        cpus: parse_or(&n("CPUS"), d.cpus)?,
+        pids: parse_or(&n("PIDS"), d.pids)?,
+        workspace_mb: parse_or(&n("WORKSPACE_MB"), d.workspace_mb)?,
+        stdout_bytes: parse_or(&n("STDOUT_BYTES"), d.stdout_bytes)?,
+        stderr_bytes: parse_or(&n("STDERR_BYTES"), d.stderr_bytes)?,
+        artifact_files: parse_or(&n("ARTIFACT_FILES"), d.artifact_files)?,
+        artifact_bytes: parse_or(&n("ARTIFACT_BYTES"), d.artifact_bytes)?,
+        artifact_ttl_s: parse_or(&n("ARTIFACT_TTL_S"), d.artifact_ttl_s)?,
+    })
+}
+
+/// Intake bounds: `SANDCELL_MAX_MESSAGE_BYTES`, `SANDCELL_MAX_CODE_BYTES`,
+/// `SANDCELL_MAX_INPUT_FILES`, `SANDCELL_MAX_INLINE_FILE_BYTES`, `SANDCELL_MAX_INLINE_TOTAL_BYTES`.
+pub fn intake_limits_from_env() -> Result<IntakeLimits> {
+    let d = IntakeLimits::default();
+    Ok(IntakeLimits {
+        max_message_bytes: parse_or("SANDCELL_MAX_MESSAGE_BYTES", d.max_message_bytes)?,
+        max_code_bytes: parse_or("SANDCELL_MAX_CODE_BYTES", d.max_code_bytes)?,
+        max_input_files: parse_or("SANDCELL_MAX_INPUT_FILES", d.max_input_files)?,
+        max_inline_file_bytes: parse_or("SANDCELL_MAX_INLINE_FILE_BYTES", d.max_inline_file_bytes)?,
+        max_inline_total_bytes: parse_or("SANDCELL_MAX_INLINE_TOTAL_BYTES", d.max_inline_total_bytes)?,
+    })
+}

@@ -1,0 +1,363 @@
+//! The job store: jobs, results and artifacts in Postgres.
+//!
+//! Every status change of a job happens here, and only through a guarded `UPDATE` whose source
+//! states come from [`JobStatus::sources_of`], so the state machine in `sandcell_protocol::status`
+//! is enforced by the database even when two workers race on the same job.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use chrono::{DateTime, Utc};
+use sandcell_protocol::{ArtifactKind, ExecError, ExecutionLimits, JobResult, JobStatus, Output, Reason, Submission};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::Row;
+
+/// Embedded migrations from `migrations/`, applied at start-up by every binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+/// Connect to Postgres and apply pending migrations.
+pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .with_context(|| format!("connecting to Postgres at {}", crate::broker::redact(url)))?;
+    MIGRATOR.run(&pool).await.context("applying database migrations")?;
+    Ok(pool)
+}
+
+/// What happened when a submission was recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    /// A new job; it must be dispatched.
+    New,
+    /// The job id was already used by this tenant.
+    Duplicate {
+        /// Status of the existing job.
+        status: JobStatus,
+        /// Whether the existing job was already handed to the workers.
+        dispatched: bool,
+        /// Whether the earlier submission had the same body.
+        same_payload: bool,
+    },
+}
+
+/// A file or figure a job produced, ready to be recorded.
+#[derive(Debug, Clone)]
+pub struct NewArtifact {
+    /// Workspace-relative path (or `_display/N.png`).
+    pub path: String,
+    /// File or rich output.
+    pub kind: ArtifactKind,
+    /// Size in bytes.
+    pub size_bytes: i64,
+    /// MIME type.
+    pub content_type: String,
+    /// Hex SHA-256.
+    pub sha256: String,
+    /// Object key.
+    pub s3_key: String,
+    /// Expiry.
+    pub expires_at: DateTime<Utc>,
+    /// Presigned GET URL valid until `expires_at`.
+    pub download_url: String,
+}
+
+/// The outcome of running a job, as the worker commits it.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// Terminal status.
+    pub status: JobStatus,
+    /// Captured stdout.
+    pub stdout: String,
+    /// Captured stderr.
+    pub stderr: String,
+    /// stdout was cut at the cap.
+    pub stdout_truncated: bool,
+    /// stderr was cut at the cap.
+    pub stderr_truncated: bool,
+    /// Exit code.
+    pub exit_code: Option<i32>,
+    /// Exception raised by the code.
+    pub error: Option<ExecError>,
+    /// Infrastructure reason, if any.
+    pub reason: Option<Reason>,
+    /// Rich outputs.
+    pub outputs: Vec<Output>,
+    /// Stored artifacts.
+    pub artifacts: Vec<NewArtifact>,
+}
+
+/// A job a worker has claimed.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim {
+    /// 1 on the first delivery, more after a worker died mid-job.
+    pub attempt: i32,
+    /// When the scheduler recorded the job (for queue-wait metrics).
+    pub queued_at: DateTime<Utc>,
+}
+
+/// An artifact whose TTL has passed.
+#[derive(Debug, Clone)]
+pub struct ExpiredArtifact {
+    /// Row id.
+    pub id: i64,
+    /// Object key to delete.
+    pub s3_key: String,
+}
+
+/// Handle on the job tables.
+#[derive(Clone)]
+pub struct JobStore {
+    pool: PgPool,
+}
+
+fn status_list(next: JobStatus) -> Vec<String> {
+    JobStatus::sources_of(next).into_iter().map(|s| s.as_str().to_string()).collect()
+}
+
+impl JobStore {
+    /// Wrap a pool.
+    pub fn new(pool: PgPool) -> Self {
+        JobStore { pool }
+    }
+
+    /// The underlying pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Record an accepted submission as `queued`, or report the existing job with that id.
+    pub async fn record_queued(&self, sub: &Submission, limits: &ExecutionLimits, sha256: &str) -> Result<Recorded> {
+        let limits_json = serde_json::to_value(limits).context("serializing limits")?;
+        let inserted = sqlx::query(
+            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits)
+             VALUES ($1, $2, 'queued', $3, $4, $5)
+             ON CONFLICT (tenant, job_id) DO NOTHING",
+        )
+        .bind(&sub.tenant)
+        .bind(&sub.job_id)
+        .bind(sub.language.as_str())
+        .bind(sha256)
+        .bind(limits_json)
+        .execute(&self.pool)
+        .await
+        .context("inserting job")?
+        .rows_affected();
+        if inserted == 1 {
+            return Ok(Recorded::New);
+        }
+        let row = sqlx::query("SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256 FROM jobs WHERE tenant = $1 AND job_id = $2")
+            .bind(&sub.tenant)
+            .bind(&sub.job_id)
+            .fetch_one(&self.pool)
+            .await
+            .context("reading existing job")?;
+        let status: String = row.try_get("status")?;
+        let previous: Option<String> = row.try_get("submission_sha256")?;
+        Ok(Recorded::Duplicate {
+            status: JobStatus::parse(&status).with_context(|| format!("unknown status {status:?} in database"))?,
+            dispatched: row.try_get("dispatched")?,
+            same_payload: previous.as_deref() == Some(sha256),
+        })
+    }
+
+    /// Note that the job was confirmed on the jobs queue.
+    pub async fn mark_dispatched(&self, tenant: &str, job_id: &str) -> Result<()> {
+        sqlx::query("UPDATE jobs SET dispatched_at = now() WHERE tenant = $1 AND job_id = $2 AND dispatched_at IS NULL")
+            .bind(tenant)
+            .bind(job_id)
+            .execute(&self.pool)
+            .await
+            .context("marking job dispatched")?;
+        Ok(())
+    }
+
+    /// Record a rejected submission under its `(tenant, job_id)`. An existing job with that id is
+    /// left alone (a bad retry must not overwrite a good job); returns whether a row was written.
+    pub async fn record_rejection(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
+        let n = sqlx::query(
+            "INSERT INTO jobs (tenant, job_id, status, reason, finished_at)
+             VALUES ($1, $2, 'rejected', $3, now())
+             ON CONFLICT (tenant, job_id) DO NOTHING",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(serde_json::to_value(reason)?)
+        .execute(&self.pool)
+        .await
+        .context("recording rejection")?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Record a message that named no usable job id.
+    pub async fn record_intake_rejection(&self, message_id: Option<&str>, reason: &Reason, body: &[u8]) -> Result<()> {
+        let prefix = String::from_utf8_lossy(&body[..body.len().min(512)]).replace('\0', "\u{FFFD}");
+        sqlx::query("INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix) VALUES ($1, $2, $3, $4, $5)")
+            .bind(message_id)
+            .bind(reason.code.as_str())
+            .bind(&reason.message)
+            .bind(i32::try_from(body.len()).unwrap_or(i32::MAX))
+            .bind(prefix)
+            .execute(&self.pool)
+            .await
+            .context("recording intake rejection")?;
+        Ok(())
+    }
+
+    /// Claim a job for running. Returns the attempt number, or `None` if the job is already
+    /// finished (a redelivery of work that was committed but not acked) or unknown.
+    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str) -> Result<Option<Claim>> {
+        let row = sqlx::query(
+            "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1
+             WHERE tenant = $1 AND job_id = $2 AND status = ANY($4)
+             RETURNING attempts, queued_at",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(worker_id)
+        .bind(status_list(JobStatus::Running))
+        .fetch_optional(&self.pool)
+        .await
+        .context("claiming job")?;
+        Ok(row.map(|r| Claim { attempt: r.get("attempts"), queued_at: r.get("queued_at") }))
+    }
+
+    /// Commit a job's outcome and its artifacts in one transaction. Returns false when the job
+    /// was no longer in a state that may become `fin.status` (someone else finished it).
+    pub async fn finish(&self, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
+        let mut tx = self.pool.begin().await.context("beginning result transaction")?;
+        let n = sqlx::query(
+            "UPDATE jobs SET status = $3, stdout = $4, stderr = $5, stdout_truncated = $6, stderr_truncated = $7,
+                    exit_code = $8, error = $9, reason = $10, outputs = $11, finished_at = now()
+             WHERE tenant = $1 AND job_id = $2 AND status = ANY($12)",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(fin.status.as_str())
+        .bind(strip_nul(&fin.stdout))
+        .bind(strip_nul(&fin.stderr))
+        .bind(fin.stdout_truncated)
+        .bind(fin.stderr_truncated)
+        .bind(fin.exit_code)
+        .bind(fin.error.as_ref().map(serde_json::to_value).transpose()?)
+        .bind(fin.reason.as_ref().map(serde_json::to_value).transpose()?)
+        .bind(serde_json::to_value(&fin.outputs)?)
+        .bind(status_list(fin.status))
+        .execute(&mut *tx)
+        .await
+        .context("updating job result")?
+        .rows_affected();
+        if n == 0 {
+            tx.rollback().await.ok();
+            return Ok(false);
+        }
+        for a in &fin.artifacts {
+            sqlx::query(
+                "INSERT INTO artifacts (tenant, job_id, path, kind, size_bytes, content_type, sha256, s3_key, expires_at, download_url)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+                 ON CONFLICT (tenant, job_id, path) DO NOTHING",
+            )
+            .bind(tenant)
+            .bind(job_id)
+            .bind(&a.path)
+            .bind(match a.kind {
+                ArtifactKind::File => "file",
+                ArtifactKind::Display => "display",
+            })
+            .bind(a.size_bytes)
+            .bind(&a.content_type)
+            .bind(&a.sha256)
+            .bind(&a.s3_key)
+            .bind(a.expires_at)
+            .bind(&a.download_url)
+            .execute(&mut *tx)
+            .await
+            .context("inserting artifact")?;
+        }
+        tx.commit().await.context("committing job result")?;
+        Ok(true)
+    }
+
+    /// Move an unfinished job to a terminal status with a reason (infrastructure failures).
+    pub async fn fail(&self, tenant: &str, job_id: &str, status: JobStatus, reason: &Reason) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE jobs SET status = $3, reason = $4, finished_at = now()
+             WHERE tenant = $1 AND job_id = $2 AND status = ANY($5)",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(status.as_str())
+        .bind(serde_json::to_value(reason)?)
+        .bind(status_list(status))
+        .execute(&self.pool)
+        .await
+        .context("recording job failure")?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// The result record of one job, as a client sees it.
+    pub async fn result(&self, tenant: &str, job_id: &str) -> Result<Option<JobResult>> {
+        let row = sqlx::query("SELECT result FROM job_results WHERE tenant = $1 AND job_id = $2")
+            .bind(tenant)
+            .bind(job_id)
+            .fetch_optional(&self.pool)
+            .await
+            .context("reading job result")?;
+        match row {
+            None => Ok(None),
+            Some(r) => {
+                let v: serde_json::Value = r.try_get("result")?;
+                Ok(Some(serde_json::from_value(v).context("decoding job result")?))
+            }
+        }
+    }
+
+    /// Available artifacts whose expiry has passed.
+    pub async fn expired_artifacts(&self, limit: i64) -> Result<Vec<ExpiredArtifact>> {
+        let rows = sqlx::query("SELECT id, s3_key FROM artifacts WHERE state = 'available' AND expires_at <= now() ORDER BY expires_at LIMIT $1")
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await
+            .context("scanning expired artifacts")?;
+        Ok(rows.into_iter().map(|r| ExpiredArtifact { id: r.get("id"), s3_key: r.get("s3_key") }).collect())
+    }
+
+    /// Count of jobs by status (for the `sandcell_jobs` gauge).
+    pub async fn count_by_status(&self) -> Result<Vec<(String, i64)>> {
+        let rows = sqlx::query("SELECT status, count(*) AS n FROM jobs GROUP BY status")
+            .fetch_all(&self.pool)
+            .await
+            .context("counting jobs by status")?;
+        Ok(rows.into_iter().map(|r| (r.get("status"), r.get("n"))).collect())
+    }
+
+    /// Check the database answers.
+    pub async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.context("database ping")?;
+        Ok(())
+    }
+
+    /// Mark artifacts expired after their objects were deleted.
+    pub async fn mark_artifacts_expired(&self, ids: &[i64]) -> Result<u64> {
+        let n = sqlx::query("UPDATE artifacts SET state = 'expired', download_url = NULL WHERE id = ANY($1) AND state = 'available'")
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .context("marking artifacts expired")?
+            .rows_affected();
+        Ok(n)
+    }
+}
+
+/// Postgres text cannot hold NUL; the sandbox may print it.
+fn strip_nul(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.contains('\0') {
+        std::borrow::Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        std::borrow::Cow::Borrowed(s)
+    }
+}

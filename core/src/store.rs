@@ -1,0 +1,119 @@
+//! The artifact store: an S3-compatible bucket (Garage locally), addressed path-style.
+//!
+//! Object keys are `<tenant>/<job_id>/<path>`: the tenant prefix is part of every key so that
+//! store-side policies and audits can be scoped per tenant. Clients never hold the store's
+//! credentials; they download through presigned GET URLs that expire with the artifact.
+//! TTL is enforced by the scheduler's sweeper (`expires_at` in Postgres); the bucket lifecycle
+//! rule set by [`ArtifactStore::ensure_lifecycle`] is only a backstop, since S3 lifecycle rules
+//! count in whole days.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use aws_sdk_s3::config::{Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation};
+use aws_sdk_s3::presigning::PresigningConfig;
+use aws_sdk_s3::primitives::ByteStream;
+use aws_sdk_s3::types::{BucketLifecycleConfiguration, ExpirationStatus, LifecycleExpiration, LifecycleRule, LifecycleRuleFilter};
+use aws_sdk_s3::Client;
+
+use crate::config::S3Settings;
+
+/// Longest validity of a SigV4 presigned URL.
+pub const MAX_PRESIGN: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Handle on the artifact bucket.
+#[derive(Clone)]
+pub struct ArtifactStore {
+    client: Client,
+    bucket: String,
+}
+
+/// The object key of an artifact.
+pub fn artifact_key(tenant: &str, job_id: &str, path: &str) -> String {
+    format!("{tenant}/{job_id}/{path}")
+}
+
+impl ArtifactStore {
+    /// Build a client for the configured store. Does no I/O.
+    pub fn new(s: &S3Settings) -> Self {
+        let creds = Credentials::new(&s.access_key_id, &s.secret_access_key, None, None, "sandcell-env");
+        let conf = aws_sdk_s3::Config::builder()
+            .behavior_version(aws_sdk_s3::config::BehaviorVersion::latest())
+            .region(Region::new(s.region.clone()))
+            .endpoint_url(&s.endpoint)
+            .force_path_style(true)
+            .credentials_provider(creds)
+            // Non-AWS stores do not all speak the newer default checksum headers.
+            .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
+            .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
+            .build();
+        ArtifactStore { client: Client::from_conf(conf), bucket: s.bucket.clone() }
+    }
+
+    /// The bucket name.
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// Check the bucket answers (health endpoint, start-up).
+    pub async fn check(&self) -> Result<()> {
+        self.client.head_bucket().bucket(&self.bucket).send().await.with_context(|| format!("checking bucket {}", self.bucket))?;
+        Ok(())
+    }
+
+    /// Store an object.
+    pub async fn put(&self, key: &str, body: Vec<u8>, content_type: &str) -> Result<()> {
+        self.client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .content_type(content_type)
+            .body(ByteStream::from(body))
+            .send()
+            .await
+            .with_context(|| format!("uploading {key}"))?;
+        Ok(())
+    }
+
+    /// A presigned GET URL for `key`, valid for `ttl` (at most [`MAX_PRESIGN`]).
+    pub async fn presign_get(&self, key: &str, ttl: Duration) -> Result<String> {
+        let cfg = PresigningConfig::expires_in(ttl.clamp(Duration::from_secs(1), MAX_PRESIGN)).context("presign duration")?;
+        let req = self.client.get_object().bucket(&self.bucket).key(key).presigned(cfg).await.with_context(|| format!("presigning {key}"))?;
+        Ok(req.uri().to_string())
+    }
+
+    /// Delete an object (deleting a missing object is not an error in S3).
+    pub async fn delete(&self, key: &str) -> Result<()> {
+        self.client.delete_object().bucket(&self.bucket).key(key).send().await.with_context(|| format!("deleting {key}"))?;
+        Ok(())
+    }
+
+    /// Whether an object exists.
+    pub async fn exists(&self, key: &str) -> Result<bool> {
+        match self.client.head_object().bucket(&self.bucket).key(key).send().await {
+            Ok(_) => Ok(true),
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_not_found()) => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("checking {key}")),
+        }
+    }
+
+    /// Install a lifecycle rule expiring every object after `days` (the backstop behind the sweeper).
+    pub async fn ensure_lifecycle(&self, days: i32) -> Result<()> {
+        let rule = LifecycleRule::builder()
+            .id("sandcell-artifact-backstop")
+            .status(ExpirationStatus::Enabled)
+            .filter(LifecycleRuleFilter::builder().prefix("").build())
+            .expiration(LifecycleExpiration::builder().days(days).build())
+            .build()
+            .context("building lifecycle rule")?;
+        let cfg = BucketLifecycleConfiguration::builder().rules(rule).build().context("building lifecycle configuration")?;
+        self.client
+            .put_bucket_lifecycle_configuration()
+            .bucket(&self.bucket)
+            .lifecycle_configuration(cfg)
+            .send()
+            .await
+            .context("setting the bucket lifecycle rule")?;
+        Ok(())
+    }
+}

@@ -1,0 +1,168 @@
+//! Error codes: the one list of every machine-readable reason sandcell gives a client.
+//!
+//! A job that did not produce a normal result carries a [`Reason`] with one of these codes.
+//! `docs/protocol.md` has a table generated from [`ErrorCode::ALL`] and [`ErrorCode::meaning`];
+//! a test keeps the two in step.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A machine-readable error code. Serialized in `snake_case`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The message body is not valid JSON.
+    MalformedJson,
+    /// A field has the wrong JSON type.
+    WrongType,
+    /// A required field is missing.
+    MissingField,
+    /// The message has a field the protocol does not define.
+    UnknownField,
+    /// A field has the right type but a value outside its rules.
+    InvalidValue,
+    /// `language` is not one sandcell runs.
+    UnknownLanguage,
+    /// The whole message is larger than the operator allows.
+    OversizeMessage,
+    /// `code` is larger than the operator allows.
+    OversizeCode,
+    /// One inline input file, or all of them together, are larger than allowed.
+    OversizeFile,
+    /// More input files than allowed.
+    TooManyFiles,
+    /// An input file name is absolute, contains `..`, a NUL byte, or is too long.
+    InvalidFilePath,
+    /// Two input files have the same path.
+    DuplicateFilePath,
+    /// An input file's `content_b64` is not valid base64.
+    InvalidBase64,
+    /// The job asked for a session; sessions are not available on this deployment yet.
+    SessionsUnsupported,
+    /// The sandbox could not be created or started (image missing, Docker down, limits refused).
+    SandboxUnavailable,
+    /// The in-sandbox driver broke the framing protocol or ended without a result.
+    DriverProtocol,
+    /// The job's input files could not be placed in the workspace.
+    InputFileRejected,
+    /// The job's output files could not be stored.
+    StorageFailed,
+    /// The job was delivered too many times without completing (it keeps crashing workers).
+    TooManyAttempts,
+    /// The artifact's time to live has passed; it has been deleted.
+    ArtifactExpired,
+}
+
+impl ErrorCode {
+    /// Every code, in documentation order.
+    pub const ALL: [ErrorCode; 20] = [
+        ErrorCode::MalformedJson,
+        ErrorCode::WrongType,
+        ErrorCode::MissingField,
+        ErrorCode::UnknownField,
+        ErrorCode::InvalidValue,
+        ErrorCode::UnknownLanguage,
+        ErrorCode::OversizeMessage,
+        ErrorCode::OversizeCode,
+        ErrorCode::OversizeFile,
+        ErrorCode::TooManyFiles,
+        ErrorCode::InvalidFilePath,
+        ErrorCode::DuplicateFilePath,
+        ErrorCode::InvalidBase64,
+        ErrorCode::SessionsUnsupported,
+        ErrorCode::SandboxUnavailable,
+        ErrorCode::DriverProtocol,
+        ErrorCode::InputFileRejected,
+        ErrorCode::StorageFailed,
+        ErrorCode::TooManyAttempts,
+        ErrorCode::ArtifactExpired,
+    ];
+
+    /// The wire name (`snake_case`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::MalformedJson => "malformed_json",
+            ErrorCode::WrongType => "wrong_type",
+            ErrorCode::MissingField => "missing_field",
+            ErrorCode::UnknownField => "unknown_field",
+            ErrorCode::InvalidValue => "invalid_value",
+            ErrorCode::UnknownLanguage => "unknown_language",
+            ErrorCode::OversizeMessage => "oversize_message",
+            ErrorCode::OversizeCode => "oversize_code",
+            ErrorCode::OversizeFile => "oversize_file",
+            ErrorCode::TooManyFiles => "too_many_files",
+            ErrorCode::InvalidFilePath => "invalid_file_path",
+            ErrorCode::DuplicateFilePath => "duplicate_file_path",
+            ErrorCode::InvalidBase64 => "invalid_base64",
+            ErrorCode::SessionsUnsupported => "sessions_unsupported",
+            ErrorCode::SandboxUnavailable => "sandbox_unavailable",
+            ErrorCode::DriverProtocol => "driver_protocol",
+            ErrorCode::InputFileRejected => "input_file_rejected",
+            ErrorCode::StorageFailed => "storage_failed",
+            ErrorCode::TooManyAttempts => "too_many_attempts",
+            ErrorCode::ArtifactExpired => "artifact_expired",
+        }
+    }
+
+    /// One line for the documentation table: when a client sees this code.
+    pub fn meaning(self) -> &'static str {
+        match self {
+            ErrorCode::MalformedJson => "The message body is not valid JSON (or not a JSON object).",
+            ErrorCode::WrongType => "A field has the wrong JSON type, e.g. `timeout_ms: \"5\"`.",
+            ErrorCode::MissingField => "A required field (`job_id`, `tenant`, `language`, `code`) is missing.",
+            ErrorCode::UnknownField => "The message has a field the protocol does not define (typos are not ignored).",
+            ErrorCode::InvalidValue => "A value breaks its rule: bad `job_id`/`tenant` characters or length, empty code, zero timeout.",
+            ErrorCode::UnknownLanguage => "`language` is not `python` or `bash`.",
+            ErrorCode::OversizeMessage => "The message is larger than `SANDCELL_MAX_MESSAGE_BYTES`.",
+            ErrorCode::OversizeCode => "`code` is larger than `SANDCELL_MAX_CODE_BYTES`.",
+            ErrorCode::OversizeFile => "An inline file is larger than `SANDCELL_MAX_INLINE_FILE_BYTES`, or all together exceed `SANDCELL_MAX_INLINE_TOTAL_BYTES`.",
+            ErrorCode::TooManyFiles => "More than `SANDCELL_MAX_INPUT_FILES` input files.",
+            ErrorCode::InvalidFilePath => "An input file path is empty, absolute, has a `..` or empty component, a NUL or control byte, or is too long.",
+            ErrorCode::DuplicateFilePath => "Two input files name the same path.",
+            ErrorCode::InvalidBase64 => "An input file's `content_b64` is not standard base64.",
+            ErrorCode::SessionsUnsupported => "The job names a session; this version runs every job in a fresh sandbox.",
+            ErrorCode::SandboxUnavailable => "The worker could not create or start the sandbox container (infrastructure).",
+            ErrorCode::DriverProtocol => "The sandbox ended or spoke out of protocol before reporting a result (infrastructure, or code that killed its own interpreter).",
+            ErrorCode::InputFileRejected => "The sandbox refused to write an input file into the workspace.",
+            ErrorCode::StorageFailed => "Output files could not be stored in the object store (infrastructure).",
+            ErrorCode::TooManyAttempts => "The job was delivered `SANDCELL_MAX_ATTEMPTS` times without completing.",
+            ErrorCode::ArtifactExpired => "The artifact's TTL has passed and it was deleted from the object store.",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a job did not run normally: a code and a human-readable message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Reason {
+    /// Machine-readable code.
+    pub code: ErrorCode,
+    /// Human-readable explanation, safe to show to the agent.
+    pub message: String,
+}
+
+impl Reason {
+    /// A reason with the given code and message.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Reason { code, message: message.into() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_names_match_serde() {
+        for code in ErrorCode::ALL {
+            let json = serde_json::to_value(code).unwrap();
+            assert_eq!(json, serde_json::Value::String(code.as_str().to_string()));
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! The execution job: what the scheduler publishes to the workers once a submission is recorded.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::limits::ExecutionLimits;
+use crate::submission::{InputFile, Language};
+
+/// One unit of work for a worker. The limits are already resolved by the scheduler; a worker
+/// still caps them with its own policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutionJob {
+    /// Tenant that owns the job.
+    pub tenant: String,
+    /// The client's job id.
+    pub job_id: String,
+    /// Language of `code`.
+    pub language: Language,
+    /// Code to run.
+    pub code: String,
+    /// Files placed in the workspace first.
+    #[serde(default)]
+    pub files: Vec<InputFile>,
+    /// Limits to run under.
+    pub limits: ExecutionLimits,
+}

@@ -1,0 +1,24 @@
+//! The public contract of sandcell.
+//!
+//! Everything a client publishes ([`Submission`]), everything the scheduler hands a worker
+//! ([`ExecutionJob`]) and everything a client reads back ([`JobResult`]) is defined here, together
+//! with the pure rules that judge them: validation of submissions, clamping of resource requests
+//! to the operator's maximums, workspace path rules and the job status state machine.
+//!
+//! This crate does no I/O. Its types generate the JSON Schemas under `docs/schemas/`.
+
+pub mod error;
+pub mod job;
+pub mod limits;
+pub mod paths;
+pub mod result;
+pub mod schema;
+pub mod status;
+pub mod submission;
+
+pub use error::{ErrorCode, Reason};
+pub use job::ExecutionJob;
+pub use limits::{ExecutionLimits, IntakeLimits, LimitPolicy, ResourceRequest};
+pub use result::{Artifact, ArtifactKind, ArtifactState, ExecError, JobResult, Output, Timings};
+pub use status::JobStatus;
+pub use submission::{parse_submission, InputFile, Language, Rejection, SessionRequest, Submission};

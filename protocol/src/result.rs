@@ -1,0 +1,146 @@
+//! The result record: what a client reads back from Postgres (`job_results.result`).
+//!
+//! The JSON is assembled by the `job_results` view (see `migrations/`); [`JobResult`] is its
+//! exact shape, and the integration tests decode every result they read into it with
+//! `deny_unknown_fields`, so the view and this type cannot drift apart unnoticed.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::Reason;
+use crate::limits::ExecutionLimits;
+use crate::status::JobStatus;
+use crate::submission::Language;
+
+/// Everything known about one job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JobResult {
+    /// The client's job id.
+    pub job_id: String,
+    /// Owner.
+    pub tenant: String,
+    /// Where the job is; terminal statuses never change.
+    pub status: JobStatus,
+    /// Language, when the submission was valid enough to tell.
+    pub language: Option<Language>,
+    /// Captured standard output (UTF-8, invalid bytes replaced), at most `limits.stdout_bytes`.
+    pub stdout: String,
+    /// Captured standard error, at most `limits.stderr_bytes`.
+    pub stderr: String,
+    /// Output beyond the cap was dropped.
+    pub stdout_truncated: bool,
+    /// Error output beyond the cap was dropped.
+    pub stderr_truncated: bool,
+    /// Process exit code: 0/1 for Python (exception), the script's code for bash.
+    pub exit_code: Option<i32>,
+    /// The exception the code raised, if any.
+    pub error: Option<ExecError>,
+    /// Why the job was rejected or could not run, if so.
+    pub reason: Option<Reason>,
+    /// Rich outputs in order: the last expression's value, displayed objects, figures.
+    pub outputs: Vec<Output>,
+    /// Files the job produced, stored in the object store.
+    pub artifacts: Vec<Artifact>,
+    /// The limits the job ran under (absent for rejected jobs).
+    pub limits: Option<ExecutionLimits>,
+    /// When things happened.
+    pub timings: Timings,
+    /// The worker that ran the job.
+    pub worker_id: Option<String>,
+    /// How many times a worker claimed the job (more than 1 after a worker died mid-job).
+    pub attempts: i32,
+}
+
+/// A Python exception, Jupyter-style.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecError {
+    /// Exception class name, e.g. `ZeroDivisionError`.
+    pub ename: String,
+    /// `str(exception)`, e.g. `division by zero`.
+    pub evalue: String,
+    /// Traceback lines, plain text.
+    pub traceback: Vec<String>,
+}
+
+/// One rich output, in the order the code produced it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Output {
+    /// The value of the cell's last expression.
+    ExecuteResult {
+        /// Text representations by MIME type (`text/plain`, `text/html`, ...).
+        data: BTreeMap<String, String>,
+        /// Representations stored as artifacts, by MIME type → artifact path.
+        #[serde(default)]
+        artifacts: BTreeMap<String, String>,
+    },
+    /// An object displayed by the code (`display(...)`, a matplotlib figure).
+    DisplayData {
+        /// Text representations by MIME type.
+        data: BTreeMap<String, String>,
+        /// Binary representations (e.g. `image/png`) stored as artifacts: MIME type → artifact path.
+        #[serde(default)]
+        artifacts: BTreeMap<String, String>,
+    },
+}
+
+/// Where an artifact came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ArtifactKind {
+    /// A file the code wrote in the workspace.
+    File,
+    /// A rich output (figure) captured from the interpreter; path is `_display/N.ext`.
+    Display,
+}
+
+/// Whether an artifact can still be downloaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ArtifactState {
+    /// In the object store; `download_url` works until `expires_at`.
+    Available,
+    /// Deleted by the TTL sweeper; fetching it answers `artifact_expired`.
+    Expired,
+}
+
+/// A stored output file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Artifact {
+    /// Path relative to the workspace (or `_display/N.png` for figures).
+    pub path: String,
+    /// File or rich output.
+    pub kind: ArtifactKind,
+    /// Size in bytes.
+    pub size_bytes: i64,
+    /// MIME type guessed from the extension.
+    pub content_type: String,
+    /// Hex SHA-256 of the content.
+    pub sha256: String,
+    /// Object key in the bucket: `<tenant>/<job_id>/<path>`.
+    pub s3_key: String,
+    /// When the artifact expires and is deleted.
+    pub expires_at: DateTime<Utc>,
+    /// Available or expired.
+    pub state: ArtifactState,
+    /// Presigned GET URL, valid until `expires_at`; null once expired.
+    pub download_url: Option<String>,
+}
+
+/// Timestamps of a job's life.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Timings {
+    /// When the scheduler recorded the submission.
+    pub queued_at: DateTime<Utc>,
+    /// When a worker started running it.
+    pub started_at: Option<DateTime<Utc>>,
+    /// When the result was committed.
+    pub finished_at: Option<DateTime<Utc>>,
+}

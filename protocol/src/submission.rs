@@ -1,0 +1,374 @@
+//! The submission: what a client publishes to the intake queue, and the intake's judgement of it.
+//!
+//! [`parse_submission`] is the single gate every message passes. It either returns a
+//! [`Submission`] that is safe to record and run, or a [`Rejection`] with an [`ErrorCode`] and,
+//! whenever the message let us recover them, the `tenant` and `job_id` under which the client
+//! will find the rejection.
+
+use base64::Engine as _;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ErrorCode, Reason};
+use crate::limits::{IntakeLimits, ResourceRequest};
+use crate::paths::validate_workspace_path;
+
+/// Languages a job may be written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Language {
+    /// Python 3, run by an IPython shell: the last expression's value is returned.
+    Python,
+    /// A bash script, run with `bash -c` in the workspace.
+    Bash,
+}
+
+impl Language {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Language::Python => "python",
+            Language::Bash => "bash",
+        }
+    }
+}
+
+/// A file placed in the workspace (`/home/user`) before the code runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct InputFile {
+    /// Path relative to the workspace, e.g. `data/transactions.csv`.
+    pub path: String,
+    /// The file's bytes, standard base64 with padding.
+    pub content_b64: String,
+}
+
+/// Session fields. Reserved: sessions arrive in a later version; today a submission that
+/// carries `session` is rejected with `sessions_unsupported`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionRequest {
+    /// Run in this existing session. Absent: open a new session.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Seconds the session stays alive after its last activity.
+    #[serde(default)]
+    pub keep_alive_s: Option<u64>,
+}
+
+/// A request to run code. Published as JSON to the `sandcell.submissions` queue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Submission {
+    /// Client-chosen id, unique per tenant; the idempotency key. 1–128 of `[A-Za-z0-9._:-]`.
+    pub job_id: String,
+    /// The tenant the job belongs to. 1–64 of `[a-z0-9_-]`.
+    pub tenant: String,
+    /// `python` or `bash`.
+    pub language: Language,
+    /// The code to run. Not empty.
+    pub code: String,
+    /// Files placed in the workspace before the code runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<InputFile>,
+    /// Wall-clock timeout in milliseconds (clamped to the operator's range).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Memory limit in MiB (clamped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    /// CPU quota in CPUs (clamped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<f64>,
+    /// Seconds the job's artifacts stay downloadable (clamped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_ttl_s: Option<u64>,
+    /// Reserved for sessions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionRequest>,
+}
+
+impl Submission {
+    /// The resource requests this submission makes.
+    pub fn resource_request(&self) -> ResourceRequest {
+        ResourceRequest {
+            timeout_ms: self.timeout_ms,
+            memory_mb: self.memory_mb,
+            cpus: self.cpus,
+            artifact_ttl_s: self.artifact_ttl_s,
+        }
+    }
+}
+
+/// A submission the intake refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// Why.
+    pub reason: Reason,
+    /// The tenant, when the message named a valid one.
+    pub tenant: Option<String>,
+    /// The job id, when the message named a valid one.
+    pub job_id: Option<String>,
+}
+
+impl Rejection {
+    /// `(tenant, job_id)` when both were recovered, i.e. the client can poll for the rejection.
+    pub fn recoverable_key(&self) -> Option<(&str, &str)> {
+        Some((self.tenant.as_deref()?, self.job_id.as_deref()?))
+    }
+}
+
+/// Whether `s` is a valid job id.
+pub fn is_valid_job_id(s: &str) -> bool {
+    (1..=128).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
+}
+
+/// Whether `s` is a valid tenant name.
+pub fn is_valid_tenant(s: &str) -> bool {
+    (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+/// Judge one intake message.
+pub fn parse_submission(body: &[u8], limits: &IntakeLimits) -> Result<Submission, Rejection> {
+    // Parse as untyped JSON first, so that ids can be recovered from messages that fail later.
+    let value: serde_json::Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) if body.len() > limits.max_message_bytes => {
+            return Err(reject(None, None, ErrorCode::OversizeMessage, too_big("message", body.len(), limits.max_message_bytes, &e.to_string())));
+        }
+        Err(e) => return Err(reject(None, None, ErrorCode::MalformedJson, format!("message is not valid JSON: {e}"))),
+    };
+    let (tenant, job_id) = recover_ids(&value);
+    let fail = |code, message: String| Err(reject(tenant.clone(), job_id.clone(), code, message));
+
+    if !value.is_object() {
+        return fail(ErrorCode::MalformedJson, "message must be a JSON object".into());
+    }
+    if body.len() > limits.max_message_bytes {
+        return fail(ErrorCode::OversizeMessage, too_big("message", body.len(), limits.max_message_bytes, ""));
+    }
+    let sub: Submission = match serde_json::from_value(value) {
+        Ok(s) => s,
+        Err(e) => {
+            let msg = e.to_string();
+            return fail(classify_serde_error(&msg), msg);
+        }
+    };
+    validate(&sub, limits).map_err(|reason| Rejection { reason, tenant, job_id })?;
+    Ok(sub)
+}
+
+fn too_big(what: &str, got: usize, max: usize, detail: &str) -> String {
+    let mut m = format!("{what} is {got} bytes; the limit is {max} bytes");
+    if !detail.is_empty() {
+        m.push_str(" (");
+        m.push_str(detail);
+        m.push(')');
+    }
+    m
+}
+
+fn reject(tenant: Option<String>, job_id: Option<String>, code: ErrorCode, message: String) -> Rejection {
+    Rejection { reason: Reason::new(code, message), tenant, job_id }
+}
+
+/// Recover `tenant` and `job_id` from a message that may be invalid elsewhere.
+fn recover_ids(value: &serde_json::Value) -> (Option<String>, Option<String>) {
+    let get = |k: &str, ok: fn(&str) -> bool| value.get(k).and_then(|v| v.as_str()).filter(|s| ok(s)).map(str::to_owned);
+    (get("tenant", is_valid_tenant), get("job_id", is_valid_job_id))
+}
+
+/// Map serde_json's data error messages onto protocol codes.
+fn classify_serde_error(msg: &str) -> ErrorCode {
+    if msg.starts_with("missing field") {
+        ErrorCode::MissingField
+    } else if msg.starts_with("unknown field") {
+        ErrorCode::UnknownField
+    } else if msg.starts_with("unknown variant") {
+        // `language` is the only enum in a submission.
+        ErrorCode::UnknownLanguage
+    } else if msg.starts_with("invalid type") {
+        ErrorCode::WrongType
+    } else {
+        ErrorCode::InvalidValue
+    }
+}
+
+fn validate(sub: &Submission, limits: &IntakeLimits) -> Result<(), Reason> {
+    let invalid = |m: String| Err(Reason::new(ErrorCode::InvalidValue, m));
+    if !is_valid_job_id(&sub.job_id) {
+        return invalid("job_id must be 1-128 characters of [A-Za-z0-9._:-]".into());
+    }
+    if !is_valid_tenant(&sub.tenant) {
+        return invalid("tenant must be 1-64 characters of [a-z0-9_-]".into());
+    }
+    if sub.code.trim().is_empty() {
+        return invalid("code is empty".into());
+    }
+    if sub.code.len() > limits.max_code_bytes {
+        return Err(Reason::new(ErrorCode::OversizeCode, too_big("code", sub.code.len(), limits.max_code_bytes, "")));
+    }
+    if sub.cpus.is_some_and(|c| !c.is_finite()) {
+        return invalid("cpus must be a finite number".into());
+    }
+    if sub.session.is_some() {
+        return Err(Reason::new(ErrorCode::SessionsUnsupported, "sessions are not available in this version; omit `session`"));
+    }
+    validate_files(&sub.files, limits)
+}
+
+fn validate_files(files: &[InputFile], limits: &IntakeLimits) -> Result<(), Reason> {
+    if files.len() > limits.max_input_files {
+        return Err(Reason::new(
+            ErrorCode::TooManyFiles,
+            format!("{} input files; the limit is {}", files.len(), limits.max_input_files),
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0usize;
+    for f in files {
+        if let Err(e) = validate_workspace_path(&f.path) {
+            return Err(Reason::new(ErrorCode::InvalidFilePath, format!("input file {:?}: {e}", f.path)));
+        }
+        if !seen.insert(f.path.as_str()) {
+            return Err(Reason::new(ErrorCode::DuplicateFilePath, format!("input file {:?} appears twice", f.path)));
+        }
+        // Estimate first so that a huge payload is refused without decoding it.
+        let estimated = f.content_b64.len() / 4 * 3;
+        if estimated > limits.max_inline_file_bytes + 3 {
+            return Err(Reason::new(ErrorCode::OversizeFile, too_big(&format!("input file {:?}", f.path), estimated, limits.max_inline_file_bytes, "")));
+        }
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(&f.content_b64)
+            .map_err(|e| Reason::new(ErrorCode::InvalidBase64, format!("input file {:?}: {e}", f.path)))?;
+        if decoded.len() > limits.max_inline_file_bytes {
+            return Err(Reason::new(ErrorCode::OversizeFile, too_big(&format!("input file {:?}", f.path), decoded.len(), limits.max_inline_file_bytes, "")));
+        }
+        total += decoded.len();
+        if total > limits.max_inline_total_bytes {
+            return Err(Reason::new(ErrorCode::OversizeFile, too_big("input files together", total, limits.max_inline_total_bytes, "")));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: serde_json::Value) -> Result<Submission, Rejection> {
+        parse_submission(v.to_string().as_bytes(), &IntakeLimits::default())
+    }
+
+    fn code_of(r: Result<Submission, Rejection>) -> ErrorCode {
+        r.expect_err("must be rejected").reason.code
+    }
+
+    fn valid() -> serde_json::Value {
+        json!({"job_id": "j-1", "tenant": "acme", "language": "python", "code": "print(1)"})
+    }
+
+    #[test]
+    fn a_minimal_submission_is_accepted() {
+        let s = parse(valid()).unwrap();
+        assert_eq!(s.language, Language::Python);
+        assert!(s.files.is_empty());
+    }
+
+    #[test]
+    fn malformed_json_has_no_recoverable_key() {
+        let r = parse_submission(b"{\"job_id\": ", &IntakeLimits::default()).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::MalformedJson);
+        assert_eq!(r.recoverable_key(), None);
+    }
+
+    #[test]
+    fn a_json_array_is_malformed() {
+        assert_eq!(code_of(parse(json!([1, 2]))), ErrorCode::MalformedJson);
+    }
+
+    #[test]
+    fn missing_code_is_missing_field_with_recovered_ids() {
+        let mut v = valid();
+        v.as_object_mut().unwrap().remove("code");
+        let r = parse(v).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::MissingField);
+        assert_eq!(r.recoverable_key(), Some(("acme", "j-1")));
+    }
+
+    #[test]
+    fn wrong_type_is_reported() {
+        let mut v = valid();
+        v["timeout_ms"] = json!("5000");
+        assert_eq!(code_of(parse(v)), ErrorCode::WrongType);
+        let mut v = valid();
+        v["code"] = json!(42);
+        assert_eq!(code_of(parse(v)), ErrorCode::WrongType);
+    }
+
+    #[test]
+    fn unknown_language_and_unknown_field() {
+        let mut v = valid();
+        v["language"] = json!("ruby");
+        assert_eq!(code_of(parse(v)), ErrorCode::UnknownLanguage);
+        let mut v = valid();
+        v["timout_ms"] = json!(5);
+        assert_eq!(code_of(parse(v)), ErrorCode::UnknownField);
+    }
+
+    #[test]
+    fn bad_ids_and_empty_code_are_invalid_values() {
+        let mut v = valid();
+        v["job_id"] = json!("has space");
+        let r = parse(v).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::InvalidValue);
+        assert_eq!(r.job_id, None, "an invalid id is never used as a key");
+        let mut v = valid();
+        v["code"] = json!("   ");
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidValue);
+    }
+
+    #[test]
+    fn oversize_message_and_code() {
+        let limits = IntakeLimits { max_message_bytes: 100, max_code_bytes: 10, ..IntakeLimits::default() };
+        let mut v = valid();
+        v["code"] = json!("x".repeat(200));
+        let r = parse_submission(v.to_string().as_bytes(), &limits).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::OversizeMessage);
+        assert_eq!(r.recoverable_key(), Some(("acme", "j-1")));
+        let limits = IntakeLimits { max_code_bytes: 10, ..IntakeLimits::default() };
+        assert_eq!(parse_submission(v.to_string().as_bytes(), &limits).unwrap_err().reason.code, ErrorCode::OversizeCode);
+    }
+
+    #[test]
+    fn hostile_file_names_and_bad_files() {
+        for bad in ["../etc/passwd", "/abs", "a\u{0}b", ""] {
+            let mut v = valid();
+            v["files"] = json!([{"path": bad, "content_b64": "aGk="}]);
+            assert_eq!(code_of(parse(v)), ErrorCode::InvalidFilePath, "{bad:?}");
+        }
+        let mut v = valid();
+        v["files"] = json!([{"path": "a", "content_b64": "aGk="}, {"path": "a", "content_b64": "aGk="}]);
+        assert_eq!(code_of(parse(v)), ErrorCode::DuplicateFilePath);
+        let mut v = valid();
+        v["files"] = json!([{"path": "a", "content_b64": "not base64!"}]);
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidBase64);
+    }
+
+    #[test]
+    fn oversize_inline_file() {
+        let limits = IntakeLimits { max_inline_file_bytes: 4, ..IntakeLimits::default() };
+        let mut v = valid();
+        v["files"] = json!([{"path": "a", "content_b64": "aGVsbG8gd29ybGQ="}]);
+        let r = parse_submission(v.to_string().as_bytes(), &limits).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::OversizeFile);
+    }
+
+    #[test]
+    fn sessions_are_refused_for_now() {
+        let mut v = valid();
+        v["session"] = json!({"keep_alive_s": 60});
+        assert_eq!(code_of(parse(v)), ErrorCode::SessionsUnsupported);
+    }
+}

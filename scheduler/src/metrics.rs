@@ -1,0 +1,37 @@
+//! The scheduler's Prometheus collectors.
+
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+/// Collectors, cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    /// The registry served on `/metrics`.
+    pub registry: Registry,
+    /// `sandcell_submissions_total{outcome}`: accepted, duplicate, rejected, dead_lettered.
+    pub submissions: IntCounterVec,
+    /// `sandcell_intake_seconds`: from delivery to ack for accepted submissions.
+    pub intake_seconds: Histogram,
+    /// `sandcell_jobs{status}`: jobs in the database by status (refreshed by the sweeper).
+    pub jobs: IntGaugeVec,
+    /// `sandcell_artifacts_expired_total`.
+    pub artifacts_expired: prometheus::IntCounter,
+}
+
+impl Metrics {
+    /// Create and register the collectors.
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let submissions = IntCounterVec::new(Opts::new("sandcell_submissions_total", "Submissions by intake outcome"), &["outcome"])?;
+        let intake_seconds = Histogram::with_opts(
+            HistogramOpts::new("sandcell_intake_seconds", "Time to validate, record and dispatch a submission")
+                .buckets(vec![0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+        )?;
+        let jobs = IntGaugeVec::new(Opts::new("sandcell_jobs", "Jobs in the database by status"), &["status"])?;
+        let artifacts_expired = prometheus::IntCounter::new("sandcell_artifacts_expired_total", "Artifacts deleted by the TTL sweeper")?;
+        registry.register(Box::new(submissions.clone()))?;
+        registry.register(Box::new(intake_seconds.clone()))?;
+        registry.register(Box::new(jobs.clone()))?;
+        registry.register(Box::new(artifacts_expired.clone()))?;
+        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired })
+    }
+}

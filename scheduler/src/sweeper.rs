@@ -1,0 +1,54 @@
+//! The artifact TTL sweeper: the real enforcement of `expires_at`.
+//!
+//! Each tick deletes the objects of artifacts whose expiry has passed and then marks them
+//! `expired` (so a client sees `artifact_expired` and no URL). Deleting first and marking second
+//! means a crash in between only repeats an idempotent delete.
+
+use std::time::Duration;
+
+use sandcell_core::jobs::JobStore;
+use sandcell_core::store::ArtifactStore;
+
+use crate::metrics::Metrics;
+
+const BATCH: i64 = 500;
+
+/// Sweep forever, every `interval`.
+pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
+            tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
+        }
+        match jobs.count_by_status().await {
+            Ok(counts) => {
+                metrics.jobs.reset();
+                for (status, n) in counts {
+                    metrics.jobs.with_label_values(&[status.as_str()]).set(n);
+                }
+            }
+            Err(e) => tracing::debug!(error = format!("{e:#}"), "could not refresh job gauges"),
+        }
+    }
+}
+
+/// Delete and mark one batch of expired artifacts. Returns how many were marked.
+pub async fn sweep_once(jobs: &JobStore, store: &ArtifactStore, metrics: &Metrics) -> anyhow::Result<u64> {
+    let expired = jobs.expired_artifacts(BATCH).await?;
+    if expired.is_empty() {
+        return Ok(0);
+    }
+    let mut deleted = Vec::with_capacity(expired.len());
+    for a in &expired {
+        match store.delete(&a.s3_key).await {
+            Ok(()) => deleted.push(a.id),
+            Err(e) => tracing::warn!(key = %a.s3_key, error = format!("{e:#}"), "could not delete expired artifact; will retry"),
+        }
+    }
+    let n = jobs.mark_artifacts_expired(&deleted).await?;
+    metrics.artifacts_expired.inc_by(n);
+    tracing::info!(expired = n, "swept expired artifacts");
+    Ok(n)
+}

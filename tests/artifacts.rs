@@ -1,0 +1,81 @@
+//! Artifacts: files written by the code land in S3 with a presigned URL and an expiry that the
+//! sweeper enforces.
+
+use std::time::Duration;
+
+use sandcell_client::ClientError;
+use sandcell_core::store::ArtifactStore;
+use sandcell_protocol::{ArtifactKind, ArtifactState, JobStatus, Output};
+use sandcell_tests::*;
+
+const PNG_MAGIC: &[u8] = b"\x89PNG\r\n\x1a\n";
+
+#[tokio::test]
+async fn a_saved_matplotlib_chart_is_a_downloadable_png_artifact() {
+    let c = client().await;
+    let code = "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n\
+                plt.bar(['a', 'b', 'c'], [3, 1, 2])\nplt.savefig('/home/user/chart.png')\nprint('saved')";
+    let r = run(&c, &python(&tenant(), code)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let a = r.artifacts.iter().find(|a| a.path == "chart.png").expect("chart.png artifact");
+    assert_eq!(a.kind, ArtifactKind::File);
+    assert_eq!(a.content_type, "image/png");
+    assert_eq!(a.state, ArtifactState::Available);
+    assert_eq!(a.s3_key, format!("{}/{}/chart.png", r.tenant, r.job_id));
+    assert!(a.expires_at > chrono::Utc::now() + chrono::Duration::hours(1));
+    let (status, body) = http_get(a.download_url.as_deref().unwrap()).await.unwrap();
+    assert_eq!(status, 200);
+    assert!(body.starts_with(PNG_MAGIC), "not a PNG");
+    assert_eq!(body.len() as i64, a.size_bytes);
+    use sha2::Digest;
+    assert_eq!(hex::encode(sha2::Sha256::digest(&body)), a.sha256);
+}
+
+#[tokio::test]
+async fn an_open_figure_is_captured_without_savefig() {
+    let c = client().await;
+    let r = run(&c, &python(&tenant(), "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])")).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let path = r
+        .outputs
+        .iter()
+        .find_map(|o| match o {
+            Output::DisplayData { artifacts, .. } => artifacts.get("image/png").cloned(),
+            _ => None,
+        })
+        .expect("a display_data with image/png");
+    let a = r.artifacts.iter().find(|a| a.path == path).unwrap();
+    assert_eq!(a.kind, ArtifactKind::Display);
+    let (status, body) = http_get(a.download_url.as_deref().unwrap()).await.unwrap();
+    assert_eq!(status, 200);
+    assert!(body.starts_with(PNG_MAGIC));
+}
+
+#[tokio::test]
+async fn an_expired_artifact_is_deleted_and_reported_as_expired() {
+    let c = client().await;
+    let mut sub = python(&tenant(), "open('/home/user/report.txt', 'w').write('quarterly numbers')");
+    sub.artifact_ttl_s = Some(2);
+    let r = run(&c, &sub).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let a = r.artifacts.iter().find(|a| a.path == "report.txt").expect("artifact").clone();
+    let url = a.download_url.clone().unwrap();
+    let (status, body) = http_get(&url).await.unwrap();
+    assert_eq!((status, body.as_slice()), (200, &b"quarterly numbers"[..]));
+
+    let expired = eventually(Duration::from_secs(30), || async {
+        let r = c.result(&sub.tenant, &sub.job_id).await.unwrap().unwrap();
+        r.artifacts.into_iter().find(|x| x.path == "report.txt" && x.state == ArtifactState::Expired)
+    })
+    .await
+    .expect("the sweeper marks the artifact expired");
+    assert!(expired.download_url.is_none());
+    match c.artifact_url(&sub.tenant, &sub.job_id, "report.txt").await {
+        Err(ClientError::ArtifactExpired(p)) => assert_eq!(p, "report.txt"),
+        other => panic!("expected artifact_expired, got {other:?}"),
+    }
+    let store = ArtifactStore::new(&sandcell_core::config::Services::from_env().unwrap().s3);
+    assert!(!store.exists(&a.s3_key).await.unwrap(), "object must be deleted from the store");
+    let (status, _) = http_get(&url).await.unwrap();
+    assert_ne!(status, 200, "the old URL no longer downloads");
+}

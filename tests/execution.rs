@@ -1,0 +1,124 @@
+//! Execution end to end: client → RabbitMQ → scheduler → worker → sandbox → Postgres → client.
+
+use std::time::{Duration, Instant};
+
+use sandcell_protocol::{JobStatus, Language, Output};
+use sandcell_tests::*;
+
+#[tokio::test]
+async fn sqrt_prints_exact_value_and_succeeds() {
+    let c = client().await;
+    let r = run(&c, &python(&tenant(), "import math\nprint(math.sqrt(15129))")).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.stdout, "123.0\n");
+    assert_eq!(r.exit_code, Some(0));
+    assert!(r.error.is_none());
+    assert_eq!(r.attempts, 1);
+    let t = &r.timings;
+    assert!(t.started_at.unwrap() >= t.queued_at && t.finished_at.unwrap() >= t.started_at.unwrap());
+    assert!(r.worker_id.is_some());
+}
+
+#[tokio::test]
+async fn uploaded_csv_grouped_with_pandas_gives_exact_sums() {
+    let c = client().await;
+    let csv = "date,category,amount\n2026-01-02,groceries,12.50\n2026-01-03,rent,1200.00\n\
+               2026-01-05,groceries,7.25\n2026-01-09,transport,3.10\n2026-01-11,groceries,30.00\n2026-01-12,transport,2.90\n";
+    let mut sub = python(
+        &tenant(),
+        "import pandas as pd\ndf = pd.read_csv('data/transactions.csv')\n\
+         sums = df.groupby('category')['amount'].sum()\nfor k, v in sums.items():\n    print(f'{k}={v:.2f}')",
+    );
+    sub.files.push(input("data/transactions.csv", csv.as_bytes()));
+    let r = run(&c, &sub).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.stdout, "groceries=49.75\nrent=1200.00\ntransport=6.00\n");
+    assert!(r.artifacts.iter().all(|a| a.path != "data/transactions.csv"), "an unchanged input is not an artifact");
+}
+
+#[tokio::test]
+async fn zero_division_is_failed_with_exception_and_traceback() {
+    let c = client().await;
+    let r = run(&c, &python(&tenant(), "x = 1\n1/0")).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    let e = r.error.expect("error");
+    assert_eq!(e.ename, "ZeroDivisionError");
+    assert_eq!(e.evalue, "division by zero");
+    let tb = e.traceback.join("\n");
+    assert!(tb.contains("ZeroDivisionError") && tb.contains("1/0"), "traceback: {tb}");
+    assert!(!tb.contains("\u{1b}["), "no ANSI colour codes");
+}
+
+#[tokio::test]
+async fn infinite_loop_times_out_and_its_container_is_removed() {
+    let c = client().await;
+    let mut sub = python(&tenant(), "while True: pass");
+    sub.timeout_ms = Some(2000);
+    let t0 = Instant::now();
+    let r = run(&c, &sub).await;
+    assert_eq!(r.status, JobStatus::TimedOut);
+    assert_eq!(r.limits.as_ref().unwrap().timeout_ms, 2000);
+    let run_time = (r.timings.finished_at.unwrap() - r.timings.started_at.unwrap()).to_std().unwrap();
+    assert!(run_time < Duration::from_secs(20), "timed out after {run_time:?}");
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    assert_eq!(containers_of_job(&sub.job_id).await.unwrap(), 0, "container must be gone");
+}
+
+#[tokio::test]
+async fn last_expression_value_is_returned() {
+    let c = client().await;
+    let r = run(&c, &python(&tenant(), "a = 6\na * 7")).await;
+    assert_eq!(r.status, JobStatus::Succeeded);
+    match r.outputs.as_slice() {
+        [Output::ExecuteResult { data, .. }] => assert_eq!(data["text/plain"], "42"),
+        other => panic!("unexpected outputs {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn bash_reports_its_exit_code() {
+    let c = client().await;
+    let mut sub = python(&tenant(), "echo hi; echo oops >&2; exit 3");
+    sub.language = Language::Bash;
+    let r = run(&c, &sub).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.exit_code, Some(3));
+    assert_eq!(r.stdout, "hi\n");
+    assert_eq!(r.stderr, "oops\n");
+}
+
+#[tokio::test]
+async fn output_beyond_the_cap_is_truncated_and_flagged() {
+    let c = client().await;
+    let r = run(&c, &python(&tenant(), "import sys\nfor _ in range(3000): sys.stdout.write('x' * 1000 + '\\n')")).await;
+    assert_eq!(r.status, JobStatus::Succeeded);
+    assert!(r.stdout_truncated);
+    let cap = r.limits.unwrap().stdout_bytes as usize;
+    assert!(r.stdout.len() <= cap && r.stdout.len() > cap / 2, "kept {} of cap {cap}", r.stdout.len());
+}
+
+#[tokio::test]
+async fn requests_above_the_maximum_are_clamped() {
+    let c = client().await;
+    let mut sub = python(&tenant(), "print('ok')");
+    sub.memory_mb = Some(1 << 30);
+    sub.timeout_ms = Some(u64::MAX / 2);
+    let r = run(&c, &sub).await;
+    assert_eq!(r.status, JobStatus::Succeeded);
+    let l = r.limits.unwrap();
+    let max = sandcell_core::config::limit_policy_from_env().unwrap().max;
+    assert_eq!(l.memory_mb, max.memory_mb);
+    assert_eq!(l.timeout_ms, max.timeout_ms);
+}
+
+#[tokio::test]
+async fn the_sandbox_has_no_network_and_runs_unprivileged() {
+    let c = client().await;
+    let code = "import os, socket\nprint(os.getuid(), os.getgid())\n\
+                s = socket.socket(); s.settimeout(2)\n\
+                try:\n    s.connect(('127.0.0.1', 5672)); print('connected')\nexcept OSError as e:\n    print('refused')\n\
+                try:\n    open('/etc/x', 'w')\nexcept OSError:\n    print('readonly')";
+    let r = run(&c, &python(&tenant(), code)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.stdout, "1000 1000\nrefused\nreadonly\n");
+}

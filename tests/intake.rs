@@ -1,0 +1,122 @@
+//! Intake: idempotency and bad messages. Every bad input gets a recorded, documented error and
+//! the scheduler and worker keep serving the next valid job.
+
+use std::time::Duration;
+
+use sandcell_protocol::{ErrorCode, JobStatus};
+use sandcell_tests::*;
+use sqlx::Row;
+
+#[tokio::test]
+async fn the_same_job_id_submitted_twice_runs_once() {
+    let c = client().await;
+    // The output differs on every run, so a second run would be visible.
+    let sub = python(&tenant(), "import uuid\nprint(uuid.uuid4())");
+    c.submit(&sub).await.unwrap();
+    c.submit(&sub).await.unwrap();
+    let first = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
+    assert_eq!(first.status, JobStatus::Succeeded);
+    // A late retry after completion.
+    c.submit(&sub).await.unwrap();
+    // Give the scheduler and workers time to (wrongly) run it again.
+    let marker = run(&c, &python(&sub.tenant, "print('after')")).await;
+    assert_eq!(marker.status, JobStatus::Succeeded);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let again = c.result(&sub.tenant, &sub.job_id).await.unwrap().unwrap();
+    assert_eq!(again.attempts, 1);
+    assert_eq!(again.stdout, first.stdout);
+    assert_eq!(again.timings, first.timings);
+}
+
+#[tokio::test]
+async fn malformed_json_is_recorded_and_dead_lettered() {
+    let c = client().await;
+    let message_id = unique("garbage");
+    c.submit_raw(b"{\"job_id\": \"x\", oops", Some(&message_id)).await.unwrap();
+    let url = std::env::var("SANDCELL_DATABASE_URL").unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let code = eventually(Duration::from_secs(30), || {
+        let pool = pool.clone();
+        let id = message_id.clone();
+        async move {
+            sqlx::query("SELECT code FROM intake_rejections WHERE message_id = $1")
+                .bind(id)
+                .fetch_optional(&pool)
+                .await
+                .unwrap()
+                .map(|r| r.get::<String, _>("code"))
+        }
+    })
+    .await;
+    assert_eq!(code.as_deref(), Some("malformed_json"));
+    let next = run(&c, &python(&tenant(), "print('still serving')")).await;
+    assert_eq!(next.stdout, "still serving\n");
+}
+
+async fn rejected_with(body: serde_json::Value) -> sandcell_protocol::JobResult {
+    let c = client().await;
+    let (tenant, job_id) = (body["tenant"].as_str().unwrap().to_string(), body["job_id"].as_str().unwrap().to_string());
+    c.submit_raw(body.to_string().as_bytes(), Some(&job_id)).await.unwrap();
+    let r = c.wait(&tenant, &job_id, JOB_WAIT).await.unwrap();
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
+    assert!(r.limits.is_none() && r.worker_id.is_none(), "a rejected job never runs");
+    r
+}
+
+fn body() -> serde_json::Value {
+    serde_json::json!({"job_id": unique("bad"), "tenant": tenant(), "language": "python", "code": "print(1)"})
+}
+
+#[tokio::test]
+async fn a_missing_field_is_rejected_with_missing_field() {
+    let mut b = body();
+    b.as_object_mut().unwrap().remove("code");
+    let r = rejected_with(b).await;
+    let reason = r.reason.unwrap();
+    assert_eq!(reason.code, ErrorCode::MissingField);
+    assert!(reason.message.contains("code"), "{}", reason.message);
+}
+
+#[tokio::test]
+async fn a_wrong_type_is_rejected_with_wrong_type() {
+    let mut b = body();
+    b["timeout_ms"] = serde_json::json!("5000");
+    assert_eq!(rejected_with(b).await.reason.unwrap().code, ErrorCode::WrongType);
+}
+
+#[tokio::test]
+async fn an_unknown_language_is_rejected() {
+    let mut b = body();
+    b["language"] = serde_json::json!("cobol");
+    assert_eq!(rejected_with(b).await.reason.unwrap().code, ErrorCode::UnknownLanguage);
+}
+
+#[tokio::test]
+async fn hostile_input_file_names_are_rejected() {
+    for path in ["../../etc/passwd", "/etc/passwd", "a\u{0}b"] {
+        let mut b = body();
+        b["files"] = serde_json::json!([{"path": path, "content_b64": "aGk="}]);
+        assert_eq!(rejected_with(b).await.reason.unwrap().code, ErrorCode::InvalidFilePath, "{path:?}");
+    }
+}
+
+#[tokio::test]
+async fn oversize_code_is_rejected() {
+    let mut b = body();
+    b["code"] = serde_json::json!(format!("# {}\nprint(1)", "x".repeat(1 << 20)));
+    assert_eq!(rejected_with(b).await.reason.unwrap().code, ErrorCode::OversizeCode);
+}
+
+#[tokio::test]
+async fn bad_messages_do_not_stop_the_service() {
+    let c = client().await;
+    for raw in [&b"\xff\xfe not even utf-8"[..], b"[]", b"{}", b"null"] {
+        c.submit_raw(raw, None).await.unwrap();
+    }
+    let mut missing = body();
+    missing.as_object_mut().unwrap().remove("language");
+    c.submit_raw(missing.to_string().as_bytes(), None).await.unwrap();
+    let r = run(&c, &python(&tenant(), "print(2 + 2)")).await;
+    assert_eq!(r.status, JobStatus::Succeeded);
+    assert_eq!(r.stdout, "4\n");
+}

@@ -1,0 +1,126 @@
+//! Shared helpers for the end-to-end tests.
+//!
+//! The tests talk to the real local stack: RabbitMQ, Postgres, Garage and Docker brought up by
+//! `deploy/local/up.sh`, with a scheduler and a worker running (started by
+//! `deploy/local/test.sh`). Connection settings come from the environment that script exports
+//! from `/var/lib/sandcell/sandcell.env`.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use base64::Engine as _;
+use sandcell_client::Client;
+use sandcell_protocol::{InputFile, JobResult, Language, Submission};
+
+/// Longest a test waits for one job.
+pub const JOB_WAIT: Duration = Duration::from_secs(120);
+
+/// A client connected to the local stack.
+pub async fn client() -> Client {
+    match Client::from_env().await {
+        Ok(c) => c,
+        Err(e) => panic!("cannot reach the local stack ({e:#}); run the tests through deploy/local/test.sh"),
+    }
+}
+
+/// A job id no other test run uses.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4())
+}
+
+/// A tenant name unique to this test.
+pub fn tenant() -> String {
+    format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// A Python submission with defaults.
+pub fn python(tenant: &str, code: &str) -> Submission {
+    Submission {
+        job_id: unique("py"),
+        tenant: tenant.to_string(),
+        language: Language::Python,
+        code: code.to_string(),
+        files: Vec::new(),
+        timeout_ms: None,
+        memory_mb: None,
+        cpus: None,
+        artifact_ttl_s: None,
+        session: None,
+    }
+}
+
+/// An inline input file.
+pub fn input(path: &str, bytes: &[u8]) -> InputFile {
+    InputFile { path: path.to_string(), content_b64: base64::engine::general_purpose::STANDARD.encode(bytes) }
+}
+
+/// Submit and wait for the terminal result.
+pub async fn run(client: &Client, sub: &Submission) -> JobResult {
+    client.submit(sub).await.expect("submit");
+    client.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.expect("job result")
+}
+
+/// Containers (running or not) labelled with this job id.
+pub async fn containers_of_job(job_id: &str) -> Result<usize> {
+    let docker = bollard::Docker::connect_with_defaults()?.negotiate_version().await?;
+    let filters = std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.job={job_id}")])]);
+    let list = docker
+        .list_containers(Some(bollard::query_parameters::ListContainersOptions { all: true, filters: Some(filters), ..Default::default() }))
+        .await?;
+    Ok(list.len())
+}
+
+/// A plain HTTP/1.1 GET (the store is on loopback, without TLS). Returns status and body.
+pub async fn http_get(url: &str) -> Result<(u16, Vec<u8>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("http://").context("only http:// URLs")?;
+    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let mut stream = tokio::net::TcpStream::connect(host).await.with_context(|| format!("connecting to {host}"))?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    stream.write_all(req.as_bytes()).await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").context("no header end")?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let status: u16 = head.split_whitespace().nth(1).context("no status")?.parse()?;
+    let mut body = raw[split + 4..].to_vec();
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body)?;
+    }
+    Ok((status, body))
+}
+
+fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n").context("bad chunk")?;
+        let size = usize::from_str_radix(std::str::from_utf8(&b[..eol])?.split(';').next().unwrap_or("").trim(), 16)?;
+        if size == 0 {
+            return Ok(out);
+        }
+        let start = eol + 2;
+        if b.len() < start + size {
+            bail!("truncated chunk");
+        }
+        out.extend_from_slice(&b[start..start + size]);
+        b = &b[start + size + 2..];
+    }
+}
+
+/// Poll `f` until it returns `Some`, for at most `limit`.
+pub async fn eventually<T, F, Fut>(limit: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

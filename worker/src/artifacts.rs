@@ -1,0 +1,84 @@
+//! Storing what a job produced: output files and binary rich outputs go to the object store
+//! under `<tenant>/<job_id>/`, each with a presigned URL and an expiry from the job's TTL.
+//!
+//! Paths come from inside the sandbox and are checked again here with the same rule that
+//! guards input files ([`sandcell_protocol::paths`]); a path that fails it is never stored.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Result;
+use chrono::Utc;
+use sandcell_core::jobs::NewArtifact;
+use sandcell_core::store::{artifact_key, ArtifactStore};
+use sandcell_protocol::paths::validate_workspace_path;
+use sandcell_protocol::{ArtifactKind, ExecutionLimits, Output};
+use sha2::{Digest, Sha256};
+
+use crate::execute::{OutputKind, RawOutput};
+
+/// Stored outputs: the rich outputs with artifact references, and the artifact rows.
+pub struct Stored {
+    /// Rich outputs for the result.
+    pub outputs: Vec<Output>,
+    /// Artifacts to record.
+    pub artifacts: Vec<NewArtifact>,
+}
+
+/// Upload files and binary outputs. Fails on the first store error (the caller reports
+/// `storage_failed`); nothing is recorded for a job whose uploads failed.
+pub async fn store_all(
+    store: &ArtifactStore,
+    tenant: &str,
+    job_id: &str,
+    limits: &ExecutionLimits,
+    files: Vec<(String, Vec<u8>)>,
+    raw_outputs: Vec<RawOutput>,
+) -> Result<Stored> {
+    let ttl = Duration::from_secs(limits.artifact_ttl_s);
+    let mut artifacts = Vec::new();
+    for (path, bytes) in files {
+        if let Err(e) = validate_workspace_path(&path) {
+            tracing::warn!(tenant, job_id, path, error = %e, "sandbox reported an invalid output path; not stored");
+            continue;
+        }
+        let content_type = mime_guess::from_path(&path).first_or_octet_stream().essence_str().to_string();
+        artifacts.push(upload(store, tenant, job_id, &path, ArtifactKind::File, &content_type, bytes, ttl).await?);
+    }
+    let mut outputs = Vec::with_capacity(raw_outputs.len());
+    for (n, raw) in raw_outputs.into_iter().enumerate() {
+        let mut refs = BTreeMap::new();
+        for (mime, bytes) in raw.binary {
+            let ext = mime_guess::get_mime_extensions_str(&mime).and_then(|e| e.first()).copied().unwrap_or("bin");
+            let path = format!("_display/{}.{ext}", n + 1);
+            let a = upload(store, tenant, job_id, &path, ArtifactKind::Display, &mime, bytes, ttl).await?;
+            refs.insert(mime, a.path.clone());
+            artifacts.push(a);
+        }
+        outputs.push(match raw.kind {
+            OutputKind::ExecuteResult => Output::ExecuteResult { data: raw.text, artifacts: refs },
+            OutputKind::DisplayData => Output::DisplayData { data: raw.text, artifacts: refs },
+        });
+    }
+    Ok(Stored { outputs, artifacts })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn upload(
+    store: &ArtifactStore,
+    tenant: &str,
+    job_id: &str,
+    path: &str,
+    kind: ArtifactKind,
+    content_type: &str,
+    bytes: Vec<u8>,
+    ttl: Duration,
+) -> Result<NewArtifact> {
+    let key = artifact_key(tenant, job_id, path);
+    let sha256 = hex::encode(Sha256::digest(&bytes));
+    let size_bytes = bytes.len() as i64;
+    store.put(&key, bytes, content_type).await?;
+    let expires_at = Utc::now() + chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::days(7));
+    let download_url = store.presign_get(&key, ttl).await?;
+    Ok(NewArtifact { path: path.to_string(), kind, size_bytes, content_type: content_type.to_string(), sha256, s3_key: key, expires_at, download_url })
+}

@@ -1,0 +1,317 @@
+//! Running one job: start a sandbox, hand the code to the driver, gather what comes back,
+//! enforce the wall clock, and always destroy the sandbox.
+//!
+//! [`execute`] never fails: every failure becomes an [`Outcome`] with a status and a reason,
+//! because a failing job must produce a result, not take the worker down.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use bollard::Docker;
+use sandcell_protocol::{ErrorCode, ExecError, ExecutionJob, ExecutionLimits, JobStatus, Language, Reason};
+
+use crate::sandbox::container::SandboxSpec;
+use crate::sandbox::protocol::{DriverEvent, ExecuteRequest};
+use crate::sandbox::Sandbox;
+
+/// Most rich outputs kept per job.
+const MAX_OUTPUTS: usize = 64;
+
+/// Text with a byte cap; what does not fit is dropped and flagged.
+#[derive(Debug, Default, Clone)]
+pub struct CappedText {
+    /// The kept text.
+    pub text: String,
+    /// Something was dropped.
+    pub truncated: bool,
+    limit: usize,
+}
+
+impl CappedText {
+    /// Empty text capped at `limit` bytes.
+    pub fn new(limit: u64) -> Self {
+        CappedText { text: String::new(), truncated: false, limit: usize::try_from(limit).unwrap_or(usize::MAX) }
+    }
+
+    /// Append, cutting at a character boundary when the cap is reached.
+    pub fn push(&mut self, s: &str) {
+        let room = self.limit.saturating_sub(self.text.len());
+        if s.len() <= room {
+            self.text.push_str(s);
+            return;
+        }
+        let mut cut = room;
+        while cut > 0 && !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        self.text.push_str(&s[..cut]);
+        self.truncated = true;
+    }
+}
+
+/// Which kind of rich output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputKind {
+    /// Last expression's value.
+    ExecuteResult,
+    /// Displayed object or figure.
+    DisplayData,
+}
+
+/// A rich output before its binary parts are stored.
+#[derive(Debug, Clone)]
+pub struct RawOutput {
+    /// Kind.
+    pub kind: OutputKind,
+    /// Text representations.
+    pub text: BTreeMap<String, String>,
+    /// Binary representations (decoded), by MIME type.
+    pub binary: Vec<(String, Vec<u8>)>,
+}
+
+/// Everything a job produced, before storage.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Terminal status.
+    pub status: JobStatus,
+    /// stdout.
+    pub stdout: CappedText,
+    /// stderr.
+    pub stderr: CappedText,
+    /// Exit code.
+    pub exit_code: Option<i32>,
+    /// Exception.
+    pub error: Option<ExecError>,
+    /// Why the job did not complete normally.
+    pub reason: Option<Reason>,
+    /// Rich outputs.
+    pub outputs: Vec<RawOutput>,
+    /// Output files (path, bytes).
+    pub files: Vec<(String, Vec<u8>)>,
+    /// Time from create to the driver's `ready`, when it got that far.
+    pub sandbox_start: Option<Duration>,
+}
+
+impl Outcome {
+    fn new(limits: &ExecutionLimits) -> Self {
+        Outcome {
+            status: JobStatus::InfrastructureError,
+            stdout: CappedText::new(limits.stdout_bytes),
+            stderr: CappedText::new(limits.stderr_bytes),
+            exit_code: None,
+            error: None,
+            reason: None,
+            outputs: Vec::new(),
+            files: Vec::new(),
+            sandbox_start: None,
+        }
+    }
+
+    fn infra(mut self, code: ErrorCode, message: String) -> Self {
+        self.status = JobStatus::InfrastructureError;
+        self.reason = Some(Reason::new(code, message));
+        self
+    }
+}
+
+/// Worker-side settings for running sandboxes.
+#[derive(Debug, Clone)]
+pub struct ExecSettings {
+    /// Image reference.
+    pub image: String,
+    /// OCI runtime.
+    pub runtime: String,
+    /// Longest wait for the driver's `ready`.
+    pub start_timeout: Duration,
+}
+
+/// Run `job` under `limits` in a fresh sandbox.
+pub async fn execute(docker: &Docker, settings: &ExecSettings, spec_labels: std::collections::HashMap<String, String>, job: &ExecutionJob, limits: &ExecutionLimits) -> Outcome {
+    let mut out = Outcome::new(limits);
+    let spec = SandboxSpec { image: settings.image.clone(), runtime: settings.runtime.clone(), limits: limits.clone(), labels: spec_labels };
+    // One frame carries at most one file (base64) or one figure; bound it accordingly.
+    let max_frame = usize::try_from(limits.artifact_bytes.saturating_mul(4) / 3 + (4 << 20)).unwrap_or(usize::MAX);
+    let t0 = Instant::now();
+    let mut sandbox = match Sandbox::start(docker, &spec, max_frame).await {
+        Ok(s) => s,
+        Err(e) => return out.infra(ErrorCode::SandboxUnavailable, format!("{e:#}")),
+    };
+    match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
+        Ok(Ok(Some(DriverEvent::Ready { .. }))) => out.sandbox_start = Some(t0.elapsed()),
+        other => {
+            let what = match other {
+                Err(_) => format!("the sandbox did not become ready within {:?}", settings.start_timeout),
+                Ok(Ok(None)) => "the sandbox exited before it was ready".to_string(),
+                Ok(Ok(Some(ev))) => format!("the sandbox sent {ev:?} before ready"),
+                Ok(Err(e)) => format!("{e:#}"),
+            };
+            let diag = sandbox.diagnostics();
+            sandbox.destroy().await;
+            return out.infra(ErrorCode::SandboxUnavailable, format!("{what}; driver said: {}", diag.trim()));
+        }
+    }
+
+    let request = ExecuteRequest::new(&job.job_id, job.language, &job.code, &job.files, limits);
+    let sent = match serde_json::to_vec(&request) {
+        Ok(payload) => sandbox.send(&payload).await,
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = sent {
+        sandbox.destroy().await;
+        return out.infra(ErrorCode::DriverProtocol, format!("sending the job to the sandbox: {e:#}"));
+    }
+    // One job per sandbox: the driver exits after this cell.
+    sandbox.close_input().await;
+
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
+    let mut file_bytes: u64 = 0;
+    loop {
+        match tokio::time::timeout_at(deadline, sandbox.next_event()).await {
+            Err(_) => {
+                sandbox.kill().await;
+                out.status = JobStatus::TimedOut;
+                out.reason = None;
+                break;
+            }
+            Ok(Err(e)) => {
+                sandbox.kill().await;
+                out = out.infra(ErrorCode::DriverProtocol, format!("{e:#}"));
+                break;
+            }
+            Ok(Ok(None)) => {
+                // The driver's output ended without `done`: it was killed or killed itself.
+                let state = sandbox.exit_state().await;
+                out.exit_code = state.exit_code.and_then(|c| i32::try_from(c).ok());
+                if state.oom_killed {
+                    out.status = JobStatus::OomKilled;
+                    out.reason = None;
+                } else {
+                    out.status = JobStatus::Failed;
+                    out.reason = Some(Reason::new(
+                        ErrorCode::DriverProtocol,
+                        format!("the interpreter exited (code {:?}) before the job finished", state.exit_code),
+                    ));
+                }
+                break;
+            }
+            Ok(Ok(Some(event))) => {
+                if apply(&mut out, event, job.language, limits, &mut file_bytes) {
+                    break;
+                }
+            }
+        }
+    }
+    let diag = sandbox.diagnostics();
+    if !diag.trim().is_empty() {
+        tracing::debug!(job_id = %job.job_id, diagnostics = %diag.trim(), "driver diagnostics");
+    }
+    sandbox.destroy().await;
+    out
+}
+
+/// Fold one driver event into the outcome. Returns true on `done`.
+fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &ExecutionLimits, file_bytes: &mut u64) -> bool {
+    match event {
+        DriverEvent::Stream { name, text } => match name.as_str() {
+            "stderr" => out.stderr.push(&text),
+            _ => out.stdout.push(&text),
+        },
+        DriverEvent::ExecuteResult { data } => push_output(out, OutputKind::ExecuteResult, data),
+        DriverEvent::DisplayData { data } => push_output(out, OutputKind::DisplayData, data),
+        DriverEvent::Error { ename, evalue, traceback } => out.error = Some(ExecError { ename, evalue, traceback }),
+        DriverEvent::File { path, content_b64 } => {
+            match base64::engine::general_purpose::STANDARD.decode(content_b64.as_bytes()) {
+                Ok(bytes) if out.files.len() < limits.artifact_files as usize && *file_bytes + bytes.len() as u64 <= limits.artifact_bytes => {
+                    *file_bytes += bytes.len() as u64;
+                    out.files.push((path, bytes));
+                }
+                Ok(_) => tracing::info!(path, "output file over the artifact limits; not collected"),
+                Err(e) => tracing::warn!(path, error = %e, "driver sent a file with invalid base64"),
+            }
+        }
+        DriverEvent::FileSkipped { path, reason } => tracing::info!(path, reason, "output file not collected"),
+        DriverEvent::FileError { path, message } => {
+            out.reason = Some(Reason::new(ErrorCode::InputFileRejected, format!("input file {path:?}: {message}")));
+        }
+        DriverEvent::ProtocolError { message } => tracing::warn!(message, "driver reported a protocol error"),
+        DriverEvent::Ready { .. } | DriverEvent::Unknown => {}
+        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated } => {
+            out.stdout.truncated |= stdout_truncated;
+            out.stderr.truncated |= stderr_truncated;
+            out.exit_code = exit_code;
+            let ok = match language {
+                Language::Python => status == "ok",
+                Language::Bash => status == "ok" && exit_code == Some(0),
+            };
+            out.status = if ok { JobStatus::Succeeded } else { JobStatus::Failed };
+            if status == "input_error" && out.reason.is_none() {
+                out.reason = Some(Reason::new(ErrorCode::InputFileRejected, "the sandbox refused an input file"));
+            }
+            return true;
+        }
+    }
+    false
+}
+
+fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde_json::Value>) {
+    if out.outputs.len() >= MAX_OUTPUTS {
+        return;
+    }
+    let mut raw = RawOutput { kind, text: BTreeMap::new(), binary: Vec::new() };
+    for (mime, value) in data {
+        let is_binary = mime.starts_with("image/") && mime != "image/svg+xml";
+        match (is_binary, value) {
+            (true, serde_json::Value::String(b64)) => match base64::engine::general_purpose::STANDARD.decode(b64.trim().as_bytes()) {
+                Ok(bytes) => raw.binary.push((mime, bytes)),
+                Err(e) => tracing::warn!(mime, error = %e, "driver sent undecodable binary output"),
+            },
+            (_, serde_json::Value::String(s)) => {
+                raw.text.insert(mime, s);
+            }
+            (_, other) => {
+                raw.text.insert(mime, other.to_string());
+            }
+        }
+    }
+    out.outputs.push(raw);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capped_text_cuts_at_a_char_boundary_and_flags() {
+        let mut c = CappedText::new(5);
+        c.push("abc");
+        c.push("déf");
+        assert_eq!(c.text, "abcd");
+        assert!(c.truncated);
+    }
+
+    #[test]
+    fn bash_with_nonzero_exit_is_failed_and_python_ok_is_succeeded() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let mut out = Outcome::new(&limits);
+        let done = DriverEvent::Done { status: "ok".into(), exit_code: Some(3), stdout_truncated: false, stderr_truncated: false };
+        assert!(apply(&mut out, done.clone(), Language::Bash, &limits, &mut 0));
+        assert_eq!(out.status, JobStatus::Failed);
+        let mut out = Outcome::new(&limits);
+        apply(&mut out, done, Language::Python, &limits, &mut 0);
+        assert_eq!(out.status, JobStatus::Succeeded);
+    }
+
+    #[test]
+    fn figures_are_decoded_as_binary_and_text_kept_inline() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let mut out = Outcome::new(&limits);
+        let data = BTreeMap::from([
+            ("image/png".to_string(), serde_json::json!("iVBORw0KGgo=")),
+            ("text/plain".to_string(), serde_json::json!("<Figure>")),
+        ]);
+        apply(&mut out, DriverEvent::DisplayData { data }, Language::Python, &limits, &mut 0);
+        assert_eq!(out.outputs[0].binary[0].1[..4], [0x89, b'P', b'N', b'G']);
+        assert_eq!(out.outputs[0].text["text/plain"], "<Figure>");
+    }
+}

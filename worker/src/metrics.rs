@@ -1,0 +1,47 @@
+//! The worker's Prometheus collectors.
+
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+
+/// Collectors, cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    /// The registry served on `/metrics`.
+    pub registry: Registry,
+    /// `sandcell_worker_jobs_total{status}`: jobs finished by this worker, by final status.
+    pub jobs: IntCounterVec,
+    /// `sandcell_execution_seconds`: claim to result committed.
+    pub execution_seconds: Histogram,
+    /// `sandcell_queue_wait_seconds`: recorded by the scheduler to claimed by a worker.
+    pub queue_wait_seconds: Histogram,
+    /// `sandcell_container_start_seconds`: container create to driver ready.
+    pub container_start_seconds: Histogram,
+    /// `sandcell_worker_busy_slots`: jobs running now.
+    pub busy_slots: IntGauge,
+    /// `sandcell_worker_slots`: capacity.
+    pub slots: IntGauge,
+}
+
+fn latency_buckets() -> Vec<f64> {
+    vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
+}
+
+impl Metrics {
+    /// Create and register the collectors.
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let jobs = IntCounterVec::new(Opts::new("sandcell_worker_jobs_total", "Jobs finished by final status"), &["status"])?;
+        let execution_seconds = Histogram::with_opts(HistogramOpts::new("sandcell_execution_seconds", "Claim to committed result").buckets(latency_buckets()))?;
+        let queue_wait_seconds = Histogram::with_opts(HistogramOpts::new("sandcell_queue_wait_seconds", "Recorded to claimed").buckets(latency_buckets()))?;
+        let container_start_seconds =
+            Histogram::with_opts(HistogramOpts::new("sandcell_container_start_seconds", "Container create to driver ready").buckets(latency_buckets()))?;
+        let busy_slots = IntGauge::new("sandcell_worker_busy_slots", "Jobs running now")?;
+        let slots = IntGauge::new("sandcell_worker_slots", "Concurrent job capacity")?;
+        registry.register(Box::new(jobs.clone()))?;
+        registry.register(Box::new(execution_seconds.clone()))?;
+        registry.register(Box::new(queue_wait_seconds.clone()))?;
+        registry.register(Box::new(container_start_seconds.clone()))?;
+        registry.register(Box::new(busy_slots.clone()))?;
+        registry.register(Box::new(slots.clone()))?;
+        Ok(Metrics { registry, jobs, execution_seconds, queue_wait_seconds, container_start_seconds, busy_slots, slots })
+    }
+}

@@ -1,0 +1,129 @@
+//! Container limits and hardening: the one place that turns [`ExecutionLimits`] into a Docker
+//! container configuration. Every sandbox sandcell starts is built here.
+//!
+//! What every sandbox gets, whatever the job asks:
+//! - memory limit with swap disabled (`memory_swap == memory`), CPU quota, pids limit;
+//! - `network_mode: none` and networking disabled;
+//! - uid/gid 1000, `cap_drop: ALL`, `no-new-privileges`, Docker's default seccomp profile;
+//! - read-only root filesystem; writable, size-capped tmpfs at `/home/user` (the workspace)
+//!   and `/tmp`, both `nosuid,nodev`;
+//! - no logging driver (output reaches the worker over the attach stream only, so a job printing
+//!   gigabytes cannot fill the host's disk), private IPC, no devices, no host mounts.
+
+use std::collections::HashMap;
+
+use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, ResourcesUlimits};
+use sandcell_protocol::ExecutionLimits;
+
+/// The workspace inside every sandbox.
+pub const WORKSPACE: &str = "/home/user";
+/// Label naming the worker that owns a container (for the start-up sweep).
+pub const LABEL_WORKER: &str = "sandcell.worker";
+/// Label with the job's tenant.
+pub const LABEL_TENANT: &str = "sandcell.tenant";
+/// Label with the job id.
+pub const LABEL_JOB: &str = "sandcell.job";
+/// The unprivileged user sandboxes run as.
+pub const SANDBOX_USER: &str = "1000:1000";
+/// Size of `/tmp` in the sandbox (interpreter caches live there, not in the workspace).
+const TMP_MB: u64 = 64;
+
+/// What is needed to build a sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    /// Image reference, e.g. `sandcell-sandbox:1a2b3c4d5e6f`.
+    pub image: String,
+    /// OCI runtime: `runc` or `runsc`.
+    pub runtime: String,
+    /// Limits to apply.
+    pub limits: ExecutionLimits,
+    /// Labels identifying owner and job.
+    pub labels: HashMap<String, String>,
+}
+
+/// The Docker create body for `spec`.
+pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
+    let l = &spec.limits;
+    let memory = (l.memory_mb as i64).saturating_mul(1024 * 1024);
+    let tmpfs = HashMap::from([
+        (WORKSPACE.to_string(), format!("rw,exec,nosuid,nodev,size={}m,uid=1000,gid=1000,mode=0700", l.workspace_mb)),
+        ("/tmp".to_string(), format!("rw,noexec,nosuid,nodev,size={TMP_MB}m,uid=1000,gid=1000,mode=1777")),
+    ]);
+    let host_config = HostConfig {
+        memory: Some(memory),
+        memory_swap: Some(memory),
+        nano_cpus: Some((l.cpus * 1e9) as i64),
+        pids_limit: Some(i64::from(l.pids)),
+        network_mode: Some("none".into()),
+        readonly_rootfs: Some(true),
+        tmpfs: Some(tmpfs),
+        cap_drop: Some(vec!["ALL".into()]),
+        security_opt: Some(vec!["no-new-privileges".into()]),
+        privileged: Some(false),
+        ipc_mode: Some("private".into()),
+        runtime: Some(spec.runtime.clone()),
+        // Make the sandbox, not a host process, the kernel's first choice under memory pressure.
+        oom_score_adj: Some(500),
+        ulimits: Some(vec![ResourcesUlimits { name: Some("nofile".into()), soft: Some(1024), hard: Some(1024) }]),
+        log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
+        ..Default::default()
+    };
+    ContainerCreateBody {
+        image: Some(spec.image.clone()),
+        user: Some(SANDBOX_USER.into()),
+        working_dir: Some(WORKSPACE.into()),
+        cmd: Some(vec!["python3".into(), "-u".into(), "/opt/sandcell/driver.py".into()]),
+        attach_stdin: Some(true),
+        attach_stdout: Some(true),
+        attach_stderr: Some(true),
+        open_stdin: Some(true),
+        stdin_once: Some(true),
+        tty: Some(false),
+        network_disabled: Some(true),
+        labels: Some(spec.labels.clone()),
+        host_config: Some(host_config),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> SandboxSpec {
+        SandboxSpec {
+            image: "img".into(),
+            runtime: "runc".into(),
+            limits: sandcell_protocol::LimitPolicy::default().default,
+            labels: HashMap::new(),
+        }
+    }
+
+    #[test]
+    fn every_sandbox_is_locked_down() {
+        let body = create_body(&spec());
+        let hc = body.host_config.unwrap();
+        assert_eq!(hc.network_mode.as_deref(), Some("none"));
+        assert_eq!(hc.readonly_rootfs, Some(true));
+        assert_eq!(hc.cap_drop, Some(vec!["ALL".to_string()]));
+        assert_eq!(hc.security_opt, Some(vec!["no-new-privileges".to_string()]));
+        assert_eq!(hc.memory, hc.memory_swap, "swap must be disabled");
+        assert!(hc.binds.is_none() && hc.mounts.is_none() && hc.devices.is_none(), "no host path or device");
+        assert_eq!(body.user.as_deref(), Some("1000:1000"));
+        assert_eq!(body.network_disabled, Some(true));
+    }
+
+    #[test]
+    fn limits_are_translated_to_docker_units() {
+        let mut s = spec();
+        s.limits.memory_mb = 256;
+        s.limits.cpus = 0.5;
+        s.limits.pids = 64;
+        s.limits.workspace_mb = 32;
+        let hc = create_body(&s).host_config.unwrap();
+        assert_eq!(hc.memory, Some(256 * 1024 * 1024));
+        assert_eq!(hc.nano_cpus, Some(500_000_000));
+        assert_eq!(hc.pids_limit, Some(64));
+        assert!(hc.tmpfs.unwrap()[WORKSPACE].contains("size=32m"));
+    }
+}

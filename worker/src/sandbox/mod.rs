@@ -1,0 +1,211 @@
+//! The sandbox: one capped Docker container running the in-container driver, and the
+//! conversation with it over the attach stream.
+//!
+//! A [`Sandbox`] owns its container. It is removed by [`Sandbox::destroy`], and — should the
+//! worker drop it on an unexpected path — by its `Drop`, so no container outlives its job.
+//! Containers carry the worker's label, so a worker that died is cleaned up by the next start's
+//! sweep ([`remove_leftovers`]).
+
+pub mod container;
+pub mod frames;
+pub mod protocol;
+
+use std::collections::HashMap;
+use std::pin::Pin;
+
+use anyhow::{anyhow, Context, Result};
+use bollard::container::LogOutput;
+use bollard::query_parameters::{AttachContainerOptions, InspectContainerOptions, KillContainerOptions, ListContainersOptions, RemoveContainerOptions};
+use bollard::Docker;
+use futures::{Stream, StreamExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+
+use self::container::{create_body, SandboxSpec, LABEL_WORKER};
+use self::frames::FrameDecoder;
+use self::protocol::DriverEvent;
+
+/// Most driver diagnostics (container stderr) kept for the log.
+const MAX_DIAGNOSTICS: usize = 16 * 1024;
+
+/// How a container ended, from Docker's point of view.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExitState {
+    /// The kernel OOM-killed a process in it.
+    pub oom_killed: bool,
+    /// Exit code of the driver, if it exited.
+    pub exit_code: Option<i64>,
+}
+
+/// A running sandbox container with its attached streams.
+pub struct Sandbox {
+    docker: Docker,
+    id: String,
+    output: Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>,
+    input: Option<Pin<Box<dyn AsyncWrite + Send>>>,
+    decoder: FrameDecoder,
+    diagnostics: Vec<u8>,
+    removed: bool,
+}
+
+impl Sandbox {
+    /// Create, attach and start a container. `max_frame` bounds a single driver frame.
+    pub async fn start(docker: &Docker, spec: &SandboxSpec, max_frame: usize) -> Result<Sandbox> {
+        let created = docker
+            .create_container(None::<bollard::query_parameters::CreateContainerOptions>, create_body(spec))
+            .await
+            .with_context(|| format!("creating a sandbox from image {}", spec.image))?;
+        let id = created.id;
+        // From here on the container exists; make sure an error below does not leak it.
+        let mut guard = RemoveOnDrop { docker: docker.clone(), id: Some(id.clone()) };
+        let attach = docker
+            .attach_container(
+                &id,
+                Some(AttachContainerOptions { stdin: true, stdout: true, stderr: true, stream: true, logs: false, detach_keys: None }),
+            )
+            .await
+            .context("attaching to the sandbox")?;
+        docker.start_container(&id, None::<bollard::query_parameters::StartContainerOptions>).await.context("starting the sandbox")?;
+        guard.id = None;
+        Ok(Sandbox {
+            docker: docker.clone(),
+            id,
+            output: attach.output,
+            input: Some(attach.input),
+            decoder: FrameDecoder::new(max_frame),
+            diagnostics: Vec::new(),
+            removed: false,
+        })
+    }
+
+    /// The container id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Send one frame to the driver.
+    pub async fn send(&mut self, payload: &[u8]) -> Result<()> {
+        let input = self.input.as_mut().ok_or_else(|| anyhow!("sandbox input already closed"))?;
+        input.write_all(&frames::encode(payload)).await.context("writing to the sandbox")?;
+        input.flush().await.context("flushing the sandbox input")?;
+        Ok(())
+    }
+
+    /// Close the driver's stdin: it exits after the current cell.
+    pub async fn close_input(&mut self) {
+        if let Some(mut input) = self.input.take() {
+            let _ = input.shutdown().await;
+        }
+    }
+
+    /// The next driver event; `Ok(None)` when the driver's output ended (it exited or died).
+    pub async fn next_event(&mut self) -> Result<Option<DriverEvent>> {
+        loop {
+            if let Some(frame) = self.decoder.next_frame()? {
+                let event = serde_json::from_slice::<DriverEvent>(&frame)
+                    .map_err(|e| frames::FrameError::Invalid(e.to_string()))?;
+                return Ok(Some(event));
+            }
+            match self.output.next().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(anyhow!(e).context("reading from the sandbox")),
+                Some(Ok(LogOutput::StdOut { message })) => self.decoder.push(&message),
+                Some(Ok(LogOutput::StdErr { message })) => {
+                    let room = MAX_DIAGNOSTICS.saturating_sub(self.diagnostics.len());
+                    self.diagnostics.extend_from_slice(&message[..message.len().min(room)]);
+                }
+                Some(Ok(_)) => {}
+            }
+        }
+    }
+
+    /// What the driver wrote to its own stderr (diagnostics, not user output), capped.
+    pub fn diagnostics(&self) -> String {
+        String::from_utf8_lossy(&self.diagnostics).into_owned()
+    }
+
+    /// Kill the container now (wall-clock timeout).
+    pub async fn kill(&mut self) {
+        if let Err(e) = self.docker.kill_container(&self.id, Some(KillContainerOptions { signal: "KILL".into() })).await {
+            tracing::debug!(container = %self.id, error = %e, "kill failed (already stopped?)");
+        }
+    }
+
+    /// How the container ended (OOM, exit code). Waits briefly for Docker to notice the exit.
+    pub async fn exit_state(&mut self) -> ExitState {
+        for _ in 0..20 {
+            match self.docker.inspect_container(&self.id, None::<InspectContainerOptions>).await {
+                Ok(info) => {
+                    let state = info.state.unwrap_or_default();
+                    if state.running != Some(true) {
+                        return ExitState { oom_killed: state.oom_killed.unwrap_or(false), exit_code: state.exit_code };
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(container = %self.id, error = %e, "inspecting sandbox failed");
+                    return ExitState::default();
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        ExitState::default()
+    }
+
+    /// Remove the container and its workspace.
+    pub async fn destroy(mut self) {
+        self.removed = true;
+        remove(&self.docker, &self.id).await;
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if !self.removed {
+            let docker = self.docker.clone();
+            let id = self.id.clone();
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(async move { remove(&docker, &id).await });
+            }
+        }
+    }
+}
+
+/// Removes a created-but-not-started container if start-up fails half way.
+struct RemoveOnDrop {
+    docker: Docker,
+    id: Option<String>,
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let docker = self.docker.clone();
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(async move { remove(&docker, &id).await });
+            }
+        }
+    }
+}
+
+async fn remove(docker: &Docker, id: &str) {
+    let opts = RemoveContainerOptions { force: true, v: true, link: false };
+    match docker.remove_container(id, Some(opts)).await {
+        Ok(()) => tracing::debug!(container = %id, "sandbox removed"),
+        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
+        Err(e) => tracing::warn!(container = %id, error = %e, "removing sandbox failed"),
+    }
+}
+
+/// Remove every container labelled as this worker's (left by a previous run that died).
+pub async fn remove_leftovers(docker: &Docker, worker_id: &str) -> Result<usize> {
+    let filters = HashMap::from([("label".to_string(), vec![format!("{LABEL_WORKER}={worker_id}")])]);
+    let list = docker
+        .list_containers(Some(ListContainersOptions { all: true, filters: Some(filters), ..Default::default() }))
+        .await
+        .context("listing leftover sandboxes")?;
+    for c in &list {
+        if let Some(id) = &c.id {
+            remove(docker, id).await;
+        }
+    }
+    Ok(list.len())
+}

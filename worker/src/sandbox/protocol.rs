@@ -1,0 +1,154 @@
+//! The driver protocol's messages, as the worker sees them.
+//!
+//! The worker sends one [`ExecuteRequest`] per cell; the driver answers with a stream of
+//! [`DriverEvent`]s ending in [`DriverEvent::Done`]. Fields the worker does not use are ignored,
+//! so the driver may add information without breaking older workers.
+
+use std::collections::BTreeMap;
+
+use sandcell_protocol::{ExecutionLimits, InputFile, Language};
+use serde::{Deserialize, Serialize};
+
+/// Version of the driver protocol this worker speaks.
+pub const DRIVER_PROTOCOL_VERSION: u32 = 1;
+
+/// Run one cell.
+#[derive(Debug, Serialize)]
+pub struct ExecuteRequest<'a> {
+    /// Always `execute`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// Echoed on every event.
+    pub id: &'a str,
+    /// Language of `code`.
+    pub language: Language,
+    /// The code.
+    pub code: &'a str,
+    /// Files to write into the workspace first.
+    pub files: &'a [InputFile],
+    /// Informational: the worker enforces the wall clock itself.
+    pub timeout_ms: u64,
+    /// stdout cap in bytes.
+    pub stdout_limit: u64,
+    /// stderr cap in bytes.
+    pub stderr_limit: u64,
+    /// Largest single output file collected.
+    pub max_file_bytes: u64,
+    /// Most output files collected.
+    pub max_artifact_files: u32,
+    /// Most output bytes collected.
+    pub max_artifact_bytes: u64,
+}
+
+impl<'a> ExecuteRequest<'a> {
+    /// The request for `code` under `limits`.
+    pub fn new(id: &'a str, language: Language, code: &'a str, files: &'a [InputFile], limits: &ExecutionLimits) -> Self {
+        ExecuteRequest {
+            kind: "execute",
+            id,
+            language,
+            code,
+            files,
+            timeout_ms: limits.timeout_ms,
+            stdout_limit: limits.stdout_bytes,
+            stderr_limit: limits.stderr_bytes,
+            max_file_bytes: limits.artifact_bytes,
+            max_artifact_files: limits.artifact_files,
+            max_artifact_bytes: limits.artifact_bytes,
+        }
+    }
+}
+
+/// One message from the driver.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum DriverEvent {
+    /// The driver is up.
+    Ready {
+        /// Protocol version it speaks.
+        driver_version: u32,
+    },
+    /// Output text.
+    Stream {
+        /// `stdout` or `stderr`.
+        name: String,
+        /// The text.
+        text: String,
+    },
+    /// Value of the last expression.
+    ExecuteResult {
+        /// MIME bundle (binary types base64).
+        data: BTreeMap<String, serde_json::Value>,
+    },
+    /// A displayed object or captured figure.
+    DisplayData {
+        /// MIME bundle (binary types base64).
+        data: BTreeMap<String, serde_json::Value>,
+    },
+    /// The cell raised.
+    Error {
+        /// Exception class.
+        ename: String,
+        /// Exception message.
+        evalue: String,
+        /// Traceback lines.
+        traceback: Vec<String>,
+    },
+    /// An output file.
+    File {
+        /// Workspace-relative path.
+        path: String,
+        /// The bytes, base64.
+        content_b64: String,
+    },
+    /// An output file that was not collected.
+    FileSkipped {
+        /// Workspace-relative path.
+        path: String,
+        /// Why (`not_regular_file`, `too_large`, `limit_reached`).
+        reason: String,
+    },
+    /// An input file could not be written.
+    FileError {
+        /// The path.
+        path: String,
+        /// Why.
+        message: String,
+    },
+    /// The driver could not understand the request or failed internally.
+    ProtocolError {
+        /// What went wrong.
+        message: String,
+    },
+    /// The cell is over.
+    Done {
+        /// `ok`, `error` or `input_error`.
+        status: String,
+        /// Exit code (0/1 for Python).
+        exit_code: Option<i32>,
+        /// Driver dropped stdout beyond the cap.
+        #[serde(default)]
+        stdout_truncated: bool,
+        /// Driver dropped stderr beyond the cap.
+        #[serde(default)]
+        stderr_truncated: bool,
+    },
+    /// A message type this worker does not know; ignored.
+    #[serde(other)]
+    Unknown,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_events_decode_and_ignore_extra_fields() {
+        let e: DriverEvent = serde_json::from_str(r#"{"type":"stream","id":"j","name":"stdout","text":"hi\n"}"#).unwrap();
+        assert_eq!(e, DriverEvent::Stream { name: "stdout".into(), text: "hi\n".into() });
+        let e: DriverEvent = serde_json::from_str(r#"{"type":"done","id":"j","status":"ok","exit_code":0,"stdout_truncated":false,"stderr_truncated":true,"duration_ms":3.2}"#).unwrap();
+        assert_eq!(e, DriverEvent::Done { status: "ok".into(), exit_code: Some(0), stdout_truncated: false, stderr_truncated: true });
+        let e: DriverEvent = serde_json::from_str(r#"{"type":"something_new","x":1}"#).unwrap();
+        assert_eq!(e, DriverEvent::Unknown);
+    }
+}
