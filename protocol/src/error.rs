@@ -166,3 +166,19 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod doc_tests {
+    use super::ErrorCode;
+
+    #[test]
+    fn every_code_is_documented_in_protocol_md() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/protocol.md");
+        let doc = std::fs::read_to_string(path).expect("docs/protocol.md");
+        for code in ErrorCode::ALL {
+            let row = doc.lines().find(|l| l.starts_with(&format!("| `{}` |", code.as_str())));
+            let row = row.unwrap_or_else(|| panic!("docs/protocol.md has no row for `{code}`"));
+            assert!(row.ends_with(&format!("| {} |", code.meaning())), "row for `{code}` does not carry its meaning: {row}");
+        }
+    }
+}
