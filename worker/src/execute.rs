@@ -234,7 +234,13 @@ fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &Exe
         DriverEvent::FileError { path, message } => {
             out.reason = Some(Reason::new(ErrorCode::InputFileRejected, format!("input file {path:?}: {message}")));
         }
-        DriverEvent::ProtocolError { message } => tracing::warn!(message, "driver reported a protocol error"),
+        DriverEvent::ProtocolError { message } => {
+            // The driver could not run the request; nothing more will come for it.
+            tracing::warn!(message, "driver reported a protocol error");
+            out.status = JobStatus::InfrastructureError;
+            out.reason = Some(Reason::new(ErrorCode::DriverProtocol, format!("the sandbox driver failed: {message}")));
+            return true;
+        }
         DriverEvent::Ready { .. } | DriverEvent::Unknown => {}
         DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated } => {
             out.stdout.truncated |= stdout_truncated;
