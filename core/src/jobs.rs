@@ -207,9 +207,16 @@ impl JobStore {
         Ok(())
     }
 
-    /// Claim a job for running. Returns the attempt number, or `None` if the job is already
-    /// finished (a redelivery of work that was committed but not acked) or unknown.
-    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str) -> Result<Option<Claim>> {
+    /// Claim a job for running. Returns the claim, or `None` if the job is already finished (a
+    /// redelivery of work that was committed but not acked), unknown, or — unless `takeover` —
+    /// already running. `takeover` is for redelivered messages: the worker that was running the
+    /// job died, so its `running` claim is stale. A fresh delivery never takes over a running job,
+    /// so a job dispatched twice by accident still runs once.
+    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, takeover: bool) -> Result<Option<Claim>> {
+        let mut sources = status_list(JobStatus::Running);
+        if !takeover {
+            sources.retain(|s| s != JobStatus::Running.as_str());
+        }
         let row = sqlx::query(
             "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($4)
@@ -218,7 +225,7 @@ impl JobStore {
         .bind(tenant)
         .bind(job_id)
         .bind(worker_id)
-        .bind(status_list(JobStatus::Running))
+        .bind(sources)
         .fetch_optional(&self.pool)
         .await
         .context("claiming job")?;

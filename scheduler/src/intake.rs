@@ -7,9 +7,10 @@
 //!   `rejected` job row the client can poll; any other bad message is recorded in
 //!   `intake_rejections` and dead-lettered;
 //! - a job id is run once per tenant: a duplicate is acked without dispatch, except when the
-//!   first copy was recorded but never confirmed on the jobs queue (the scheduler died in
-//!   between), in which case it is dispatched now. Workers tolerate the double dispatch this
-//!   may cause, because claiming a job is a guarded state transition.
+//!   first copy was recorded but never confirmed on the jobs queue and this delivery is a retry
+//!   or a redelivery (the scheduler failed in between), in which case it is dispatched now.
+//!   Should a job still be dispatched twice, workers run it once: a fresh delivery never takes
+//!   over a job that is already running.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -89,7 +90,9 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
     let mut attempt = 0;
     let disposition = loop {
         attempt += 1;
-        match handle(cfg, jobs, metrics, publisher, &delivery).await {
+        // A retry of this very delivery, or a redelivery, may finish a dispatch it began.
+        let may_redispatch = delivery.redelivered || attempt > 1;
+        match handle(cfg, jobs, metrics, publisher, &delivery, may_redispatch).await {
             Ok(d) => break d,
             Err(e) if attempt < 6 => {
                 tracing::warn!(error = format!("{e:#}"), attempt, "handling a submission failed; retrying");
@@ -111,20 +114,30 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
     Ok(())
 }
 
-async fn handle(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: &Delivery) -> Result<Disposition> {
+async fn handle(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: &Delivery, may_redispatch: bool) -> Result<Disposition> {
     let message_id = delivery.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
     match parse_submission(&delivery.data, &cfg.intake) {
-        Ok(sub) => accept(cfg, jobs, metrics, publisher, &sub, &delivery.data).await,
+        Ok(sub) => accept(cfg, jobs, metrics, publisher, &sub, &delivery.data, may_redispatch).await,
         Err(rejection) => reject(jobs, metrics, &rejection, message_id.as_deref(), &delivery.data).await,
     }
 }
 
-async fn accept(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, sub: &Submission, body: &[u8]) -> Result<Disposition> {
+async fn accept(
+    cfg: &Config,
+    jobs: &JobStore,
+    metrics: &Metrics,
+    publisher: &Channel,
+    sub: &Submission,
+    body: &[u8],
+    may_redispatch: bool,
+) -> Result<Disposition> {
     let limits = cfg.policy.resolve(&sub.resource_request());
     let digest = hex::encode(Sha256::digest(body));
     match jobs.record_queued(sub, &limits, &digest).await? {
         Recorded::New => {}
-        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, .. } => {
+        // Only the delivery that recorded the job (retried, or redelivered after the scheduler
+        // died) finishes its dispatch; a concurrent duplicate must not dispatch it a second time.
+        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, .. } if may_redispatch => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "job recorded earlier but never dispatched; dispatching now");
         }
         Recorded::Duplicate { status, same_payload, .. } => {

@@ -6,6 +6,8 @@
 //! - a job is acked only after its result is committed in Postgres; if the worker dies before,
 //!   the broker redelivers it and the next claim runs it again (`attempts` counts the claims);
 //! - a redelivered job that is already finished is acked without running (claim refuses it);
+//! - only a redelivered message may take over a `running` job (its worker died); a fresh
+//!   delivery of a job that is already running is acked without running it again;
 //! - a job claimed more than `SANDCELL_MAX_ATTEMPTS` times is failed with `too_many_attempts`
 //!   instead of being run again (a job that crashes workers cannot crash them forever).
 
@@ -99,7 +101,7 @@ async fn handle_delivery(ctx: &WorkerContext, delivery: Delivery) -> Result<()> 
         }
     };
     ctx.metrics.busy_slots.inc();
-    let result = process(ctx, &job).await;
+    let result = process(ctx, &job, delivery.redelivered).await;
     ctx.metrics.busy_slots.dec();
     result?;
     delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
@@ -108,10 +110,10 @@ async fn handle_delivery(ctx: &WorkerContext, delivery: Delivery) -> Result<()> 
 
 /// Run one job to a committed result. An error means nothing was committed: the delivery must
 /// stay unacked.
-async fn process(ctx: &WorkerContext, job: &ExecutionJob) -> Result<()> {
+async fn process(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> Result<()> {
     let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
-    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id).await? else {
-        tracing::info!(tenant, job_id, "job already finished or unknown; skipping redelivery");
+    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, redelivered).await? else {
+        tracing::info!(tenant, job_id, redelivered, "job already running, finished or unknown; not run again");
         return Ok(());
     };
     let wait = (chrono::Utc::now() - claim.queued_at).to_std().unwrap_or_default();

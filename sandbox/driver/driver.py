@@ -1,0 +1,1134 @@
+"""sandcell in-container driver.
+
+Runs inside the sandbox container as ``python3 -u /opt/sandcell/driver.py``
+and executes jobs for the worker, which talks to it over the container's
+attached stdin/stdout (no TTY).
+
+Framing (both directions)
+-------------------------
+Every message is a frame: a 4-byte unsigned big-endian length N followed by
+N bytes of UTF-8 JSON encoding one object with a "type" field.  Requests are
+read from stdin; responses are written to the *protocol channel*, a private
+duplicate of the original stdout.  Nothing but frames is ever written to the
+protocol channel: fds 1 and 2 are redirected into pipes at start-up so that
+all user output (Python, C code, subprocesses) is captured and re-framed.
+Driver diagnostics go to a private duplicate of the original stderr.
+
+Driver -> worker
+----------------
+ready           {"driver_version": 1, "python": "3.11.2", "ipython": "8.5.0"}
+                sent once, before the first request is read.
+stream          {"id", "name": "stdout"|"stderr", "text"}
+                captured output, in order per stream; UTF-8 decoded with
+                errors="replace"; capped per request by stdout_limit /
+                stderr_limit (bytes), excess is dropped.
+execute_result  {"id", "execution_count", "data": {mime: value}}
+                value of a python cell's last expression.
+display_data    {"id", "data": {mime: value}}
+                IPython.display.display(...) calls and matplotlib figures
+                still open at the end of a cell.
+                Kept mime types: text/plain, text/html, text/markdown,
+                image/png (base64 string), image/svg+xml, application/json
+                (a JSON value, not a string).
+error           {"id", "ename", "evalue", "traceback": [lines]}
+                an exception raised by a python cell (plain text, no ANSI).
+file_error      {"id", "path", "message"}   an input file was refused.
+file            {"id", "path", "size", "content_b64"}
+                a regular file under the workspace that is new or changed.
+file_skipped    {"id", "path", "reason"}
+                a new/changed entry not sent; reason is one of
+                "not_regular_file", "too_large", "limit_reached", "unreadable".
+done            {"id", "status": "ok"|"error"|"input_error",
+                 "exit_code": int|null, "stdout_truncated", "stderr_truncated",
+                 "execution_count", "duration_ms"}
+                the last frame of a request.
+protocol_error  {"message"[, "id"]}
+                a malformed/unknown request or a driver bug.  When it
+                carries the id of a request, it ends that request instead
+                of "done".
+
+Worker -> driver
+----------------
+execute         {"id", "language": "python"|"bash", "code",
+                 "files": [{"path", "content_b64"}],
+                 "timeout_ms", "stdout_limit", "stderr_limit",
+                 "max_file_bytes", "max_artifact_files", "max_artifact_bytes"}
+                "id" is opaque and echoed as "id" on every frame of the
+                request.  Only id/language/code are required.
+
+Frames of one request are, in order: [file_error...] | ([stream, execute_result,
+display_data, error]* interleaved in the order they happened, then file /
+file_skipped*), then done.  EOF on stdin makes the driver exit with status 0.
+SIGINT interrupts a running cell (python: KeyboardInterrupt, bash: SIGINT to
+its process group) and is ignored between cells.
+"""
+
+import base64
+import codecs
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import platform
+import secrets
+import select
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+DRIVER_VERSION = 1
+WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
+
+DEFAULT_LIMITS = {
+    "stdout_limit": 1048576,
+    "stderr_limit": 1048576,
+    "max_file_bytes": 52428800,
+    "max_artifact_files": 100,
+    "max_artifact_bytes": 104857600,
+}
+# A request carries its input files inline; anything bigger than this is
+# certainly not a request we want to hold in memory.
+MAX_REQUEST_BYTES = 1 << 30
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+KEPT_MIME_TYPES = (
+    "text/plain",
+    "text/html",
+    "text/markdown",
+    "image/png",
+    "image/svg+xml",
+    "application/json",
+)
+# Tool/cache directories that are never job artifacts.  Top-level dot-dirs
+# only appear if HOME-relative defaults are used (the image points
+# MPLCONFIGDIR/IPYTHONDIR at /tmp); __pycache__ appears when a cell imports a
+# module the job wrote into the workspace.
+SKIPPED_TOP_DIRS = {".ipython", ".jupyter", ".cache", ".config", ".local", ".matplotlib"}
+SKIPPED_DIRS = {"__pycache__"}
+
+# How long to wait for a capture pipe to drain; only a wedged protocol
+# channel can make this take more than milliseconds.
+SYNC_TIMEOUT_S = 10.0
+# Grace period between SIGINT and SIGKILL for an interrupted bash job.
+BASH_INTERRUPT_GRACE_S = 2.0
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _safe_str(value):
+    try:
+        return str(value)
+    except BaseException:  # a hostile __str__ must not break reporting
+        return "<unprintable %s object>" % type(value).__name__
+
+
+# --------------------------------------------------------------------------
+# SIGINT policy
+# --------------------------------------------------------------------------
+
+
+class InterruptGate:
+    """Decides what SIGINT means at any moment.
+
+    * no cell running: ignored (the driver must survive stray interrupts);
+    * a cell running: KeyboardInterrupt in the main thread, as in plain
+      Python, so the cell is interrupted and IPython reports it;
+    * inside a protected section of driver code (writing a frame, syncing
+      the capture pipes) the interrupt is deferred to the end of the
+      section, so a frame can never be half-written.
+    Python runs signal handlers only in the main thread, so the state here is
+    only touched by the main thread.
+    """
+
+    def __init__(self):
+        self.armed = False
+        self.pending = False
+        self._depth = 0
+
+    def install(self):
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if not self.armed:
+            return
+        if self._depth:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def cell(self):
+        self.pending = False
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = False
+            self.pending = False
+
+    @contextlib.contextmanager
+    def protected(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self.pending and self.armed:
+                self.pending = False
+                raise KeyboardInterrupt
+
+
+GATE = InterruptGate()
+
+
+# --------------------------------------------------------------------------
+# Protocol channel
+# --------------------------------------------------------------------------
+
+
+class Channel:
+    """Framed JSON over private fds; frame writes are serialized."""
+
+    def __init__(self, in_fd, out_fd, diag_fd):
+        self.in_fd = in_fd
+        self.out_fd = out_fd
+        self.diag_fd = diag_fd
+        self._lock = threading.Lock()
+
+    def send(self, frame):
+        # ensure_ascii=False keeps frames compact; "replace" turns lone
+        # surrogates (possible in user strings) into "?" so the output is
+        # always valid UTF-8 for the Rust side.
+        payload = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+        payload = payload.encode("utf-8", "replace")
+        if len(payload) > 0xFFFFFFFF:
+            raise ValueError("frame too large (%d bytes)" % len(payload))
+        data = struct.pack(">I", len(payload)) + payload
+        with GATE.protected(), self._lock:
+            _write_all(self.out_fd, data)
+
+    def recv(self):
+        """Return the next frame's payload, or None on EOF."""
+        header = self._read_exact(4)
+        if header is None:
+            return None
+        (length,) = struct.unpack(">I", header)
+        if length > MAX_REQUEST_BYTES:
+            # Keep the stream in sync by discarding the body, then complain.
+            self._discard(length)
+            raise ValueError("request frame too large (%d bytes)" % length)
+        payload = self._read_exact(length)
+        if payload is None:
+            return None
+        return payload
+
+    def _read_exact(self, n):
+        chunks = bytearray()
+        while len(chunks) < n:
+            chunk = os.read(self.in_fd, min(n - len(chunks), 1 << 20))
+            if not chunk:
+                if chunks:
+                    self.log("EOF in the middle of a frame")
+                return None
+            chunks += chunk
+        return bytes(chunks)
+
+    def _discard(self, n):
+        while n > 0:
+            chunk = os.read(self.in_fd, min(n, 1 << 20))
+            if not chunk:
+                return
+            n -= len(chunk)
+
+    def log(self, message):
+        try:
+            _write_all(self.diag_fd, ("sandcell-driver: %s\n" % message).encode("utf-8", "replace"))
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------
+# Output capture
+# --------------------------------------------------------------------------
+
+# Sync tokens are written into a capture pipe by the driver; when the reader
+# sees one, everything written before it has been framed.  A pipe write of
+# fewer than PIPE_BUF bytes is atomic, so a token never interleaves with
+# other writers' bytes.
+SYNC_PREFIX = b"\x00\x1bsandcell-sync:"
+SYNC_LEN = len(SYNC_PREFIX) + 32 + 1  # 32 hex digits and a closing NUL
+READ_CHUNK = 65536
+COALESCE_S = 0.005
+
+
+def _is_sync_token(candidate):
+    body = candidate[len(SYNC_PREFIX):-1]
+    return (
+        len(candidate) == SYNC_LEN
+        and candidate.endswith(b"\x00")
+        and all(c in b"0123456789abcdef" for c in body)
+    )
+
+
+def _partial_prefix_len(buf):
+    """Length of the longest tail of buf that could start a sync token."""
+    for k in range(min(len(SYNC_PREFIX) - 1, len(buf)), 0, -1):
+        if buf.endswith(SYNC_PREFIX[:k]):
+            return k
+    return 0
+
+
+class StreamPump:
+    """Drains one capture pipe continuously and turns it into stream frames.
+
+    The reader thread never stops reading, so user code can never block on a
+    full pipe; bytes arriving while no request is active (e.g. from a
+    process left running after its job) are logged, not framed.
+    """
+
+    def __init__(self, name, read_fd, write_fd, channel):
+        self.name = name
+        self.read_fd = read_fd
+        self.write_fd = write_fd  # private dup of the pipe's write end
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._buf = b""
+        self._req_id = None
+        self._limit = 0
+        self._count = 0
+        self._truncated = False
+        self._decoder = None
+        self._token = None
+        self._token_seen = threading.Event()
+        threading.Thread(target=self._run, name="pump-" + name, daemon=True).start()
+
+    def begin(self, req_id, limit):
+        with self._lock:
+            self._req_id = req_id
+            self._limit = limit
+            self._count = 0
+            self._truncated = False
+            self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def sync(self):
+        """Block until every byte written to the pipe so far is framed."""
+        token = SYNC_PREFIX + secrets.token_hex(16).encode("ascii") + b"\x00"
+        with self._lock:
+            self._token = token
+            self._token_seen.clear()
+        _write_all(self.write_fd, token)
+        if not self._token_seen.wait(SYNC_TIMEOUT_S):
+            self.channel.log("%s pipe did not drain within %ss" % (self.name, SYNC_TIMEOUT_S))
+
+    def end(self):
+        """Detach from the current request; return its truncated flag."""
+        with self._lock:
+            if self._req_id is None:
+                return False
+            tail = self._decoder.decode(b"", final=True)
+            if tail:
+                self._emit(tail)
+            truncated = self._truncated
+            self._req_id = None
+            self._decoder = None
+            return truncated
+
+    def _run(self):
+        while True:
+            try:
+                data = self._read_available()
+            except OSError as exc:
+                self.channel.log("%s pipe read failed: %r" % (self.name, exc))
+                time.sleep(0.1)
+                continue
+            if not data:  # cannot happen while we hold write_fd open
+                return
+            try:
+                with self._lock:
+                    self._feed(data)
+            except Exception as exc:  # keep draining whatever happens
+                self.channel.log("%s pump error: %r" % (self.name, exc))
+
+    def _read_available(self):
+        # Block for the first bytes, then keep collecting for a few ms so a
+        # print-per-line loop becomes a few frames, not one per line.  A sync
+        # token ends the wait at once: syncs must stay fast.
+        data = os.read(self.read_fd, READ_CHUNK)
+        deadline = time.monotonic() + COALESCE_S
+        while data and len(data) < READ_CHUNK and SYNC_PREFIX not in data:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.read_fd], [], [], remaining)[0]:
+                break
+            more = os.read(self.read_fd, READ_CHUNK - len(data))
+            if not more:
+                break
+            data += more
+        return data
+
+    def _feed(self, data):
+        buf = self._buf + data
+        pos = 0
+        while True:
+            i = buf.find(SYNC_PREFIX, pos)
+            if i < 0:
+                keep = _partial_prefix_len(buf[pos:])
+                break
+            if len(buf) - i < SYNC_LEN:
+                keep = len(buf) - i  # maybe a token still arriving
+                break
+            candidate = buf[i:i + SYNC_LEN]
+            if not _is_sync_token(candidate):
+                self._deliver(buf[pos:i + 1])  # user bytes that merely look alike
+                pos = i + 1
+                continue
+            self._deliver(buf[pos:i])
+            pos = i + SYNC_LEN
+            if candidate == self._token:
+                self._token = None
+                self._token_seen.set()
+            # other valid tokens are stale ones from a timed-out sync: drop
+        end = len(buf) - keep
+        self._deliver(buf[pos:end])
+        self._buf = buf[end:]
+
+    def _deliver(self, data):
+        if not data:
+            return
+        if self._req_id is None:
+            self.channel.log("dropped %d bytes of %s written outside a job: %r"
+                             % (len(data), self.name, data[:200]))
+            return
+        if self._truncated:
+            return
+        room = self._limit - self._count
+        if len(data) > room:
+            cut = room
+            # Don't split a UTF-8 sequence at the cap (avoids a stray U+FFFD).
+            while cut > 0 and (data[cut] & 0xC0) == 0x80:
+                cut -= 1
+            data = data[:cut]
+            self._truncated = True
+        self._count += len(data)
+        text = self._decoder.decode(data)
+        if text:
+            self._emit(text)
+
+    def _emit(self, text):
+        self.channel.send({"type": "stream", "id": self._req_id, "name": self.name, "text": text})
+
+
+class Capture:
+    """Owns the fd 1/2 redirection and the two pumps."""
+
+    def __init__(self, channel):
+        self.channel = channel
+        self.pumps = {}
+        self._private_w = {}
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            read_fd, write_fd = os.pipe()  # both non-inheritable
+            os.dup2(write_fd, fd)  # fd 1/2 stay inheritable for subprocesses
+            self._private_w[fd] = write_fd
+            self.pumps[name] = StreamPump(name, read_fd, write_fd, channel)
+        self._libc = self._load_libc()
+
+    @staticmethod
+    def _load_libc():
+        try:
+            return ctypes.CDLL(None)
+        except OSError:
+            return None
+
+    def reassert(self):
+        """Undo what a previous cell may have done to stdio: point fds 1/2
+        back at the pipes, and replace closed or missing sys.stdout/stderr."""
+        for fd, write_fd in self._private_w.items():
+            os.dup2(write_fd, fd)
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            stream = getattr(sys, name, None)
+            if stream is None or getattr(stream, "closed", False) is True:
+                setattr(sys, name, open_std_stream(fd))
+
+    def begin(self, req_id, stdout_limit, stderr_limit):
+        self.pumps["stdout"].begin(req_id, stdout_limit)
+        self.pumps["stderr"].begin(req_id, stderr_limit)
+
+    def flush_and_sync(self):
+        """Make everything written so far appear as frames, in order."""
+        with GATE.protected():
+            # A list, not a set: user stream objects need not be hashable.
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                try:
+                    stream.flush()
+                except BaseException:
+                    pass
+            if self._libc is not None:
+                try:
+                    self._libc.fflush(None)  # C stdio buffers of extensions
+                except Exception:
+                    pass
+            self.pumps["stdout"].sync()
+            self.pumps["stderr"].sync()
+
+    def end(self):
+        return self.pumps["stdout"].end(), self.pumps["stderr"].end()
+
+
+def open_std_stream(fd):
+    """Line-buffered UTF-8 text stream on fd; unencodable text becomes "?"."""
+    return open(fd, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+
+
+def setup_io():
+    """Move the real stdio out of user code's reach; return the Channel.
+
+    Must run before anything user-controlled (including IPython start-up).
+    """
+    proto_in = os.dup(0)  # os.dup() fds are non-inheritable
+    proto_out = os.dup(1)
+    diag = os.dup(2)
+    # fd 0 becomes /dev/null so neither user code nor its subprocesses can
+    # read (and thereby steal) request frames.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    channel = Channel(proto_in, proto_out, diag)
+    capture = Capture(channel)
+
+    for old in (sys.stdout, sys.stderr):
+        try:
+            old.flush()
+        except Exception:
+            pass
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open_std_stream(1)
+    sys.stderr = open_std_stream(2)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+
+    def log_thread_exception(args):
+        channel.log("exception in thread %s: %r" % (args.thread, args.exc_value))
+
+    threading.excepthook = log_thread_exception
+    return channel, capture
+
+
+# --------------------------------------------------------------------------
+# Workspace: input files, snapshots, artifacts
+# --------------------------------------------------------------------------
+
+
+class InputFileError(Exception):
+    pass
+
+
+def validate_rel_path(path):
+    """Return the path's components, or raise InputFileError."""
+    if not isinstance(path, str) or not path:
+        raise InputFileError("path must be a non-empty string")
+    if "\x00" in path:
+        raise InputFileError("path contains a NUL byte")
+    if path.startswith("/"):
+        raise InputFileError("path must be relative")
+    try:
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputFileError("path is not valid UTF-8")
+    if len(encoded) > MAX_PATH_BYTES:
+        raise InputFileError("path longer than %d bytes" % MAX_PATH_BYTES)
+    parts = path.split("/")
+    for part in parts:
+        if part == "":
+            raise InputFileError("path has an empty component")
+        if part in (".", ".."):
+            raise InputFileError("path component %r is not allowed" % part)
+        if len(part.encode("utf-8")) > MAX_NAME_BYTES:
+            raise InputFileError("path component longer than %d bytes" % MAX_NAME_BYTES)
+    return parts
+
+
+def _open_parent_dir(root_fd, parts, create):
+    """Open the directory holding parts[-1] without following any symlink.
+
+    Each component is opened relative to its parent's fd with O_NOFOLLOW, so
+    a symlink anywhere on the path (even one swapped in concurrently) fails
+    with ELOOP/ENOTDIR instead of being followed.
+    """
+    fd = os.dup(root_fd)
+    try:
+        for part in parts[:-1]:
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_input_file(root_fd, parts, content):
+    dir_fd = _open_parent_dir(root_fd, parts, create=True)
+    try:
+        # O_NONBLOCK: opening a FIFO for writing must fail, not hang.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(parts[-1], flags, 0o644, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputFileError("destination exists and is not a regular file")
+        _write_all(fd, content)
+    finally:
+        os.close(fd)
+
+
+def decode_input_files(files):
+    """Validate all input files before writing any.
+
+    Returns (decoded, errors): decoded is [(path, parts, bytes)], errors is
+    [(path, message)].
+    """
+    decoded, errors = [], []
+    for entry in files:
+        path = entry.get("path")
+        try:
+            parts = validate_rel_path(path)
+            content_b64 = entry.get("content_b64", "")
+            if not isinstance(content_b64, str):
+                raise InputFileError("content_b64 must be a string")
+            try:
+                content = base64.b64decode(content_b64, validate=True)
+            except ValueError:
+                raise InputFileError("content_b64 is not valid base64")
+            decoded.append((path, parts, content))
+        except InputFileError as exc:
+            errors.append((_safe_str(path), str(exc)))
+    return decoded, errors
+
+
+def _entry_key(st):
+    return (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def snapshot(root):
+    """Map relative path -> (type, size, mtime_ns, inode) for every entry
+    under root except directories; never follows symlinks."""
+    entries = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        descend = []
+        for name in dirnames:
+            rel = os.path.join(rel_dir, name)
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                entries[rel] = _entry_key(st)  # a symlink to a directory
+            elif name in SKIPPED_DIRS or (not rel_dir and name in SKIPPED_TOP_DIRS):
+                continue
+            else:
+                descend.append(name)
+        dirnames[:] = descend
+        for name in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            entries[os.path.join(rel_dir, name)] = _entry_key(st)
+    return entries
+
+
+def read_artifact(root_fd, rel_path, max_bytes):
+    """Return (data, None) or (None, skip_reason); (None, None) if gone."""
+    parts = rel_path.split("/")
+    try:
+        dir_fd = _open_parent_dir(root_fd, parts, create=False)
+        try:
+            # O_NONBLOCK: a FIFO swapped in after the walk must not hang us.
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+            return None, "not_regular_file"
+        return None, "unreadable"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between walk and open
+            return None, "not_regular_file"
+        if st.st_size > max_bytes:
+            return None, "too_large"
+        chunks, total = [], 0
+        while True:  # read to EOF: the file may still be growing
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > max_bytes:
+                return None, "too_large"
+            chunks.append(chunk)
+        return b"".join(chunks), None
+    except OSError:
+        return None, "unreadable"
+    finally:
+        os.close(fd)
+
+
+def collect_artifacts(root, before, limits, send):
+    after = snapshot(root)
+    changed = sorted(p for p, key in after.items() if before.get(p) != key)
+    if not changed:
+        return
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        count = total = 0
+        for rel in changed:
+            if after[rel][0] != stat.S_IFREG:
+                send({"type": "file_skipped", "path": rel, "reason": "not_regular_file"})
+                continue
+            if count >= limits["max_artifact_files"]:
+                send({"type": "file_skipped", "path": rel, "reason": "limit_reached"})
+                continue
+            data, reason = read_artifact(root_fd, rel, limits["max_file_bytes"])
+            if reason is None and data is not None and total + len(data) > limits["max_artifact_bytes"]:
+                reason = "limit_reached"
+            if reason is not None:
+                send({"type": "file_skipped", "path": rel, "reason": reason})
+                continue
+            if data is None:
+                continue  # deleted since the walk
+            count += 1
+            total += len(data)
+            send({"type": "file", "path": rel, "size": len(data),
+                  "content_b64": base64.b64encode(data).decode("ascii")})
+    finally:
+        os.close(root_fd)
+
+
+# --------------------------------------------------------------------------
+# IPython integration
+# --------------------------------------------------------------------------
+
+
+def clean_mime_bundle(data):
+    """Keep the mime types we forward, in JSON-safe form."""
+    bundle = {}
+    if not isinstance(data, dict):
+        return bundle
+    for mime in KEPT_MIME_TYPES:
+        if mime not in data:
+            continue
+        value = data[mime]
+        if mime == "image/png":
+            # IPython 8 formatters may return raw bytes or base64 text.
+            if isinstance(value, (bytes, bytearray)):
+                value = base64.b64encode(bytes(value)).decode("ascii")
+            elif not isinstance(value, str):
+                continue
+        elif mime == "application/json":
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue
+        elif isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8", "replace")
+        elif not isinstance(value, str):
+            value = _safe_str(value)
+        bundle[mime] = value
+    return bundle
+
+
+def traceback_lines(stb):
+    import re
+
+    ansi = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+    lines = []
+    for chunk in stb or []:
+        lines.extend(ansi.sub("", _safe_str(chunk)).split("\n"))
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return lines
+
+
+def create_shell():
+    """Build the (singleton) IPython shell; imported lazily so that IPython's
+    start-up runs after stdio is redirected."""
+    from IPython.core.displayhook import DisplayHook
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets import Type
+    from traitlets.config import Config
+
+    class SandcellDisplayHook(DisplayHook):
+        """Sends the last expression's value as execute_result instead of
+        printing "Out[N]: ..." to stdout."""
+
+        def start_displayhook(self):
+            pass
+
+        def write_output_prompt(self):
+            pass
+
+        def finish_displayhook(self):
+            pass
+
+        def write_format_data(self, format_dict, md_dict=None):
+            bundle = clean_mime_bundle(format_dict)
+            if bundle:
+                self.shell.sandcell_publish({"type": "execute_result",
+                                             "execution_count": self.prompt_count,
+                                             "data": bundle})
+
+    class SandcellDisplayPublisher(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+            bundle = clean_mime_bundle(data)
+            if bundle:
+                self.shell.sandcell_publish({"type": "display_data", "data": bundle})
+
+        def clear_output(self, wait=False):
+            pass  # nothing to clear in a batch transcript
+
+    class SandcellShell(InteractiveShell):
+        displayhook_class = Type(SandcellDisplayHook)
+        display_pub_class = Type(SandcellDisplayPublisher)
+        # `!cmd` via subprocess on the captured fds; the default piped
+        # variant needs a pty and re-prints the output itself.
+        system = InteractiveShell.system_raw
+
+        # Set by the driver for the duration of a request: callable(frame).
+        sandcell_sink = None
+
+        def sandcell_publish(self, frame):
+            sink = self.sandcell_sink
+            if sink is not None:
+                sink(frame)
+
+        def _showtraceback(self, etype, evalue, stb):
+            # Replaces printing the traceback to stdout.
+            self.sandcell_publish({
+                "type": "error",
+                "ename": getattr(etype, "__name__", _safe_str(etype)),
+                "evalue": _safe_str(evalue),
+                "traceback": traceback_lines(stb),
+            })
+
+        def show_usage_error(self, exc):
+            message = _safe_str(exc)
+            self.sandcell_publish({"type": "error", "ename": "UsageError", "evalue": message,
+                                   "traceback": ["UsageError: " + message]})
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"  # no sqlite file, no saver thread
+    return SandcellShell.instance(config=config, colors="NoColor")
+
+
+def flush_figures(sink):
+    """Emit every open matplotlib figure as PNG display_data and close it.
+
+    Only if the cell imported pyplot: importing it here would cost every
+    plain cell a second or so.
+    """
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    try:
+        numbers = list(plt.get_fignums())
+    except Exception:
+        return
+    import io
+
+    for number in numbers:
+        try:
+            figure = plt.figure(number)
+            buf = io.BytesIO()
+            figure.savefig(buf, format="png", bbox_inches="tight", dpi=100)
+            sink({"type": "display_data",
+                  "data": {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
+                           "text/plain": _safe_str(figure)}})
+        except Exception as exc:
+            print("sandcell: could not render figure %s: %r" % (number, exc), file=sys.stderr)
+        finally:
+            try:
+                plt.close(number)
+            except Exception:
+                pass
+
+
+# --------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------
+
+
+class RequestError(Exception):
+    pass
+
+
+def _int_field(obj, name, default):
+    value = obj.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError("%s must be a non-negative integer" % name)
+    return value
+
+
+def parse_execute(obj):
+    req_id = obj.get("id")
+    if not isinstance(req_id, str):
+        raise RequestError("execute: id must be a string")
+    if obj.get("language") not in ("python", "bash"):
+        raise RequestError("execute: language must be 'python' or 'bash'")
+    if not isinstance(obj.get("code"), str):
+        raise RequestError("execute: code must be a string")
+    files = obj.get("files") or []
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise RequestError("execute: files must be a list of objects")
+    limits = {name: _int_field(obj, name, default) for name, default in DEFAULT_LIMITS.items()}
+    return {"id": req_id, "language": obj["language"], "code": obj["code"],
+            "files": files, "limits": limits}
+
+
+class Driver:
+    def __init__(self, channel, capture, shell):
+        self.channel = channel
+        self.capture = capture
+        self.shell = shell
+
+    # -- frames ------------------------------------------------------------
+
+    def send(self, req_id, frame):
+        # "type" first, then "id", for readable transcripts.
+        out = {"type": frame["type"], "id": req_id}
+        out.update(frame)
+        self.channel.send(out)
+
+    def protocol_error(self, message, req_id=None):
+        frame = {"type": "protocol_error", "message": message}
+        if req_id is not None:
+            frame["id"] = req_id
+        try:
+            self.channel.send(frame)
+        except Exception as exc:
+            self.channel.log("cannot report protocol error %r: %r" % (message, exc))
+
+    # -- loop --------------------------------------------------------------
+
+    def serve(self):
+        while True:
+            try:
+                payload = self.channel.recv()
+            except KeyboardInterrupt:
+                continue
+            except ValueError as exc:
+                self.protocol_error(str(exc))
+                continue
+            if payload is None:
+                return
+            req_id = None
+            try:
+                obj = json.loads(payload)
+                if not isinstance(obj, dict):
+                    raise RequestError("request must be a JSON object")
+                if isinstance(obj.get("id"), str):
+                    req_id = obj["id"]
+                if obj.get("type") != "execute":
+                    raise RequestError("unknown request type %r" % (obj.get("type"),))
+                self.execute(parse_execute(obj))
+            except (RequestError, ValueError) as exc:
+                self.protocol_error(_safe_str(exc), req_id)
+            except (Exception, KeyboardInterrupt) as exc:
+                self.channel.log("internal error: %r" % (exc,))
+                self.protocol_error("internal driver error: %r" % (exc,), req_id)
+
+    # -- one request -------------------------------------------------------
+
+    def execute(self, req):
+        req_id, limits = req["id"], req["limits"]
+        self.capture.reassert()
+        os.makedirs(WORKSPACE, exist_ok=True)
+
+        if not self.write_inputs(req_id, req["files"]):
+            self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0))
+            return
+
+        before = snapshot(WORKSPACE)
+        self.capture.begin(req_id, limits["stdout_limit"], limits["stderr_limit"])
+        started = time.monotonic()
+        try:
+            if req["language"] == "python":
+                exit_code = self.run_python(req_id, req["code"])
+            else:
+                exit_code = self.run_bash(req["code"])
+            duration_ms = (time.monotonic() - started) * 1000.0
+            self.capture.flush_and_sync()
+        finally:
+            truncated = self.capture.end()
+
+        collect_artifacts(WORKSPACE, before, limits, lambda f: self.send(req_id, f))
+        status = "ok" if exit_code == 0 else "error"
+        self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms))
+
+    def done_frame(self, status, exit_code, truncated, duration_ms):
+        return {"type": "done", "status": status, "exit_code": exit_code,
+                "stdout_truncated": truncated[0], "stderr_truncated": truncated[1],
+                # For bash/input errors: the last python cell's number.
+                "execution_count": self.execution_count,
+                "duration_ms": round(duration_ms, 3)}
+
+    def write_inputs(self, req_id, files):
+        decoded, errors = decode_input_files(files)
+        if not errors:
+            root_fd = os.open(WORKSPACE, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                for path, parts, content in decoded:
+                    try:
+                        write_input_file(root_fd, parts, content)
+                    except (OSError, InputFileError) as exc:
+                        errors.append((path, _describe_write_error(exc)))
+                        break
+            finally:
+                os.close(root_fd)
+        for path, message in errors:
+            self.send(req_id, {"type": "file_error", "path": path, "message": message})
+        return not errors
+
+    # -- python ------------------------------------------------------------
+
+    @property
+    def execution_count(self):
+        # IPython's counter names the *next* cell.
+        return max(self.shell.execution_count - 1, 0)
+
+    def run_python(self, req_id, code):
+        shell = self.shell
+
+        def sink(frame):
+            # Flush and drain output first so frames keep the order in
+            # which the cell produced them.
+            with GATE.protected():
+                self.capture.flush_and_sync()
+                self.send(req_id, frame)
+
+        shell.sandcell_sink = sink
+        try:
+            try:
+                with GATE.cell():
+                    result = shell.run_cell(code, store_history=True)
+                failed = not result.success
+            except KeyboardInterrupt:
+                # Interrupted outside the user's code proper (IPython's own
+                # pre/post processing); IPython did not report it, we do.
+                sink({"type": "error", "ename": "KeyboardInterrupt", "evalue": "",
+                      "traceback": ["KeyboardInterrupt"]})
+                failed = True
+            # exit()/quit() only set this flag; the driver keeps serving.
+            shell.exit_now = False
+            flush_figures(sink)
+        finally:
+            shell.sandcell_sink = None
+        return 1 if failed else 0
+
+    # -- bash --------------------------------------------------------------
+
+    def run_bash(self, code):
+        # stdout/stderr are inherited: fds 1/2 are the capture pipes.
+        proc = subprocess.Popen(["bash", "-c", code], cwd=WORKSPACE, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            try:
+                with GATE.cell():
+                    returncode = proc.wait()
+            except KeyboardInterrupt:
+                returncode = self.interrupt_bash(proc)
+        finally:
+            # Anything the job left running in its process group dies with it.
+            _killpg(proc.pid, signal.SIGKILL)
+        return 128 - returncode if returncode < 0 else returncode
+
+    @staticmethod
+    def interrupt_bash(proc):
+        _killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(BASH_INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+
+def _killpg(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _describe_write_error(exc):
+    if isinstance(exc, InputFileError):
+        return str(exc)
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST):
+        return "a path component is a symlink or not a directory"
+    if exc.errno == errno.EISDIR:
+        return "destination is a directory"
+    if exc.errno == errno.ENXIO:
+        return "destination exists and is not a regular file"
+    return "cannot write file: %s" % (exc.strerror or exc,)
+
+
+def main():
+    channel, capture = setup_io()
+    GATE.install()
+    # Defaults for running outside the image; the image sets these itself.
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ.setdefault("MPLCONFIGDIR", "/tmp/.mpl")
+    os.environ.setdefault("IPYTHONDIR", "/tmp/.ipython")
+    try:
+        os.makedirs(WORKSPACE, exist_ok=True)
+        os.chdir(WORKSPACE)
+        # Like Jupyter: modules the job writes to the workspace are importable.
+        sys.path[0] = ""
+        import warnings
+
+        # plt.show() on Agg is expected here: figures are captured after the
+        # cell, so the "non-GUI backend" warning is just noise.
+        warnings.filterwarnings("ignore", message=".*non-GUI backend.*")
+        warnings.filterwarnings("ignore", message=".*is non-interactive, and thus cannot be shown.*")
+        shell = create_shell()
+        import IPython
+
+        ipython_version = IPython.__version__
+    except Exception as exc:
+        channel.log("start-up failed: %r" % (exc,))
+        try:
+            channel.send({"type": "protocol_error", "message": "driver start-up failed: %r" % (exc,)})
+        finally:
+            os._exit(1)
+    channel.send({"type": "ready", "driver_version": DRIVER_VERSION,
+                  "python": platform.python_version(), "ipython": ipython_version})
+    Driver(channel, capture, shell).serve()
+    # os._exit: don't wait for threads a job may have left running.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

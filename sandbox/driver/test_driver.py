@@ -1,0 +1,526 @@
+"""End-to-end tests for the sandcell driver (stdlib unittest only).
+
+The driver runs as a subprocess of the test runner, with the same
+interpreter (sys.executable), and is spoken to in framed JSON exactly as the
+worker does.
+
+    SANDCELL_DRIVER     path of driver.py      (default /opt/sandcell/driver.py)
+    SANDCELL_WORKSPACE  workspace directory    (default /home/user)
+
+On a dev machine:
+    SANDCELL_DRIVER=$PWD/sandbox/driver/driver.py SANDCELL_WORKSPACE=$(mktemp -d) \
+        python -m unittest sandbox/driver/test_driver.py -v
+Inside the sandbox image (the script can be fed on stdin):
+    docker run --rm -i ... <image> python3 - < sandbox/driver/test_driver.py
+"""
+
+import base64
+import itertools
+import json
+import os
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+DRIVER = os.environ.get("SANDCELL_DRIVER", "/opt/sandcell/driver.py")
+WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
+TIMEOUT = 120  # generous: the first pandas/matplotlib import can be slow
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+_ids = itertools.count(1)
+
+
+def b64(data):
+    return base64.b64encode(data).decode("ascii")
+
+
+class DriverProcess:
+    """A driver subprocess plus a thread that parses its frames."""
+
+    def __init__(self):
+        env = dict(os.environ)
+        env["SANDCELL_WORKSPACE"] = WORKSPACE
+        env.setdefault("MPLBACKEND", "Agg")
+        # Keep tool state out of the workspace and out of the user's HOME.
+        self._state = tempfile.TemporaryDirectory(prefix="sandcell-test-")
+        env.setdefault("IPYTHONDIR", os.path.join(self._state.name, "ipython"))
+        env.setdefault("MPLCONFIGDIR", os.path.join(self._state.name, "mpl"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", DRIVER],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.frames = queue.Queue()
+        threading.Thread(target=self._read_frames, daemon=True).start()
+        self.ready = self.next_frame(TIMEOUT)
+
+    def _read_frames(self):
+        out = self.proc.stdout
+        while True:
+            header = out.read(4)
+            if len(header) < 4:
+                self.frames.put(None)
+                return
+            (length,) = struct.unpack(">I", header)
+            payload = out.read(length)
+            if len(payload) < length:
+                self.frames.put(None)
+                return
+            self.frames.put(json.loads(payload.decode("utf-8")))
+
+    def next_frame(self, timeout):
+        try:
+            frame = self.frames.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("no frame from the driver within %ss" % timeout)
+        if frame is None:
+            raise AssertionError("driver closed its output (exit status %s)" % self.proc.poll())
+        return frame
+
+    def send_raw(self, payload):
+        self.proc.stdin.write(struct.pack(">I", len(payload)) + payload)
+        self.proc.stdin.flush()
+
+    def send(self, obj):
+        self.send_raw(json.dumps(obj).encode("utf-8"))
+
+    def start(self, code, language="python", **fields):
+        req_id = "req-%d" % next(_ids)
+        request = {"type": "execute", "id": req_id, "language": language, "code": code}
+        request.update(fields)
+        self.send(request)
+        return req_id
+
+    def collect(self, req_id, timeout=TIMEOUT, frames=None):
+        """Frames of one request up to and including its final frame."""
+        frames = frames if frames is not None else []
+        deadline = time.monotonic() + timeout
+        while True:
+            frame = self.next_frame(max(deadline - time.monotonic(), 0.01))
+            frames.append(frame)
+            if frame.get("id") == req_id and frame["type"] in ("done", "protocol_error"):
+                return frames
+
+    def execute(self, code, language="python", **fields):
+        req_id = self.start(code, language, **fields)
+        frames = self.collect(req_id)
+        for frame in frames:
+            assert frame.get("id") == req_id, "frame without the request id: %r" % (frame,)
+        return frames
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._state.cleanup()
+
+
+def of_type(frames, type_):
+    return [f for f in frames if f["type"] == type_]
+
+
+def stream_text(frames, name):
+    return "".join(f["text"] for f in frames if f["type"] == "stream" and f["name"] == name)
+
+
+def done(frames):
+    last = frames[-1]
+    assert last["type"] == "done", "request did not end with done: %r" % (last,)
+    return last
+
+
+class DriverTestCase(unittest.TestCase):
+    """Most tests share one driver, which also exercises state and recovery
+    across many requests in a single process."""
+
+    driver = None
+
+    @classmethod
+    def setUpClass(cls):
+        if DriverTestCase.driver is None or DriverTestCase.driver.proc.poll() is not None:
+            DriverTestCase.driver = DriverProcess()
+
+    def run_ok(self, code, language="python", **fields):
+        frames = self.driver.execute(code, language, **fields)
+        d = done(frames)
+        self.assertEqual((d["status"], d["exit_code"]), ("ok", 0),
+                         "frames: %s" % json.dumps(frames)[:2000])
+        return frames
+
+    def assertAlive(self):
+        frames = self.run_ok("print('alive')")
+        self.assertEqual(stream_text(frames, "stdout"), "alive\n")
+
+
+class TestLifecycle(unittest.TestCase):
+    def test_ready_frame_and_exit_on_eof(self):
+        driver = DriverProcess()
+        try:
+            ready = driver.ready
+            self.assertEqual(ready["type"], "ready")
+            self.assertEqual(ready["driver_version"], 1)
+            self.assertEqual(ready["python"].split(".")[:2], [str(sys.version_info[0]), str(sys.version_info[1])])
+            self.assertTrue(ready["ipython"].startswith("8."), ready)
+            driver.proc.stdin.close()
+            self.assertEqual(driver.proc.wait(20), 0)
+        finally:
+            driver.close()
+
+
+class TestPython(DriverTestCase):
+    def test_print(self):
+        frames = self.run_ok("import math\nprint(math.sqrt(15129))")
+        self.assertEqual(stream_text(frames, "stdout"), "123.0\n")
+        d = done(frames)
+        self.assertFalse(d["stdout_truncated"])
+        self.assertFalse(d["stderr_truncated"])
+        self.assertIsInstance(d["duration_ms"], (int, float))
+        self.assertIsInstance(d["execution_count"], int)
+
+    def test_state_persists_and_execute_result(self):
+        self.run_ok("x = 41")
+        frames = self.run_ok("x + 1")
+        results = of_type(frames, "execute_result")
+        self.assertEqual(len(results), 1)
+        self.assertEqual(results[0]["data"]["text/plain"], "42")
+        self.assertEqual(results[0]["execution_count"], done(frames)["execution_count"])
+        self.assertNotIn("Out[", stream_text(frames, "stdout"))
+        self.assertEqual(stream_text(frames, "stdout"), "")
+
+    def test_trailing_semicolon_suppresses_result(self):
+        frames = self.run_ok("1 + 1;")
+        self.assertEqual(of_type(frames, "execute_result"), [])
+
+    def test_dataframe_has_html(self):
+        frames = self.run_ok("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})")
+        data = of_type(frames, "execute_result")[0]["data"]
+        self.assertIn("<table", data["text/html"])
+        self.assertIn("a", data["text/plain"])
+
+    def test_display_and_output_order(self):
+        frames = self.run_ok(
+            "from IPython.display import display, Markdown\n"
+            "print('before')\n"
+            "display(Markdown('**hi**'))\n"
+            "print('after')\n"
+            "7")
+        kinds = [(f["type"], f.get("text")) for f in frames if f["type"] != "done"]
+        self.assertEqual([k for k, _ in kinds], ["stream", "display_data", "stream", "execute_result"])
+        self.assertEqual(kinds[0][1], "before\n")
+        markdown = of_type(frames, "display_data")[0]["data"]
+        self.assertEqual(markdown["text/markdown"], "**hi**")
+
+    def test_matplotlib_figure_captured(self):
+        frames = self.run_ok("import matplotlib.pyplot as plt\nplt.bar([1, 2, 3], [3, 1, 2])")
+        images = [f["data"]["image/png"] for f in of_type(frames, "display_data") if "image/png" in f["data"]]
+        self.assertEqual(len(images), 1)
+        self.assertTrue(base64.b64decode(images[0]).startswith(PNG_SIGNATURE))
+        # The figure was closed after being sent, and plt.show() on Agg is quiet.
+        frames = self.run_ok("plt.plot([1, 2]); plt.show()\nprint(len(plt.get_fignums()))")
+        self.assertEqual(stream_text(frames, "stdout"), "1\n")
+        self.assertEqual(stream_text(frames, "stderr"), "")
+        self.assertEqual(len(of_type(frames, "display_data")), 1)
+        frames = self.run_ok("print(plt.get_fignums())")
+        self.assertEqual(of_type(frames, "display_data"), [])
+        self.assertEqual(stream_text(frames, "stdout"), "[]\n")
+
+    def test_error_then_state_survives(self):
+        self.run_ok("kept = 'still here'")
+        frames = self.driver.execute("1/0")
+        d = done(frames)
+        self.assertEqual((d["status"], d["exit_code"]), ("error", 1))
+        errors = of_type(frames, "error")
+        self.assertEqual(len(errors), 1)
+        self.assertEqual(errors[0]["ename"], "ZeroDivisionError")
+        self.assertEqual(errors[0]["evalue"], "division by zero")
+        self.assertTrue(errors[0]["traceback"])
+        self.assertTrue(any("ZeroDivisionError" in line for line in errors[0]["traceback"]))
+        self.assertFalse(any("\x1b" in line for line in errors[0]["traceback"]))
+        # The traceback goes only to the error frame.
+        self.assertEqual(stream_text(frames, "stderr"), "")
+        self.assertEqual(stream_text(frames, "stdout"), "")
+        frames = self.run_ok("print(kept)")
+        self.assertEqual(stream_text(frames, "stdout"), "still here\n")
+
+    def test_syntax_error(self):
+        frames = self.driver.execute("def f(:\n    pass")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "SyntaxError")
+        self.assertEqual(stream_text(frames, "stderr"), "")
+
+    def test_stderr_stream(self):
+        frames = self.run_ok("import sys\nprint('oops', file=sys.stderr)")
+        self.assertEqual(stream_text(frames, "stderr"), "oops\n")
+
+    def test_os_system_and_c_level_writes_captured(self):
+        frames = self.run_ok("import os\nos.system('echo hi')\nos.write(1, b'raw\\n')\n_ = os.write(2, b'rawerr\\n')")
+        self.assertEqual(stream_text(frames, "stdout"), "hi\nraw\n")
+        self.assertEqual(stream_text(frames, "stderr"), "rawerr\n")
+        frames = self.run_ok("!echo bang")
+        self.assertEqual(stream_text(frames, "stdout"), "bang\n")
+
+    def test_stdio_restored_after_a_cell_breaks_it(self):
+        self.run_ok("import os\nfd = os.open(os.devnull, os.O_WRONLY)\nos.dup2(fd, 1)\nos.dup2(fd, 2)")
+        self.assertAlive()
+        self.run_ok("import sys\nsys.stdout.close()\nsys.stderr = None")
+        frames = self.run_ok("import sys\nprint('out')\nprint('err', file=sys.stderr)")
+        self.assertEqual(stream_text(frames, "stdout"), "out\n")
+        self.assertEqual(stream_text(frames, "stderr"), "err\n")
+
+    def test_many_small_writes_are_coalesced(self):
+        frames = self.run_ok("for i in range(20000):\n    print(i)")
+        out = stream_text(frames, "stdout")
+        self.assertEqual(out, "".join("%d\n" % i for i in range(20000)))
+        self.assertLess(len(of_type(frames, "stream")), 20000)
+
+    def test_stdout_limit(self):
+        frames = self.driver.execute("print('x' * 10000)\nprint('done')", stdout_limit=100)
+        d = done(frames)
+        self.assertEqual(d["status"], "ok")
+        self.assertTrue(d["stdout_truncated"])
+        self.assertFalse(d["stderr_truncated"])
+        self.assertEqual(stream_text(frames, "stdout"), "x" * 100)
+
+    def test_limit_does_not_split_utf8(self):
+        frames = self.driver.execute("print('\u00e9' * 10)", stdout_limit=5)
+        self.assertEqual(stream_text(frames, "stdout"), "\u00e9\u00e9")
+        self.assertTrue(done(frames)["stdout_truncated"])
+
+    def test_binary_garbage(self):
+        frames = self.run_ok(
+            "import os, sys\n"
+            "os.write(1, bytes(range(256)) * 16)\n"
+            "sys.stdout.buffer.write(b'\\xff\\xfe\\x00 tail\\n')\n"
+            "print('\\udcff lone surrogate')\n"
+            "print('after')")
+        out = stream_text(frames, "stdout")
+        self.assertIn("\ufffd", out)
+        self.assertTrue(out.endswith("after\n"), out[-50:])
+        self.assertAlive()
+
+    def test_exit_does_not_kill_driver(self):
+        for code in ("exit()", "quit()"):
+            frames = self.driver.execute(code)
+            self.assertEqual(done(frames)["type"], "done")
+            self.assertAlive()
+        frames = self.driver.execute("import sys\nsys.exit(3)")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "SystemExit")
+        self.assertAlive()
+
+    def test_sigint_interrupts_cell_and_is_ignored_between_cells(self):
+        driver = self.driver
+        driver.proc.send_signal(signal.SIGINT)  # idle: must be ignored
+        time.sleep(0.3)
+        self.assertAlive()
+
+        req_id = driver.start("print('spinning', flush=True)\nwhile True:\n    pass")
+        frames = []
+        while "spinning" not in stream_text(frames, "stdout"):
+            frames.append(driver.next_frame(TIMEOUT))
+        time.sleep(0.3)
+        driver.proc.send_signal(signal.SIGINT)
+        driver.collect(req_id, timeout=30, frames=frames)
+        d = done(frames)
+        self.assertEqual((d["status"], d["exit_code"]), ("error", 1))
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "KeyboardInterrupt")
+        self.assertAlive()
+
+    def test_usage_error(self):
+        frames = self.driver.execute("%no_such_magic")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "UsageError")
+
+
+class TestBash(DriverTestCase):
+    def test_exit_code_and_output(self):
+        frames = self.driver.execute("echo hi; exit 3", language="bash")
+        d = done(frames)
+        self.assertEqual((d["status"], d["exit_code"]), ("error", 3))
+        self.assertEqual(stream_text(frames, "stdout"), "hi\n")
+
+    def test_runs_in_workspace(self):
+        frames = self.run_ok("pwd; echo err >&2", language="bash")
+        self.assertEqual(os.path.realpath(stream_text(frames, "stdout").strip()), os.path.realpath(WORKSPACE))
+        self.assertEqual(stream_text(frames, "stderr"), "err\n")
+
+    def test_stdin_is_not_the_protocol_stream(self):
+        frames = self.run_ok("cat; echo eof", language="bash")
+        self.assertEqual(stream_text(frames, "stdout"), "eof\n")
+
+    def test_killed_by_signal(self):
+        frames = self.driver.execute("kill -TERM $$", language="bash")
+        self.assertEqual(done(frames)["exit_code"], 128 + signal.SIGTERM)
+
+    def test_leftover_processes_killed(self):
+        frames = self.run_ok("sleep 300 >/dev/null 2>&1 &\necho $!", language="bash")
+        pid = int(stream_text(frames, "stdout"))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _process_running(pid):
+            time.sleep(0.1)
+        self.assertFalse(_process_running(pid), "background sleep %d survived the job" % pid)
+
+    def test_sigint_interrupts_bash(self):
+        driver = self.driver
+        req_id = driver.start("echo started; sleep 100; echo not-reached", language="bash")
+        frames = []
+        while "started" not in stream_text(frames, "stdout"):
+            frames.append(driver.next_frame(TIMEOUT))
+        time.sleep(0.3)
+        started = time.monotonic()
+        driver.proc.send_signal(signal.SIGINT)
+        driver.collect(req_id, timeout=30, frames=frames)
+        self.assertLess(time.monotonic() - started, 10)
+        d = done(frames)
+        self.assertEqual(d["status"], "error")
+        self.assertNotIn("not-reached", stream_text(frames, "stdout"))
+        self.assertAlive()
+
+
+def _process_running(pid):
+    """True if pid exists and is not a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+class TestFiles(DriverTestCase):
+    def test_input_file_round_trip(self):
+        content = b"id,amount\n1,9.5\n"
+        frames = self.run_ok("print(open('t_in/data/tx.csv').read(), end='')",
+                             files=[{"path": "t_in/data/tx.csv", "content_b64": b64(content)}])
+        self.assertEqual(stream_text(frames, "stdout"), content.decode())
+        # Inputs are not echoed back as artifacts unless the job changes them.
+        self.assertEqual(of_type(frames, "file"), [])
+        frames = self.run_ok("cat t_in/data/tx.csv", language="bash",
+                             files=[{"path": "t_in/data/tx.csv", "content_b64": b64(b"v2\n")}])
+        self.assertEqual(stream_text(frames, "stdout"), "v2\n")
+
+    def test_hostile_input_paths_refused(self):
+        marker = os.path.join(WORKSPACE, "t_hostile_marker")
+        for path in ("../x", "/etc/x", "a\x00b", "", "a//b", "a/./b", "a/", "x" * 256,
+                     "/".join(["d"] * 2049)):
+            with self.subTest(path=path[:40]):
+                frames = self.driver.execute(
+                    "open('t_hostile_marker', 'w').close()\nprint('RAN')",
+                    files=[{"path": "t_ok.txt", "content_b64": b64(b"ok")},
+                           {"path": path, "content_b64": b64(b"evil")}])
+                d = done(frames)
+                self.assertEqual((d["status"], d["exit_code"]), ("input_error", None))
+                errors = of_type(frames, "file_error")
+                self.assertEqual(len(errors), 1)
+                self.assertEqual(errors[0]["path"], path)
+                self.assertTrue(errors[0]["message"])
+                self.assertEqual(stream_text(frames, "stdout"), "")
+                self.assertFalse(os.path.exists(marker))
+        self.assertFalse(os.path.exists(os.path.join(os.path.dirname(WORKSPACE.rstrip("/")), "x")))
+
+    def test_bad_base64_refused(self):
+        frames = self.driver.execute("print('RAN')", files=[{"path": "t_b64.txt", "content_b64": "!!!"}])
+        self.assertEqual(done(frames)["status"], "input_error")
+        self.assertEqual(len(of_type(frames, "file_error")), 1)
+
+    def test_input_never_written_through_symlinks(self):
+        with tempfile.TemporaryDirectory() as outside:
+            target = os.path.join(outside, "target")
+            with open(target, "w") as f:
+                f.write("original")
+            self.run_ok("mkdir -p t_sym && ln -sfn %s t_sym/dirlink && ln -sf %s t_sym/filelink"
+                        % (outside, target), language="bash")
+            for path in ("t_sym/dirlink/new", "t_sym/filelink"):
+                with self.subTest(path=path):
+                    frames = self.driver.execute("print('RAN')",
+                                                 files=[{"path": path, "content_b64": b64(b"evil")}])
+                    self.assertEqual(done(frames)["status"], "input_error")
+                    self.assertEqual(of_type(frames, "file_error")[0]["path"], path)
+            self.assertEqual(os.listdir(outside), ["target"])
+            with open(target) as f:
+                self.assertEqual(f.read(), "original")
+
+    def test_artifacts(self):
+        frames = self.run_ok(
+            "import os\nos.makedirs('t_art/sub', exist_ok=True)\n"
+            "open('t_art/sub/result.txt', 'w').write('hello')\n"
+            "open('t_art/blob.bin', 'wb').write(bytes(range(256)))")
+        files = {f["path"]: f for f in of_type(frames, "file")}
+        self.assertEqual(sorted(files), ["t_art/blob.bin", "t_art/sub/result.txt"])
+        self.assertEqual(base64.b64decode(files["t_art/sub/result.txt"]["content_b64"]), b"hello")
+        self.assertEqual(files["t_art/sub/result.txt"]["size"], 5)
+        self.assertEqual(base64.b64decode(files["t_art/blob.bin"]["content_b64"]), bytes(range(256)))
+        # Unchanged on the next request: not sent again; modified: sent again.
+        frames = self.run_ok("open('t_art/sub/result.txt', 'a').write('!')")
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_art/sub/result.txt"])
+
+    def test_symlink_and_fifo_skipped_never_read(self):
+        frames = self.run_ok(
+            "import os\nos.makedirs('t_link', exist_ok=True)\n"
+            "os.symlink('/etc/passwd', 't_link/passwd')\n"
+            "os.symlink('/etc', 't_link/etcdir')\n"
+            "os.mkfifo('t_link/fifo')")
+        skipped = {f["path"]: f["reason"] for f in of_type(frames, "file_skipped")}
+        self.assertEqual(skipped, {"t_link/passwd": "not_regular_file",
+                                   "t_link/etcdir": "not_regular_file",
+                                   "t_link/fifo": "not_regular_file"})
+        self.assertEqual(of_type(frames, "file"), [])
+        self.assertNotIn("root:", json.dumps(frames))
+
+    def test_artifact_limits(self):
+        frames = self.run_ok("head -c 100 /dev/zero > t_lim_big.bin; echo small > t_lim_small.txt",
+                             language="bash", max_file_bytes=50)
+        self.assertEqual({f["path"]: f["reason"] for f in of_type(frames, "file_skipped")},
+                         {"t_lim_big.bin": "too_large"})
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_lim_small.txt"])
+
+        frames = self.run_ok("mkdir -p t_cnt && for i in 1 2 3; do echo $i > t_cnt/$i; done",
+                             language="bash", max_artifact_files=1)
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_cnt/1"])
+        self.assertEqual({f["path"]: f["reason"] for f in of_type(frames, "file_skipped")},
+                         {"t_cnt/2": "limit_reached", "t_cnt/3": "limit_reached"})
+
+        frames = self.run_ok("mkdir -p t_tot && for i in 1 2 3; do head -c 40 /dev/zero > t_tot/$i; done",
+                             language="bash", max_artifact_bytes=100)
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_tot/1", "t_tot/2"])
+        self.assertEqual({f["path"]: f["reason"] for f in of_type(frames, "file_skipped")},
+                         {"t_tot/3": "limit_reached"})
+
+
+class TestProtocol(DriverTestCase):
+    def test_malformed_requests(self):
+        driver = self.driver
+        driver.send_raw(b"this is not json")
+        frame = driver.next_frame(TIMEOUT)
+        self.assertEqual(frame["type"], "protocol_error")
+        self.assertTrue(frame["message"])
+
+        driver.send_raw(b"\xff\xfe")
+        self.assertEqual(driver.next_frame(TIMEOUT)["type"], "protocol_error")
+
+        driver.send({"type": "bogus", "id": "b1"})
+        frame = driver.next_frame(TIMEOUT)
+        self.assertEqual((frame["type"], frame.get("id")), ("protocol_error", "b1"))
+
+        for bad in ({"type": "execute", "id": "b2", "language": "python"},
+                    {"type": "execute", "id": "b3", "language": "cobol", "code": ""},
+                    {"type": "execute", "id": "b4", "language": "python", "code": "", "stdout_limit": -1}):
+            driver.send(bad)
+            frame = driver.next_frame(TIMEOUT)
+            self.assertEqual((frame["type"], frame.get("id")), ("protocol_error", bad["id"]))
+        self.assertAlive()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
