@@ -146,7 +146,10 @@ class InterruptGate:
       Python, so the cell is interrupted and IPython reports it;
     * inside a protected section of driver code (writing a frame, syncing
       the capture pipes) the interrupt is deferred to the end of the
-      section, so a frame can never be half-written.
+      section, so a frame can never be half-written;
+    * while the shell reports an exception (quiet section) it is dropped:
+      the cell is already ending, and a second KeyboardInterrupt there
+      would make IPython lose the error report.
     Python runs signal handlers only in the main thread, so the state here is
     only touched by the main thread.
     """
@@ -190,6 +193,16 @@ class InterruptGate:
             if self._depth == 0 and self.pending and self.armed:
                 self.pending = False
                 raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def quiet(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.pending = False
 
 
 GATE = InterruptGate()
@@ -823,6 +836,14 @@ def create_shell():
             sink = self.sandcell_sink
             if sink is not None:
                 sink(frame)
+
+        def showtraceback(self, *args, **kwargs):
+            with GATE.quiet():
+                return super().showtraceback(*args, **kwargs)
+
+        def showsyntaxerror(self, *args, **kwargs):
+            with GATE.quiet():
+                return super().showsyntaxerror(*args, **kwargs)
 
         def _showtraceback(self, etype, evalue, stb):
             # Replaces printing the traceback to stdout.
