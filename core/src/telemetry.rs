@@ -17,7 +17,8 @@ use tracing_subscriber::EnvFilter;
 /// (`text`, default, or `json`).
 pub fn init_tracing() {
     let filter = EnvFilter::try_from_env("SANDCELL_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(true);
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(true).with_ansi(ansi);
     if crate::config::var_or("SANDCELL_LOG_FORMAT", "text") == "json" {
         builder.json().flatten_event(true).init();
     } else {
