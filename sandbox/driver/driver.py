@@ -41,11 +41,15 @@ file_skipped    {"id", "path", "reason"}
 done            {"id", "status": "ok"|"error"|"input_error",
                  "exit_code": int|null, "stdout_truncated", "stderr_truncated",
                  "execution_count", "duration_ms"}
-                the last frame of a request.
+                the last frame of a request.  exit_code: python 0/1; bash
+                the exit status (128+N if killed by signal N); null for
+                input_error.  execution_count: the cell's IPython number
+                (for bash/input_error: the last python cell's, 0 if none).
+                duration_ms: time spent running the code.
 protocol_error  {"message"[, "id"]}
                 a malformed/unknown request or a driver bug.  When it
                 carries the id of a request, it ends that request instead
-                of "done".
+                of "done" (no further frames for that id).
 
 Worker -> driver
 ----------------
@@ -56,11 +60,14 @@ execute         {"id", "language": "python"|"bash", "code",
                 "id" is opaque and echoed as "id" on every frame of the
                 request.  Only id/language/code are required.
 
-Frames of one request are, in order: [file_error...] | ([stream, execute_result,
-display_data, error]* interleaved in the order they happened, then file /
-file_skipped*), then done.  EOF on stdin makes the driver exit with status 0.
-SIGINT interrupts a running cell (python: KeyboardInterrupt, bash: SIGINT to
-its process group) and is ignored between cells.
+Frames of one request are either
+    file_error+, done(status "input_error")        (code not run), or
+    (stream | execute_result | display_data | error)*  in the order produced,
+    (file | file_skipped)*,  done.
+Requests are handled one at a time; python state persists between them.
+EOF on stdin makes the driver exit with status 0.  SIGINT interrupts a
+running cell (python: KeyboardInterrupt; bash: SIGINT to its process group,
+SIGKILL after 2 s) and is ignored between cells.
 """
 
 import base64
@@ -68,9 +75,11 @@ import codecs
 import contextlib
 import ctypes
 import errno
+import io
 import json
 import os
 import platform
+import re
 import secrets
 import select
 import signal
@@ -80,6 +89,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 DRIVER_VERSION = 1
 WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
@@ -172,13 +182,17 @@ class InterruptGate:
 
     @contextlib.contextmanager
     def cell(self):
-        self.pending = False
+        """Arm for user code; re-entrant (a cell may run nested cells)."""
+        was_armed = self.armed
+        if not was_armed:
+            self.pending = False
         self.armed = True
         try:
             yield
         finally:
-            self.armed = False
-            self.pending = False
+            self.armed = was_armed
+            if not was_armed:
+                self.pending = False
 
     @contextlib.contextmanager
     def protected(self):
@@ -772,13 +786,15 @@ def clean_mime_bundle(data):
     return bundle
 
 
-def traceback_lines(stb):
-    import re
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
-    ansi = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+def traceback_lines(stb):
+    """IPython's structured traceback as plain lines (colours are off, but
+    strip ANSI anyway: custom _render_traceback_ may add them)."""
     lines = []
     for chunk in stb or []:
-        lines.extend(ansi.sub("", _safe_str(chunk)).split("\n"))
+        lines.extend(ANSI_ESCAPE.sub("", _safe_str(chunk)).split("\n"))
     while lines and not lines[-1].strip():
         lines.pop()
     return lines
@@ -831,15 +847,40 @@ def create_shell():
 
         # Set by the driver for the duration of a request: callable(frame).
         sandcell_sink = None
+        # Error frames sent by the current cell.
+        sandcell_errors_sent = 0
 
         def sandcell_publish(self, frame):
             sink = self.sandcell_sink
             if sink is not None:
+                if frame["type"] == "error":
+                    self.sandcell_errors_sent += 1
                 sink(frame)
 
-        def showtraceback(self, *args, **kwargs):
+        async def run_code(self, code_obj, result=None, *, async_=False):
+            # SIGINT interrupts user code only, not IPython's own
+            # bookkeeping around it (history, counters, events).
+            with GATE.cell():
+                return await super().run_code(code_obj, result, async_=async_)
+
+        def showtraceback(self, exc_tuple=None, *args, **kwargs):
             with GATE.quiet():
-                return super().showtraceback(*args, **kwargs)
+                sent_before = self.sandcell_errors_sent
+                try:
+                    return super().showtraceback(exc_tuple, *args, **kwargs)
+                finally:
+                    if self.sandcell_errors_sent == sent_before:
+                        # IPython's formatter itself failed (it then prints
+                        # its own failure and gives up): report it plainly.
+                        self._sandcell_fallback_error(exc_tuple)
+
+        def _sandcell_fallback_error(self, exc_tuple):
+            try:
+                etype, evalue, tb = self._get_exc_info(exc_tuple)
+            except ValueError:
+                return  # no exception to report
+            stb = traceback.format_exception(etype, evalue, tb)
+            self._showtraceback(etype, evalue, stb)
 
         def showsyntaxerror(self, *args, **kwargs):
             with GATE.quiet():
@@ -877,8 +918,6 @@ def flush_figures(sink):
         numbers = list(plt.get_fignums())
     except Exception:
         return
-    import io
-
     for number in numbers:
         try:
             figure = plt.figure(number)
@@ -1052,16 +1091,18 @@ class Driver:
                 self.send(req_id, frame)
 
         shell.sandcell_sink = sink
+        shell.sandcell_errors_sent = 0
         try:
             try:
-                with GATE.cell():
-                    result = shell.run_cell(code, store_history=True)
+                result = shell.run_cell(code, store_history=True)
                 failed = not result.success
             except KeyboardInterrupt:
-                # Interrupted outside the user's code proper (IPython's own
-                # pre/post processing); IPython did not report it, we do.
-                sink({"type": "error", "ename": "KeyboardInterrupt", "evalue": "",
-                      "traceback": ["KeyboardInterrupt"]})
+                # Escaped the user code proper (a SIGINT in the instant
+                # around it), so IPython did not report it: we do, unless
+                # the cell already ended with an error.
+                if not shell.sandcell_errors_sent:
+                    shell.sandcell_publish({"type": "error", "ename": "KeyboardInterrupt", "evalue": "",
+                                            "traceback": ["KeyboardInterrupt"]})
                 failed = True
             # exit()/quit() only set this flag; the driver keeps serving.
             shell.exit_now = False

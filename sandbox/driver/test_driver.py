@@ -253,6 +253,19 @@ class TestPython(DriverTestCase):
         frames = self.run_ok("print(kept)")
         self.assertEqual(stream_text(frames, "stdout"), "still here\n")
 
+    def test_error_reported_even_if_ipython_formatter_fails(self):
+        self.run_ok("ip = get_ipython()\n"
+                    "def _broken(*args, **kwargs):\n    raise RuntimeError('formatter broke')\n"
+                    "ip.InteractiveTB.structured_traceback = _broken")
+        try:
+            frames = self.driver.execute("raise ValueError('boom')")
+        finally:
+            self.run_ok("del ip.InteractiveTB.structured_traceback")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        errors = of_type(frames, "error")
+        self.assertEqual([(e["ename"], e["evalue"]) for e in errors], [("ValueError", "boom")])
+        self.assertIn("ValueError: boom", errors[0]["traceback"])
+
     def test_syntax_error(self):
         frames = self.driver.execute("def f(:\n    pass")
         self.assertEqual(done(frames)["exit_code"], 1)
@@ -335,6 +348,26 @@ class TestPython(DriverTestCase):
         d = done(frames)
         self.assertEqual((d["status"], d["exit_code"]), ("error", 1))
         self.assertEqual(of_type(frames, "error")[0]["ename"], "KeyboardInterrupt")
+        self.assertAlive()
+
+    def test_repeated_sigint_still_reports_one_error(self):
+        driver = self.driver
+        for burst in (2, 5):
+            req_id = driver.start(
+                "from IPython.display import display\nimport sys\ni = 0\n"
+                "print('spinning', flush=True)\n"
+                "while True:\n    display(i); print(i); print(i, file=sys.stderr); i += 1")
+            frames = []
+            while "spinning" not in stream_text(frames, "stdout"):
+                frames.append(driver.next_frame(TIMEOUT))
+            time.sleep(0.1)
+            for _ in range(burst):
+                driver.proc.send_signal(signal.SIGINT)
+                time.sleep(0.002)
+            driver.collect(req_id, timeout=30, frames=frames)
+            self.assertEqual(done(frames)["exit_code"], 1)
+            self.assertEqual([e["ename"] for e in of_type(frames, "error")], ["KeyboardInterrupt"])
+        time.sleep(0.2)  # let any straggling signal land between cells
         self.assertAlive()
 
     def test_usage_error(self):

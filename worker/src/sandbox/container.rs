@@ -7,6 +7,7 @@
 //! - uid/gid 1000, `cap_drop: ALL`, `no-new-privileges`, Docker's default seccomp profile;
 //! - read-only root filesystem; writable, size-capped tmpfs at `/home/user` (the workspace)
 //!   and `/tmp`, both `nosuid,nodev`;
+//! - Docker's init (tini) as PID 1, so orphaned processes are reaped;
 //! - no logging driver (output reaches the worker over the attach stream only, so a job printing
 //!   gigabytes cannot fill the host's disk), private IPC, no devices, no host mounts.
 
@@ -62,6 +63,8 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         privileged: Some(false),
         ipc_mode: Some("private".into()),
         runtime: Some(spec.runtime.clone()),
+        // tini as PID 1 reaps processes the code leaves behind and forwards signals to the driver.
+        init: Some(true),
         // Make the sandbox, not a host process, the kernel's first choice under memory pressure.
         oom_score_adj: Some(500),
         ulimits: Some(vec![ResourcesUlimits { name: Some("nofile".into()), soft: Some(1024), hard: Some(1024) }]),
