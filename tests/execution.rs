@@ -122,3 +122,17 @@ async fn the_sandbox_has_no_network_and_runs_unprivileged() {
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     assert_eq!(r.stdout, "1000 1000\nrefused\nreadonly\n");
 }
+
+#[tokio::test]
+async fn exceeding_the_memory_limit_is_reported_as_oom_killed() {
+    let c = client().await;
+    let mut sub = python(&tenant(), "hog = b'x' * (600 << 20)\nprint('survived')");
+    sub.memory_mb = Some(192);
+    let r = run(&c, &sub).await;
+    assert_eq!(r.status, JobStatus::OomKilled, "{r:?}");
+    assert!(!r.stdout.contains("survived"));
+    assert_eq!(containers_of_job(&sub.job_id).await.unwrap(), 0);
+    // The worker goes on serving.
+    let next = run(&c, &python(&sub.tenant, "print('next')")).await;
+    assert_eq!(next.stdout, "next\n");
+}
