@@ -5,12 +5,11 @@
 # then print the result and the chart's download URL. The binaries are stopped at the end.
 # Env: SANDCELL_STATE_DIR (default /var/lib/sandcell), SANDCELL_TENANT (default demo).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-repo=$(pwd)
-
-bash deploy/local/up.sh
-. deploy/local/services.sh
-load_sandcell_env
+# shellcheck source=deploy/local/services.sh
+. "$(dirname "$0")/services.sh"
+repo=$(repo_root)
+cd "$repo"
+bring_up_stack
 
 echo "== building"
 cargo build --workspace --bins

@@ -1,11 +1,21 @@
 # shellcheck shell=bash
 # Sourced by demo.sh and test.sh: start and stop the sandcell binaries against the local stack.
 #
+# bring_up_stack                  runs up.sh and exports the env file's settings.
 # start_sandcell BIN_DIR LOG_DIR  starts sandcell-scheduler and sandcell-worker in the
 # background (pids in $SANDCELL_RUN_DIR) and waits until both /healthz answer 200.
 # stop_sandcell                   stops them. Both are idempotent.
 
 SANDCELL_RUN_DIR=${SANDCELL_RUN_DIR:-${SANDCELL_STATE_DIR:-/var/lib/sandcell}/run}
+
+# The repository root (this file lives in deploy/local/).
+repo_root() { (cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd); }
+
+# Install/start the local stack and export its connection settings.
+bring_up_stack() {
+    bash "$(repo_root)/deploy/local/up.sh"
+    load_sandcell_env
+}
 
 load_sandcell_env() {
     local env_file="${SANDCELL_STATE_DIR:-/var/lib/sandcell}/sandcell.env"

@@ -6,12 +6,11 @@
 # Exits non-zero when anything fails. Logs of the binaries: target/test-logs/.
 # Env: SANDCELL_STATE_DIR (default /var/lib/sandcell); CARGO_TEST_ARGS (extra args, e.g. a filter).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-repo=$(pwd)
-
-bash deploy/local/up.sh
-. deploy/local/services.sh
-load_sandcell_env
+# shellcheck source=deploy/local/services.sh
+. "$(dirname "$0")/services.sh"
+repo=$(repo_root)
+cd "$repo"
+bring_up_stack
 
 # Test-friendly settings: a fast sweeper so TTL expiry is observable in seconds.
 export SANDCELL_SWEEP_INTERVAL_S=1
