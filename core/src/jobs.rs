@@ -229,7 +229,7 @@ impl JobStore {
         .fetch_optional(&self.pool)
         .await
         .context("claiming job")?;
-        Ok(row.map(|r| Claim { attempt: r.get("attempts"), queued_at: r.get("queued_at") }))
+        row.map(|r| Ok(Claim { attempt: r.try_get("attempts")?, queued_at: r.try_get("queued_at")? })).transpose()
     }
 
     /// Commit a job's outcome and its artifacts in one transaction. Returns false when the job
@@ -330,7 +330,7 @@ impl JobStore {
             .fetch_all(&self.pool)
             .await
             .context("scanning expired artifacts")?;
-        Ok(rows.into_iter().map(|r| ExpiredArtifact { id: r.get("id"), s3_key: r.get("s3_key") }).collect())
+        rows.into_iter().map(|r| Ok(ExpiredArtifact { id: r.try_get("id")?, s3_key: r.try_get("s3_key")? })).collect()
     }
 
     /// Count of jobs by status (for the `sandcell_jobs` gauge).
@@ -339,7 +339,7 @@ impl JobStore {
             .fetch_all(&self.pool)
             .await
             .context("counting jobs by status")?;
-        Ok(rows.into_iter().map(|r| (r.get("status"), r.get("n"))).collect())
+        rows.into_iter().map(|r| Ok((r.try_get("status")?, r.try_get("n")?))).collect()
     }
 
     /// Check the database answers.
