@@ -217,8 +217,8 @@ fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &Exe
             "stderr" => out.stderr.push(&text),
             _ => out.stdout.push(&text),
         },
-        DriverEvent::ExecuteResult { data } => push_output(out, OutputKind::ExecuteResult, data),
-        DriverEvent::DisplayData { data } => push_output(out, OutputKind::DisplayData, data),
+        DriverEvent::ExecuteResult { data } => push_output(out, OutputKind::ExecuteResult, data, limits.stdout_bytes),
+        DriverEvent::DisplayData { data } => push_output(out, OutputKind::DisplayData, data, limits.stdout_bytes),
         DriverEvent::Error { ename, evalue, traceback } => out.error = Some(ExecError { ename, evalue, traceback }),
         DriverEvent::File { path, content_b64 } => {
             match base64::engine::general_purpose::STANDARD.decode(content_b64.as_bytes()) {
@@ -260,7 +260,12 @@ fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &Exe
     false
 }
 
-fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde_json::Value>) {
+/// Marker appended to a text representation cut at the cap.
+pub const TRUNCATION_MARKER: &str = "\n…[truncated by sandcell]";
+
+/// Keep rich outputs within the stdout cap: each text representation is cut (with a marker)
+/// so that a huge repr cannot bloat the result row.
+fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde_json::Value>, text_cap: u64) {
     if out.outputs.len() >= MAX_OUTPUTS {
         return;
     }
@@ -273,14 +278,23 @@ fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde
                 Err(e) => tracing::warn!(mime, error = %e, "driver sent undecodable binary output"),
             },
             (_, serde_json::Value::String(s)) => {
-                raw.text.insert(mime, s);
+                raw.text.insert(mime, cap_text(s, text_cap));
             }
             (_, other) => {
-                raw.text.insert(mime, other.to_string());
+                raw.text.insert(mime, cap_text(other.to_string(), text_cap));
             }
         }
     }
     out.outputs.push(raw);
+}
+
+fn cap_text(s: String, cap: u64) -> String {
+    let mut c = CappedText::new(cap);
+    c.push(&s);
+    if c.truncated {
+        c.text.push_str(TRUNCATION_MARKER);
+    }
+    c.text
 }
 
 #[cfg(test)]
@@ -306,6 +320,16 @@ mod tests {
         let mut out = Outcome::new(&limits);
         apply(&mut out, done, Language::Python, &limits, &mut 0);
         assert_eq!(out.status, JobStatus::Succeeded);
+    }
+
+    #[test]
+    fn a_huge_repr_is_cut_at_the_cap_with_a_marker() {
+        let mut limits = sandcell_protocol::LimitPolicy::default().default;
+        limits.stdout_bytes = 10;
+        let mut out = Outcome::new(&limits);
+        let data = BTreeMap::from([("text/plain".to_string(), serde_json::json!("x".repeat(1000)))]);
+        apply(&mut out, DriverEvent::ExecuteResult { data }, Language::Python, &limits, &mut 0);
+        assert_eq!(out.outputs[0].text["text/plain"], format!("{}{TRUNCATION_MARKER}", "x".repeat(10)));
     }
 
     #[test]
