@@ -50,3 +50,39 @@ async fn jobs_run_after_a_database_restart() {
     assert_eq!(r.status, JobStatus::Succeeded);
     assert_eq!(r.stdout, "after database restart\n");
 }
+
+#[tokio::test]
+async fn a_starting_worker_removes_containers_left_by_its_previous_run() {
+    let _serial = SERIAL.lock().await;
+    let bin = std::env::var("SANDCELL_WORKER_BIN").expect("SANDCELL_WORKER_BIN (set by deploy/local/test.sh)");
+    let image = std::env::var("SANDCELL_SANDBOX_IMAGE").unwrap();
+    let worker_id = unique("crashed-worker");
+    let docker = bollard::Docker::connect_with_defaults().unwrap().negotiate_version().await.unwrap();
+    let labels = std::collections::HashMap::from([("sandcell.worker".to_string(), worker_id.clone())]);
+    for _ in 0..2 {
+        let body = bollard::models::ContainerCreateBody {
+            image: Some(image.clone()),
+            cmd: Some(vec!["sleep".into(), "1000".into()]),
+            labels: Some(labels.clone()),
+            host_config: Some(bollard::models::HostConfig { network_mode: Some("none".into()), ..Default::default() }),
+            ..Default::default()
+        };
+        docker.create_container(None::<bollard::query_parameters::CreateContainerOptions>, body).await.unwrap();
+    }
+    let count = || async {
+        let filters = std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.worker={worker_id}")])]);
+        let opts = bollard::query_parameters::ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
+        docker.list_containers(Some(opts)).await.unwrap().len()
+    };
+    assert_eq!(count().await, 2);
+    let mut child = tokio::process::Command::new(bin)
+        .env("SANDCELL_WORKER_ID", &worker_id)
+        .env("SANDCELL_WORKER_SLOTS", "1")
+        .env("SANDCELL_WORKER_METRICS_ADDR", "127.0.0.1:0")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let gone = eventually(Duration::from_secs(30), || async { (count().await == 0).then_some(()) }).await;
+    child.kill().await.ok();
+    assert!(gone.is_some(), "leftover containers were not removed");
+}

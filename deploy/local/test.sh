@@ -16,6 +16,7 @@ bring_up_stack
 export SANDCELL_SWEEP_INTERVAL_S=1
 export SANDCELL_WORKER_ID=test-worker
 export SANDCELL_WORKER_SLOTS=${SANDCELL_WORKER_SLOTS:-4}
+export SANDCELL_WORKER_BIN="$repo/target/debug/sandcell-worker"
 export SANDCELL_LOG=${SANDCELL_LOG:-info,sandcell=debug}
 
 echo "== building"
