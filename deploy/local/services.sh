@@ -6,6 +6,9 @@
 # background (pids in $SANDCELL_RUN_DIR) and waits until both /healthz answer 200.
 # stop_sandcell                   stops them. Both are idempotent.
 
+# cargo and garage live in ~/.cargo/bin (rustup); CI may start with a bare PATH.
+export PATH="$PATH:${HOME:-/root}/.cargo/bin:/usr/sbin:/sbin"
+
 SANDCELL_RUN_DIR=${SANDCELL_RUN_DIR:-${SANDCELL_STATE_DIR:-/var/lib/sandcell}/run}
 
 # The repository root (this file lives in deploy/local/).

@@ -34,7 +34,7 @@ BUCKET=sandcell-artifacts
 PG_VERSION=15
 PG_CLUSTER=main
 
-export PATH=$PATH:/usr/sbin:/sbin:$HOME/.cargo/bin
+export PATH=$PATH:/usr/sbin:/sbin:${HOME:-/root}/.cargo/bin
 
 log() { echo "[up $(date +%T)] $*" >&2; }
 die() { echo "[up] ERROR: $*" >&2; exit 1; }
