@@ -15,20 +15,37 @@ pub mod telemetry;
 
 /// Run `f` until it succeeds, waiting with capped exponential backoff between tries and logging
 /// every failure. Used for connecting to services that may still be starting or restarting.
-pub async fn retry_forever<T, F, Fut>(what: &str, mut f: F) -> T
+pub async fn retry_forever<T, F, Fut>(what: &str, f: F) -> T
 where
-    F: FnMut() -> Fut,
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    match retry(what, u32::MAX, f).await {
+        Ok(v) => v,
+        Err(_) => unreachable!("u32::MAX tries at up to 5 s each outlast any process"),
+    }
+}
+
+/// Run `f` (given the 1-based try number) up to `tries` times with capped exponential backoff
+/// (200 ms doubling to 5 s), logging each failure; returns the last error when all tries fail.
+/// The one retry policy for transient service failures (broker, database, store).
+pub async fn retry<T, F, Fut>(what: &str, tries: u32, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
     let mut delay = std::time::Duration::from_millis(200);
+    let mut attempt = 1;
     loop {
-        match f().await {
-            Ok(v) => return v,
-            Err(e) => {
-                tracing::warn!(target: "sandcell::retry", what, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "not available yet");
+        match f(attempt).await {
+            Ok(v) => return Ok(v),
+            Err(e) if attempt < tries => {
+                tracing::warn!(target: "sandcell::retry", what, attempt, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "failed; retrying");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                attempt += 1;
             }
+            Err(e) => return Err(e.context(format!("{what}: giving up after {attempt} tries"))),
         }
     }
 }

@@ -51,7 +51,7 @@ pub async fn run(cfg: Config, jobs: JobStore, metrics: Metrics, broker_up: Arc<A
 
 async fn consume(cfg: &Config, jobs: &JobStore, metrics: &Metrics, broker_up: &AtomicBool) -> Result<()> {
     let url = cfg.services.amqp_url.clone();
-    let conn = sandcell_core::retry_forever("rabbitmq", || broker::connect(&url, "sandcell-scheduler")).await;
+    let conn = sandcell_core::retry_forever("rabbitmq", |_| broker::connect(&url, "sandcell-scheduler")).await;
     let consumer_ch = conn.create_channel().await.context("opening consumer channel")?;
     broker::declare_topology(&consumer_ch).await?;
     let publisher = broker::publisher_channel(&conn).await?;
@@ -86,22 +86,12 @@ async fn consume(cfg: &Config, jobs: &JobStore, metrics: &Metrics, broker_up: &A
 /// times, then returned (the message stays unacked and is redelivered after reconnecting).
 async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: Delivery) -> Result<()> {
     let started = Instant::now();
-    let mut delay = Duration::from_millis(250);
-    let mut attempt = 0;
-    let disposition = loop {
-        attempt += 1;
+    let disposition = sandcell_core::retry("handling a submission", 6, |attempt| {
         // A retry of this very delivery, or a redelivery, may finish a dispatch it began.
         let may_redispatch = delivery.redelivered || attempt > 1;
-        match handle(cfg, jobs, metrics, publisher, &delivery, may_redispatch).await {
-            Ok(d) => break d,
-            Err(e) if attempt < 6 => {
-                tracing::warn!(error = format!("{e:#}"), attempt, "handling a submission failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
-            }
-            Err(e) => return Err(e.context("giving up on a submission for now")),
-        }
-    };
+        handle(cfg, jobs, metrics, publisher, &delivery, may_redispatch)
+    })
+    .await?;
     match disposition {
         Disposition::Ack => {
             delivery.ack(BasicAckOptions::default()).await.context("acking submission")?;

@@ -56,7 +56,7 @@ impl Config {
 pub async fn run(cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     let db_url = cfg.services.database_url.clone();
-    let pool = sandcell_core::retry_forever("postgres", || sandcell_core::jobs::connect(&db_url, 8)).await;
+    let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, 8)).await;
     let jobs = JobStore::new(pool);
     let store = ArtifactStore::new(&cfg.services.s3);
     // Backstop for the sweeper: lifecycle rules count whole days, so one day past the longest TTL.

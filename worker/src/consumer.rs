@@ -63,7 +63,7 @@ pub async fn run(ctx: WorkerContext, broker_up: Arc<AtomicBool>) {
 async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     let url = ctx.cfg.services.amqp_url.clone();
     let name = format!("sandcell-worker-{}", ctx.cfg.worker_id);
-    let conn = sandcell_core::retry_forever("rabbitmq", || broker::connect(&url, &name)).await;
+    let conn = sandcell_core::retry_forever("rabbitmq", |_| broker::connect(&url, &name)).await;
     let ch = conn.create_channel().await.context("opening channel")?;
     broker::declare_topology(&ch).await?;
     ch.basic_qos(ctx.cfg.slots, BasicQosOptions::default()).await.context("setting prefetch")?;
@@ -175,21 +175,9 @@ async fn finish(ctx: &WorkerContext, job: &ExecutionJob, limits: &sandcell_proto
 /// Commit with a few retries (the database may be restarting). Gives up with an error, leaving
 /// the delivery unacked so that the job is redelivered.
 async fn commit(ctx: &WorkerContext, tenant: &str, job_id: &str, fin: &Finished) -> Result<()> {
-    let mut delay = Duration::from_millis(200);
-    for attempt in 1..=6 {
-        match ctx.jobs.finish(tenant, job_id, fin).await {
-            Ok(true) => return Ok(()),
-            Ok(false) => {
-                tracing::warn!(tenant, job_id, "job was finished elsewhere; this result is discarded");
-                return Ok(());
-            }
-            Err(e) if attempt < 6 => {
-                tracing::warn!(tenant, job_id, attempt, error = format!("{e:#}"), "committing result failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
-            }
-            Err(e) => return Err(e),
-        }
+    let committed = sandcell_core::retry("committing a result", 6, |_| ctx.jobs.finish(tenant, job_id, fin)).await?;
+    if !committed {
+        tracing::warn!(tenant, job_id, "job was finished elsewhere; this result is discarded");
     }
-    unreachable!("the loop returns on its last attempt")
+    Ok(())
 }

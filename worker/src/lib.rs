@@ -76,13 +76,13 @@ pub async fn connect_docker() -> Result<bollard::Docker> {
 pub async fn run(cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     metrics.slots.set(i64::from(cfg.slots));
-    let docker = sandcell_core::retry_forever("docker", connect_docker).await;
+    let docker = sandcell_core::retry_forever("docker", |_| connect_docker()).await;
     let removed = sandbox::remove_leftovers(&docker, &cfg.worker_id).await?;
     if removed > 0 {
         tracing::warn!(removed, worker_id = %cfg.worker_id, "removed sandboxes left by a previous run");
     }
     let db_url = cfg.services.database_url.clone();
-    let pool = sandcell_core::retry_forever("postgres", || sandcell_core::jobs::connect(&db_url, u32::from(cfg.slots) + 2)).await;
+    let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, u32::from(cfg.slots) + 2)).await;
     let jobs = JobStore::new(pool);
     let store = ArtifactStore::new(&cfg.services.s3);
 
