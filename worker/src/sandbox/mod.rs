@@ -44,7 +44,8 @@ pub struct Sandbox {
     input: Option<Pin<Box<dyn AsyncWrite + Send>>>,
     decoder: FrameDecoder,
     diagnostics: Vec<u8>,
-    removed: bool,
+    /// Removes the container if the sandbox is dropped without [`Sandbox::destroy`].
+    guard: RemoveOnDrop,
 }
 
 impl Sandbox {
@@ -56,7 +57,7 @@ impl Sandbox {
             .with_context(|| format!("creating a sandbox from image {}", spec.image))?;
         let id = created.id;
         // From here on the container exists; make sure an error below does not leak it.
-        let mut guard = RemoveOnDrop { docker: docker.clone(), id: Some(id.clone()) };
+        let guard = RemoveOnDrop { docker: docker.clone(), id: Some(id.clone()) };
         let attach = docker
             .attach_container(
                 &id,
@@ -65,7 +66,6 @@ impl Sandbox {
             .await
             .context("attaching to the sandbox")?;
         docker.start_container(&id, None::<bollard::query_parameters::StartContainerOptions>).await.context("starting the sandbox")?;
-        guard.id = None;
         Ok(Sandbox {
             docker: docker.clone(),
             id,
@@ -73,7 +73,7 @@ impl Sandbox {
             input: Some(attach.input),
             decoder: FrameDecoder::new(max_frame),
             diagnostics: Vec::new(),
-            removed: false,
+            guard,
         })
     }
 
@@ -152,24 +152,13 @@ impl Sandbox {
 
     /// Remove the container and its workspace.
     pub async fn destroy(mut self) {
-        self.removed = true;
+        self.guard.id = None;
         remove(&self.docker, &self.id).await;
     }
 }
 
-impl Drop for Sandbox {
-    fn drop(&mut self) {
-        if !self.removed {
-            let docker = self.docker.clone();
-            let id = self.id.clone();
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                handle.spawn(async move { remove(&docker, &id).await });
-            }
-        }
-    }
-}
-
-/// Removes a created-but-not-started container if start-up fails half way.
+/// Removes a container when dropped while still holding its id: covers a start-up that fails
+/// half way and a [`Sandbox`] dropped on an unexpected path.
 struct RemoveOnDrop {
     docker: Docker,
     id: Option<String>,
