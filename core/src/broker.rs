@@ -5,6 +5,8 @@
 //! - `sandcell.submissions` (quorum): clients publish [`Submission`](sandcell_protocol::Submission)s here;
 //! - `sandcell.jobs` (quorum, delivery limit): the scheduler publishes
 //!   [`ExecutionJob`](sandcell_protocol::ExecutionJob)s here, workers consume;
+//! - `sandcell.worker.<id>` (classic, one per worker, declared by that worker): the scheduler
+//!   routes every job of a session to the queue of the worker that holds the session;
 //! - `sandcell.dlx` (fanout exchange) → `sandcell.dead` (quorum): poison messages, kept for operators.
 
 use anyhow::{anyhow, Context, Result};
@@ -23,6 +25,29 @@ pub const DEAD_LETTER_QUEUE: &str = "sandcell.dead";
 /// A message returned to a quorum queue more often than this is dead-lettered
 /// (a consumer that crashes on it every time cannot loop forever).
 pub const DELIVERY_LIMIT: i64 = 5;
+
+/// How long a worker's queue survives without a consumer (its worker is gone for good).
+pub const WORKER_QUEUE_EXPIRES_MS: i64 = 15 * 60 * 1000;
+
+/// The queue of the worker `worker_id`: jobs of the sessions it holds.
+pub fn worker_queue(worker_id: &str) -> String {
+    format!("sandcell.worker.{worker_id}")
+}
+
+/// Declare a worker's own queue. Classic rather than quorum: a session lives in one worker's
+/// memory, so replicating its queue would not save the session; low latency matters more.
+/// It expires [`WORKER_QUEUE_EXPIRES_MS`] after its worker stops consuming.
+pub async fn declare_worker_queue(ch: &Channel, worker_id: &str) -> Result<String> {
+    let name = worker_queue(worker_id);
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString("classic".into()));
+    args.insert("x-expires".into(), AMQPValue::LongLongInt(WORKER_QUEUE_EXPIRES_MS));
+    args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(DEAD_LETTER_EXCHANGE.into()));
+    ch.queue_declare(name.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, args)
+        .await
+        .with_context(|| format!("declaring queue {name}"))?;
+    Ok(name)
+}
 
 /// Open a connection to the broker.
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {
@@ -89,6 +114,11 @@ pub fn json_properties(message_id: &str) -> BasicProperties {
         .with_message_id(message_id.into())
 }
 
+/// The broker returned a mandatory message: no queue of that name exists.
+#[derive(Debug, thiserror::Error)]
+#[error("message to {0} was unroutable (queue missing)")]
+pub struct Unroutable(pub String);
+
 /// Publish `body` to `queue` through the default exchange and wait for the broker's confirm.
 /// The publish is mandatory: a message no queue accepts is an error, not a silent drop.
 pub async fn publish_confirmed(ch: &Channel, queue: &str, body: &[u8], props: BasicProperties) -> Result<()> {
@@ -100,7 +130,7 @@ pub async fn publish_confirmed(ch: &Channel, queue: &str, body: &[u8], props: Ba
         .with_context(|| format!("waiting for the broker to confirm a publish to {queue}"))?;
     match confirm {
         lapin::Confirmation::Ack(None) => Ok(()),
-        lapin::Confirmation::Ack(Some(_)) => Err(anyhow!("message to {queue} was unroutable (queue missing?)")),
+        lapin::Confirmation::Ack(Some(_)) => Err(Unroutable(queue.to_string()).into()),
         lapin::Confirmation::Nack(_) => Err(anyhow!("broker refused (nack) a message to {queue}")),
         lapin::Confirmation::NotRequested => Err(anyhow!("channel is not in confirm mode")),
     }

@@ -113,3 +113,13 @@ pub fn intake_limits_from_env() -> Result<IntakeLimits> {
         max_inline_total_bytes: parse_or("SANDCELL_MAX_INLINE_TOTAL_BYTES", d.max_inline_total_bytes)?,
     })
 }
+
+/// Session keep-alive rules: `SANDCELL_SESSION_KEEP_ALIVE_S` (default 300) and
+/// `SANDCELL_SESSION_MAX_KEEP_ALIVE_S` (default 3600).
+pub fn keep_alive_policy_from_env() -> Result<sandcell_protocol::KeepAlivePolicy> {
+    let d = sandcell_protocol::KeepAlivePolicy::default();
+    Ok(sandcell_protocol::KeepAlivePolicy {
+        default_s: parse_or("SANDCELL_SESSION_KEEP_ALIVE_S", d.default_s)?,
+        max_s: parse_or("SANDCELL_SESSION_MAX_KEEP_ALIVE_S", d.max_s)?,
+    })
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
-use sandcell_protocol::{ArtifactKind, ExecError, ExecutionLimits, JobResult, JobStatus, Output, Reason, Submission};
+use sandcell_protocol::{ArtifactKind, ExecError, ExecutionLimits, FileListing, JobResult, JobStatus, Output, Reason, Submission};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
 
@@ -40,7 +40,27 @@ pub enum Recorded {
         dispatched: bool,
         /// Whether the earlier submission had the same body.
         same_payload: bool,
+        /// The session the existing job runs in.
+        session_id: Option<String>,
     },
+}
+
+/// The session side of recording a job.
+#[derive(Debug, Clone, Copy)]
+pub enum JobSessionRecord<'a> {
+    /// The job opens this new session with this keep-alive (seconds).
+    Open(&'a str, u64),
+    /// The job runs in this existing session.
+    Existing(&'a str),
+}
+
+/// What committing a session job does to its session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionTouch {
+    /// The session.
+    pub id: String,
+    /// Close it (the job asked `session.close`); otherwise extend its keep-alive.
+    pub close: bool,
 }
 
 /// A file or figure a job produced, ready to be recorded.
@@ -87,6 +107,14 @@ pub struct Finished {
     pub outputs: Vec<Output>,
     /// Stored artifacts.
     pub artifacts: Vec<NewArtifact>,
+    /// The session's kernel was replaced during the job.
+    pub kernel_restarted: bool,
+    /// Workspace listing, when asked for.
+    pub files: Option<FileListing>,
+    /// The container that ran the job.
+    pub container_id: Option<String>,
+    /// The session to extend or close in the same transaction.
+    pub session: Option<SessionTouch>,
 }
 
 /// A job a worker has claimed.
@@ -128,12 +156,30 @@ impl JobStore {
         &self.pool
     }
 
-    /// Record an accepted submission as `queued`, or report the existing job with that id.
-    pub async fn record_queued(&self, sub: &Submission, limits: &ExecutionLimits, sha256: &str) -> Result<Recorded> {
+    /// Record an accepted submission as `queued`, or report the existing job with that id. A job
+    /// that opens a session records the session (`starting`) in the same transaction, so a
+    /// duplicate submission never creates a second session.
+    pub async fn record_queued(&self, sub: &Submission, limits: &ExecutionLimits, sha256: &str, session: Option<JobSessionRecord<'_>>) -> Result<Recorded> {
         let limits_json = serde_json::to_value(limits).context("serializing limits")?;
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let session_id = match session {
+            Some(JobSessionRecord::Open(id, keep_alive_s)) => {
+                sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job) VALUES ($1, $2, 'starting', $3, $4)")
+                    .bind(id)
+                    .bind(&sub.tenant)
+                    .bind(i32::try_from(keep_alive_s).unwrap_or(i32::MAX))
+                    .bind(&sub.job_id)
+                    .execute(&mut *tx)
+                    .await
+                    .context("inserting session")?;
+                Some(id)
+            }
+            Some(JobSessionRecord::Existing(id)) => Some(id),
+            None => None,
+        };
         let inserted = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits)
-             VALUES ($1, $2, 'queued', $3, $4, $5)
+            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6)
              ON CONFLICT (tenant, job_id) DO NOTHING",
         )
         .bind(&sub.tenant)
@@ -141,25 +187,32 @@ impl JobStore {
         .bind(sub.language.as_str())
         .bind(sha256)
         .bind(limits_json)
-        .execute(&self.pool)
+        .bind(session_id)
+        .execute(&mut *tx)
         .await
         .context("inserting job")?
         .rows_affected();
         if inserted == 1 {
+            tx.commit().await.context("committing job")?;
             return Ok(Recorded::New);
         }
-        let row = sqlx::query("SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256 FROM jobs WHERE tenant = $1 AND job_id = $2")
-            .bind(&sub.tenant)
-            .bind(&sub.job_id)
-            .fetch_one(&self.pool)
-            .await
-            .context("reading existing job")?;
+        // The id is taken: drop the session this copy would have opened.
+        tx.rollback().await.context("rolling back duplicate")?;
+        let row = sqlx::query(
+            "SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256, session_id FROM jobs WHERE tenant = $1 AND job_id = $2",
+        )
+        .bind(&sub.tenant)
+        .bind(&sub.job_id)
+        .fetch_one(&self.pool)
+        .await
+        .context("reading existing job")?;
         let status: String = row.try_get("status")?;
         let previous: Option<String> = row.try_get("submission_sha256")?;
         Ok(Recorded::Duplicate {
             status: JobStatus::parse(&status).with_context(|| format!("unknown status {status:?} in database"))?,
             dispatched: row.try_get("dispatched")?,
             same_payload: previous.as_deref() == Some(sha256),
+            session_id: row.try_get("session_id")?,
         })
     }
 
@@ -172,6 +225,24 @@ impl JobStore {
             .await
             .context("marking job dispatched")?;
         Ok(())
+    }
+
+    /// Refuse a queued job without running it (its session ended before it ran): `rejected`;
+    /// a job that was already claimed becomes `infrastructure_error`. Returns whether it changed.
+    pub async fn refuse(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE jobs SET status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END,
+                    reason = $3, finished_at = now()
+             WHERE tenant = $1 AND job_id = $2 AND status IN ('queued', 'running')",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(serde_json::to_value(reason)?)
+        .execute(&self.pool)
+        .await
+        .context("refusing job")?
+        .rows_affected();
+        Ok(n == 1)
     }
 
     /// Record a rejected submission under its `(tenant, job_id)`. An existing job with that id is
@@ -238,7 +309,8 @@ impl JobStore {
         let mut tx = self.pool.begin().await.context("beginning result transaction")?;
         let n = sqlx::query(
             "UPDATE jobs SET status = $3, stdout = $4, stderr = $5, stdout_truncated = $6, stderr_truncated = $7,
-                    exit_code = $8, error = $9, reason = $10, outputs = $11, finished_at = now()
+                    exit_code = $8, error = $9, reason = $10, outputs = $11, finished_at = now(),
+                    kernel_restarted = $13, files = $14, container_id = $15
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($12)",
         )
         .bind(tenant)
@@ -253,6 +325,9 @@ impl JobStore {
         .bind(fin.reason.as_ref().map(serde_json::to_value).transpose()?)
         .bind(serde_json::to_value(&fin.outputs)?)
         .bind(status_list(fin.status))
+        .bind(fin.kernel_restarted)
+        .bind(fin.files.as_ref().map(serde_json::to_value).transpose()?)
+        .bind(&fin.container_id)
         .execute(&mut *tx)
         .await
         .context("updating job result")?
@@ -273,6 +348,7 @@ impl JobStore {
             .bind(match a.kind {
                 ArtifactKind::File => "file",
                 ArtifactKind::Display => "display",
+                ArtifactKind::Fetched => "fetched",
             })
             .bind(a.size_bytes)
             .bind(&a.content_type)
@@ -283,6 +359,15 @@ impl JobStore {
             .execute(&mut *tx)
             .await
             .context("inserting artifact")?;
+        }
+        if let Some(touch) = &fin.session {
+            let sql = if touch.close {
+                "UPDATE sessions SET state = 'closed', ended_at = now(), last_activity_at = now() WHERE session_id = $1 AND state = 'active'"
+            } else {
+                "UPDATE sessions SET last_activity_at = now(), expires_at = now() + keep_alive_s * interval '1 second'
+                 WHERE session_id = $1 AND state = 'active'"
+            };
+            sqlx::query(sql).bind(&touch.id).execute(&mut *tx).await.context("updating session activity")?;
         }
         tx.commit().await.context("committing job result")?;
         Ok(true)

@@ -10,6 +10,7 @@
 pub mod broker;
 pub mod config;
 pub mod jobs;
+pub mod sessions;
 pub mod store;
 pub mod telemetry;
 

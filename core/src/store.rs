@@ -28,6 +28,17 @@ pub struct ArtifactStore {
     bucket: String,
 }
 
+/// The outcome of [`ArtifactStore::get_limited`].
+#[derive(Debug)]
+pub enum Fetched {
+    /// The object's bytes.
+    Found(Vec<u8>),
+    /// No such object.
+    Missing,
+    /// The object is larger than allowed (its size).
+    TooLarge(u64),
+}
+
 /// The object key of an artifact.
 pub fn artifact_key(tenant: &str, job_id: &str, path: &str) -> String {
     format!("{tenant}/{job_id}/{path}")
@@ -80,6 +91,24 @@ impl ArtifactStore {
         let cfg = PresigningConfig::expires_in(ttl.clamp(Duration::from_secs(1), MAX_PRESIGN)).context("presign duration")?;
         let req = self.client.get_object().bucket(&self.bucket).key(key).presigned(cfg).await.with_context(|| format!("presigning {key}"))?;
         Ok(req.uri().to_string())
+    }
+
+    /// Read an object of at most `max_bytes` (input files uploaded by reference).
+    pub async fn get_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched> {
+        let resp = match self.client.get_object().bucket(&self.bucket).key(key).send().await {
+            Ok(r) => r,
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_no_such_key()) => return Ok(Fetched::Missing),
+            Err(e) => return Err(e).with_context(|| format!("fetching {key}")),
+        };
+        let size = u64::try_from(resp.content_length().unwrap_or(0)).unwrap_or(0);
+        if size > max_bytes {
+            return Ok(Fetched::TooLarge(size));
+        }
+        let body = resp.body.collect().await.with_context(|| format!("reading {key}"))?.into_bytes();
+        if body.len() as u64 > max_bytes {
+            return Ok(Fetched::TooLarge(body.len() as u64));
+        }
+        Ok(Fetched::Found(body.to_vec()))
     }
 
     /// Delete an object (deleting a missing object is not an error in S3).

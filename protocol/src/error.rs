@@ -37,8 +37,20 @@ pub enum ErrorCode {
     DuplicateFilePath,
     /// An input file's `content_b64` is not valid base64.
     InvalidBase64,
-    /// The job asked for a session; sessions are not available on this deployment yet.
-    SessionsUnsupported,
+    /// No session with this id belongs to the job's tenant.
+    SessionNotFound,
+    /// The session's first job has not reached a worker yet.
+    SessionNotReady,
+    /// The session's keep-alive ran out.
+    SessionExpired,
+    /// The session was closed.
+    SessionClosed,
+    /// The session's worker died, or its kernel could not be restarted.
+    SessionLost,
+    /// The session's kernel died or was killed during the job and was replaced.
+    KernelRestarted,
+    /// An input file given by `s3_key` could not be fetched (missing, too large).
+    UploadFailed,
     /// The sandbox could not be created or started (image missing, Docker down, limits refused).
     SandboxUnavailable,
     /// The in-sandbox driver broke the framing protocol or ended without a result.
@@ -55,7 +67,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in documentation order.
-    pub const ALL: [ErrorCode; 20] = [
+    pub const ALL: [ErrorCode; 26] = [
         ErrorCode::MalformedJson,
         ErrorCode::WrongType,
         ErrorCode::MissingField,
@@ -69,7 +81,13 @@ impl ErrorCode {
         ErrorCode::InvalidFilePath,
         ErrorCode::DuplicateFilePath,
         ErrorCode::InvalidBase64,
-        ErrorCode::SessionsUnsupported,
+        ErrorCode::SessionNotFound,
+        ErrorCode::SessionNotReady,
+        ErrorCode::SessionExpired,
+        ErrorCode::SessionClosed,
+        ErrorCode::SessionLost,
+        ErrorCode::KernelRestarted,
+        ErrorCode::UploadFailed,
         ErrorCode::SandboxUnavailable,
         ErrorCode::DriverProtocol,
         ErrorCode::InputFileRejected,
@@ -94,7 +112,13 @@ impl ErrorCode {
             ErrorCode::InvalidFilePath => "invalid_file_path",
             ErrorCode::DuplicateFilePath => "duplicate_file_path",
             ErrorCode::InvalidBase64 => "invalid_base64",
-            ErrorCode::SessionsUnsupported => "sessions_unsupported",
+            ErrorCode::SessionNotFound => "session_not_found",
+            ErrorCode::SessionNotReady => "session_not_ready",
+            ErrorCode::SessionExpired => "session_expired",
+            ErrorCode::SessionClosed => "session_closed",
+            ErrorCode::SessionLost => "session_lost",
+            ErrorCode::KernelRestarted => "kernel_restarted",
+            ErrorCode::UploadFailed => "upload_failed",
             ErrorCode::SandboxUnavailable => "sandbox_unavailable",
             ErrorCode::DriverProtocol => "driver_protocol",
             ErrorCode::InputFileRejected => "input_file_rejected",
@@ -111,16 +135,22 @@ impl ErrorCode {
             ErrorCode::WrongType => "A field has the wrong JSON type, e.g. `timeout_ms: \"5\"`.",
             ErrorCode::MissingField => "A required field (`job_id`, `tenant`, `language`, `code`) is missing.",
             ErrorCode::UnknownField => "The message has a field the protocol does not define (typos are not ignored).",
-            ErrorCode::InvalidValue => "A value breaks its rule: bad `job_id`/`tenant` characters or length, empty code, zero timeout.",
+            ErrorCode::InvalidValue => "A value breaks its rule: bad `job_id`/`tenant`/`session` fields, empty code with nothing else to do, both or neither of `content_b64`/`s3_key`.",
             ErrorCode::UnknownLanguage => "`language` is not `python` or `bash`.",
             ErrorCode::OversizeMessage => "The message is larger than `SANDCELL_MAX_MESSAGE_BYTES`.",
             ErrorCode::OversizeCode => "`code` is larger than `SANDCELL_MAX_CODE_BYTES`.",
             ErrorCode::OversizeFile => "An inline file is larger than `SANDCELL_MAX_INLINE_FILE_BYTES`, or all together exceed `SANDCELL_MAX_INLINE_TOTAL_BYTES`.",
             ErrorCode::TooManyFiles => "More than `SANDCELL_MAX_INPUT_FILES` input files.",
-            ErrorCode::InvalidFilePath => "An input file path is empty, absolute, has a `..` or empty component, a NUL or control byte, or is too long.",
+            ErrorCode::InvalidFilePath => "An input file or `get_files` path is empty, absolute, has a `..` or empty component, a NUL or control byte, or is too long; or an `s3_key` is outside `<tenant>/_uploads/`.",
             ErrorCode::DuplicateFilePath => "Two input files name the same path.",
             ErrorCode::InvalidBase64 => "An input file's `content_b64` is not standard base64.",
-            ErrorCode::SessionsUnsupported => "The job names a session; this version runs every job in a fresh sandbox.",
+            ErrorCode::SessionNotFound => "`session.id` names no session of this tenant (unknown, or another tenant's: the two are not told apart).",
+            ErrorCode::SessionNotReady => "The session's first job has not started yet; submit again once it is running.",
+            ErrorCode::SessionExpired => "The session's keep-alive ran out; its variables and files are gone. Open a new session.",
+            ErrorCode::SessionClosed => "The session was closed by a job with `session.close`.",
+            ErrorCode::SessionLost => "The session's worker died or its sandbox could not be started or restarted; its state is gone.",
+            ErrorCode::KernelRestarted => "The session's kernel died (`os._exit`, OOM) or ignored an interrupt and was replaced: variables and files are gone, the session still works.",
+            ErrorCode::UploadFailed => "An input file's `s3_key` object does not exist or is larger than `SANDCELL_MAX_UPLOAD_FILE_BYTES`.",
             ErrorCode::SandboxUnavailable => "The worker could not create or start the sandbox container (infrastructure).",
             ErrorCode::DriverProtocol => "The sandbox ended or spoke out of protocol before reporting a result (infrastructure, or code that killed its own interpreter).",
             ErrorCode::InputFileRejected => "The sandbox refused to write an input file into the workspace.",
@@ -175,6 +205,8 @@ mod doc_tests {
     fn every_code_is_documented_in_protocol_md() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/protocol.md");
         let doc = std::fs::read_to_string(path).expect("docs/protocol.md");
+        // Only the error table (section 4); result fields may share a code's name.
+        let doc = doc.split("## 4. Errors").nth(1).expect("docs/protocol.md has a section 4. Errors");
         for code in ErrorCode::ALL {
             let row = doc.lines().find(|l| l.starts_with(&format!("| `{}` |", code.as_str())));
             let row = row.unwrap_or_else(|| panic!("docs/protocol.md has no row for `{code}`"));

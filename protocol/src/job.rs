@@ -4,6 +4,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::limits::ExecutionLimits;
+use crate::session::JobSession;
 use crate::submission::{InputFile, Language};
 
 /// One unit of work for a worker. The limits are already resolved by the scheduler; a worker
@@ -24,4 +25,13 @@ pub struct ExecutionJob {
     pub files: Vec<InputFile>,
     /// Limits to run under.
     pub limits: ExecutionLimits,
+    /// The session the job runs in; absent: a one-off sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<JobSession>,
+    /// Workspace files to return as artifacts after the code ran.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub get_files: Vec<String>,
+    /// Return a workspace listing after the code ran.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub list_files: bool,
 }

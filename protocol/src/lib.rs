@@ -13,12 +13,14 @@ pub mod limits;
 pub mod paths;
 pub mod result;
 pub mod schema;
+pub mod session;
 pub mod status;
 pub mod submission;
 
 pub use error::{ErrorCode, Reason};
 pub use job::ExecutionJob;
 pub use limits::{ExecutionLimits, IntakeLimits, LimitPolicy, ResourceRequest};
-pub use result::{Artifact, ArtifactKind, ArtifactState, ExecError, JobResult, Output, Timings};
+pub use result::{Artifact, ArtifactKind, ArtifactState, ExecError, FileEntry, FileListing, JobResult, Output, Timings};
+pub use session::{JobSession, KeepAlivePolicy, Session, SessionState};
 pub use status::JobStatus;
 pub use submission::{parse_submission, InputFile, Language, Rejection, SessionRequest, Submission};

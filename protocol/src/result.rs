@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Reason;
 use crate::limits::ExecutionLimits;
+use crate::session::Session;
 use crate::status::JobStatus;
 use crate::submission::Language;
 
@@ -53,6 +54,35 @@ pub struct JobResult {
     pub worker_id: Option<String>,
     /// How many times a worker claimed the job (more than 1 after a worker died mid-job).
     pub attempts: i32,
+    /// The session the job ran in, as it is now (absent for one-off jobs).
+    pub session: Option<Session>,
+    /// The session's kernel died or had to be killed during this job and was replaced by a
+    /// fresh one: variables, imports and workspace files are gone (`reason` says why).
+    pub kernel_restarted: bool,
+    /// Workspace listing after the code ran, when the job asked `list_files`.
+    pub files: Option<FileListing>,
+}
+
+/// The workspace's regular files after a job (symlinks and tool caches are not listed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FileListing {
+    /// Files sorted by path.
+    pub entries: Vec<FileEntry>,
+    /// More files existed than are listed (at most 1000 are).
+    pub truncated: bool,
+}
+
+/// One listed file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FileEntry {
+    /// Path relative to the workspace.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, seconds since the Unix epoch.
+    pub mtime: f64,
 }
 
 /// A Python exception, Jupyter-style.
@@ -97,6 +127,8 @@ pub enum ArtifactKind {
     File,
     /// A rich output (figure) captured from the interpreter; path is `_display/N.ext`.
     Display,
+    /// An unchanged workspace file the job asked for in `get_files`.
+    Fetched,
 }
 
 /// Whether an artifact can still be downloaded.

@@ -11,6 +11,7 @@ pub fn all() -> Vec<(&'static str, Schema)> {
         ("submission.schema.json", schema_for!(crate::Submission)),
         ("execution-job.schema.json", schema_for!(crate::ExecutionJob)),
         ("result.schema.json", schema_for!(crate::JobResult)),
+        ("session.schema.json", schema_for!(crate::Session)),
     ]
 }
 

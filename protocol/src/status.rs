@@ -1,7 +1,8 @@
 //! The job state machine: the one place that says which status may follow which.
 //!
 //! ```text
-//!            ┌──────────── rejected            (validation failed at intake)
+//!            ┌──────────── rejected            (validation failed at intake, or the
+//!            │                                 session it names ended before it ran)
 //! submit ──▶ queued ──▶ running ──▶ succeeded | failed | timed_out | oom_killed
 //!              │           │                   | infrastructure_error
 //!              │           └──▶ running        (redelivered after a worker died)
@@ -81,7 +82,8 @@ impl JobStatus {
     pub fn can_become(self, next: JobStatus) -> bool {
         use JobStatus::*;
         match (self, next) {
-            (Queued, Running | Cancelled | InfrastructureError) => true,
+            // Rejected from queued: a worker refused it before running (its session had ended).
+            (Queued, Running | Cancelled | Rejected | InfrastructureError) => true,
             // Redelivery after a worker died mid-job: another worker claims it again.
             (Running, Running) => true,
             (Running, Succeeded | Failed | TimedOut | OomKilled | Cancelled | InfrastructureError) => true,

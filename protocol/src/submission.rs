@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ErrorCode, Reason};
 use crate::limits::{IntakeLimits, ResourceRequest};
 use crate::paths::validate_workspace_path;
+pub use crate::session::SessionRequest;
 
 /// Languages a job may be written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
@@ -33,27 +34,36 @@ impl Language {
     }
 }
 
-/// A file placed in the workspace (`/home/user`) before the code runs.
+/// A file placed in the workspace (`/home/user`) before the code runs: inline (`content_b64`)
+/// or by reference to an object the client uploaded (`s3_key`). Exactly one of the two.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct InputFile {
     /// Path relative to the workspace, e.g. `data/transactions.csv`.
     pub path: String,
-    /// The file's bytes, standard base64 with padding.
-    pub content_b64: String,
+    /// The file's bytes, standard base64 with padding (up to `SANDCELL_MAX_INLINE_FILE_BYTES`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_b64: Option<String>,
+    /// Key of an object in the artifact bucket under `<tenant>/_uploads/`, for large files
+    /// (up to `SANDCELL_MAX_UPLOAD_FILE_BYTES`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3_key: Option<String>,
 }
 
-/// Session fields. Reserved: sessions arrive in a later version; today a submission that
-/// carries `session` is rejected with `sessions_unsupported`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SessionRequest {
-    /// Run in this existing session. Absent: open a new session.
-    #[serde(default)]
-    pub id: Option<String>,
-    /// Seconds the session stays alive after its last activity.
-    #[serde(default)]
-    pub keep_alive_s: Option<u64>,
+impl InputFile {
+    /// An inline file.
+    pub fn inline(path: impl Into<String>, bytes: &[u8]) -> Self {
+        InputFile { path: path.into(), content_b64: Some(base64::engine::general_purpose::STANDARD.encode(bytes)), s3_key: None }
+    }
+}
+
+/// Most entries in `get_files`.
+pub const MAX_GET_FILES: usize = 64;
+
+/// The object-key prefix under which a tenant uploads input files (job ids cannot contain `_`,
+/// so uploads never collide with artifact keys `<tenant>/<job_id>/...`).
+pub fn upload_prefix(tenant: &str) -> String {
+    format!("{tenant}/_uploads/")
 }
 
 /// A request to run code. Published as JSON to the `sandcell.submissions` queue.
@@ -66,7 +76,8 @@ pub struct Submission {
     pub tenant: String,
     /// `python` or `bash`.
     pub language: Language,
-    /// The code to run. Not empty.
+    /// The code to run. May be empty only when the job does something else: `get_files`,
+    /// `list_files` or `session.close`.
     pub code: String,
     /// Files placed in the workspace before the code runs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -83,12 +94,36 @@ pub struct Submission {
     /// Seconds the job's artifacts stay downloadable (clamped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub artifact_ttl_s: Option<u64>,
-    /// Reserved for sessions.
+    /// Open a session with this job, or run in an existing one. Absent: a one-off sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<SessionRequest>,
+    /// Workspace files to return as artifacts after the code ran, changed or not (`get_file`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub get_files: Vec<String>,
+    /// Return a listing of the workspace after the code ran (`files` in the result).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub list_files: bool,
 }
 
 impl Submission {
+    /// A submission of `code` with every optional field at its default.
+    pub fn new(tenant: impl Into<String>, job_id: impl Into<String>, language: Language, code: impl Into<String>) -> Self {
+        Submission {
+            job_id: job_id.into(),
+            tenant: tenant.into(),
+            language,
+            code: code.into(),
+            files: Vec::new(),
+            timeout_ms: None,
+            memory_mb: None,
+            cpus: None,
+            artifact_ttl_s: None,
+            session: None,
+            get_files: Vec::new(),
+            list_files: false,
+        }
+    }
+
     /// The resource requests this submission makes.
     pub fn resource_request(&self) -> ResourceRequest {
         ResourceRequest {
@@ -202,8 +237,9 @@ fn validate(sub: &Submission, limits: &IntakeLimits) -> Result<(), Reason> {
     if !is_valid_tenant(&sub.tenant) {
         return invalid("tenant must be 1-64 characters of [a-z0-9_-]".into());
     }
-    if sub.code.trim().is_empty() {
-        return invalid("code is empty".into());
+    let other_work = !sub.get_files.is_empty() || sub.list_files || sub.session.as_ref().is_some_and(|s| s.close);
+    if sub.code.trim().is_empty() && !other_work {
+        return invalid("code is empty (it may be empty only with get_files, list_files or session.close)".into());
     }
     if sub.code.len() > limits.max_code_bytes {
         return Err(Reason::new(ErrorCode::OversizeCode, too_big("code", sub.code.len(), limits.max_code_bytes, "")));
@@ -211,13 +247,31 @@ fn validate(sub: &Submission, limits: &IntakeLimits) -> Result<(), Reason> {
     if sub.cpus.is_some_and(|c| !c.is_finite()) {
         return invalid("cpus must be a finite number".into());
     }
-    if sub.session.is_some() {
-        return Err(Reason::new(ErrorCode::SessionsUnsupported, "sessions are not available in this version; omit `session`"));
+    if let Some(session) = &sub.session {
+        session.check().map_err(|m| Reason::new(ErrorCode::InvalidValue, m))?;
     }
-    validate_files(&sub.files, limits)
+    if sub.get_files.len() > MAX_GET_FILES {
+        return invalid(format!("get_files names {} files; the limit is {MAX_GET_FILES}", sub.get_files.len()));
+    }
+    for path in &sub.get_files {
+        if let Err(e) = validate_workspace_path(path) {
+            return Err(Reason::new(ErrorCode::InvalidFilePath, format!("get_files entry {path:?}: {e}")));
+        }
+    }
+    validate_files(&sub.tenant, &sub.files, limits)
 }
 
-fn validate_files(files: &[InputFile], limits: &IntakeLimits) -> Result<(), Reason> {
+/// Whether `key` is an acceptable upload reference for `tenant`: under its upload prefix, no
+/// empty, `.` or `..` segments, no control characters, at most 1024 bytes.
+pub fn is_valid_upload_key(tenant: &str, key: &str) -> bool {
+    let Some(rest) = key.strip_prefix(&upload_prefix(tenant)) else { return false };
+    key.len() <= 1024
+        && !rest.is_empty()
+        && !key.chars().any(char::is_control)
+        && rest.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != "..")
+}
+
+fn validate_files(tenant: &str, files: &[InputFile], limits: &IntakeLimits) -> Result<(), Reason> {
     if files.len() > limits.max_input_files {
         return Err(Reason::new(
             ErrorCode::TooManyFiles,
@@ -233,13 +287,28 @@ fn validate_files(files: &[InputFile], limits: &IntakeLimits) -> Result<(), Reas
         if !seen.insert(f.path.as_str()) {
             return Err(Reason::new(ErrorCode::DuplicateFilePath, format!("input file {:?} appears twice", f.path)));
         }
+        let content_b64 = match (&f.content_b64, &f.s3_key) {
+            (Some(b64), None) => b64,
+            (None, Some(key)) => {
+                if !is_valid_upload_key(tenant, key) {
+                    return Err(Reason::new(
+                        ErrorCode::InvalidFilePath,
+                        format!("input file {:?}: s3_key must be a plain key under {:?}", f.path, upload_prefix(tenant)),
+                    ));
+                }
+                continue;
+            }
+            _ => {
+                return Err(Reason::new(ErrorCode::InvalidValue, format!("input file {:?}: give exactly one of content_b64 and s3_key", f.path)));
+            }
+        };
         // Estimate first so that a huge payload is refused without decoding it.
-        let estimated = f.content_b64.len() / 4 * 3;
+        let estimated = content_b64.len() / 4 * 3;
         if estimated > limits.max_inline_file_bytes + 3 {
             return Err(Reason::new(ErrorCode::OversizeFile, too_big(&format!("input file {:?}", f.path), estimated, limits.max_inline_file_bytes, "")));
         }
         let decoded = base64::engine::general_purpose::STANDARD
-            .decode(&f.content_b64)
+            .decode(content_b64)
             .map_err(|e| Reason::new(ErrorCode::InvalidBase64, format!("input file {:?}: {e}", f.path)))?;
         if decoded.len() > limits.max_inline_file_bytes {
             return Err(Reason::new(ErrorCode::OversizeFile, too_big(&format!("input file {:?}", f.path), decoded.len(), limits.max_inline_file_bytes, "")));
@@ -366,9 +435,64 @@ mod tests {
     }
 
     #[test]
-    fn sessions_are_refused_for_now() {
+    fn session_fields_are_checked_together() {
+        let mut v = valid();
+        v["session"] = json!({"new": true, "keep_alive_s": 60});
+        assert!(parse(v).is_ok());
         let mut v = valid();
         v["session"] = json!({"keep_alive_s": 60});
-        assert_eq!(code_of(parse(v)), ErrorCode::SessionsUnsupported);
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidValue);
+        let mut v = valid();
+        v["session"] = json!({"id": "../other-tenant"});
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidValue);
+        let mut v = valid();
+        v["session"] = json!({"new": "yes"});
+        assert_eq!(code_of(parse(v)), ErrorCode::WrongType);
+    }
+
+    #[test]
+    fn empty_code_is_allowed_only_with_other_work() {
+        let mut v = valid();
+        v["code"] = json!("");
+        assert_eq!(code_of(parse(v.clone())), ErrorCode::InvalidValue);
+        v["list_files"] = json!(true);
+        assert!(parse(v).is_ok());
+        let mut v = valid();
+        v["code"] = json!("");
+        v["session"] = json!({"id": crate::session::new_session_id(), "close": true});
+        assert!(parse(v).is_ok());
+    }
+
+    #[test]
+    fn get_files_paths_follow_the_workspace_rules() {
+        let mut v = valid();
+        v["get_files"] = json!(["ok.csv", "../../etc/shadow"]);
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidFilePath);
+        let mut v = valid();
+        v["get_files"] = json!(vec!["a"; MAX_GET_FILES + 1]);
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidValue);
+    }
+
+    #[test]
+    fn upload_references_must_stay_under_the_tenants_prefix() {
+        for (key, ok) in [
+            ("acme/_uploads/big.csv", true),
+            ("acme/_uploads/dir/big.csv", true),
+            ("other/_uploads/big.csv", false),
+            ("acme/_uploads/../../other/uploads/x", false),
+            ("acme/_uploads/", false),
+            ("acme/_uploads//x", false),
+            ("acme/j-1/chart.png", false),
+        ] {
+            let mut v = valid();
+            v["files"] = json!([{"path": "in.csv", "s3_key": key}]);
+            assert_eq!(parse(v).is_ok(), ok, "{key}");
+        }
+        let mut v = valid();
+        v["files"] = json!([{"path": "in.csv", "s3_key": "acme/_uploads/x", "content_b64": "aGk="}]);
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidValue);
+        let mut v = valid();
+        v["files"] = json!([{"path": "in.csv"}]);
+        assert_eq!(code_of(parse(v)), ErrorCode::InvalidValue);
     }
 }

@@ -1,0 +1,229 @@
+//! The session store: session ownership, keep-alive bookkeeping and worker liveness in Postgres.
+//!
+//! Every session state change happens here, through a guarded `UPDATE` whose source states come
+//! from [`SessionState::sources_of`]. Who may call what:
+//! - the scheduler records a session as `starting` together with the job that opens it
+//!   ([`crate::jobs::JobStore::record_queued`]) and reads [`SessionStore::route`] to place later jobs;
+//! - only the worker running the opening job may [`bind`](SessionStore::bind) it (→ `active`);
+//! - only the worker holding it may [`end`](SessionStore::end) it (→ `expired`, `closed`, `lost`);
+//! - a starting worker, or the sweeper for a worker whose heartbeat stopped, declares that worker's
+//!   sessions `lost` ([`SessionStore::lose_worker`]).
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use chrono::{DateTime, Utc};
+use sandcell_protocol::{ErrorCode, JobStatus, Reason, Session, SessionState};
+use sqlx::postgres::PgPool;
+use sqlx::Row;
+
+/// Where the scheduler should send a job naming a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// The session is active on this worker.
+    Worker(String),
+    /// The job cannot run; record this reason.
+    Refuse(Reason),
+}
+
+/// Handle on the session tables (shares the job store's pool).
+#[derive(Clone)]
+pub struct SessionStore {
+    pool: PgPool,
+}
+
+fn states(next: SessionState) -> Vec<String> {
+    SessionState::sources_of(next).into_iter().map(|s| s.as_str().to_string()).collect()
+}
+
+impl SessionStore {
+    /// Wrap a pool.
+    pub fn new(pool: PgPool) -> Self {
+        SessionStore { pool }
+    }
+
+    /// Decide where a job of `tenant` naming `session_id` goes. Another tenant's session is
+    /// reported exactly like an unknown one, so ids cannot be probed.
+    pub async fn route(&self, tenant: &str, session_id: &str) -> Result<Route> {
+        let row = sqlx::query("SELECT state, worker_id FROM sessions WHERE session_id = $1 AND tenant = $2")
+            .bind(session_id)
+            .bind(tenant)
+            .fetch_optional(&self.pool)
+            .await
+            .context("looking up session")?;
+        let Some(row) = row else {
+            return Ok(Route::Refuse(Reason::new(ErrorCode::SessionNotFound, format!("tenant {tenant} has no session {session_id}"))));
+        };
+        let state = parse_state(row.try_get("state")?)?;
+        if let Some(reason) = state.refusal(session_id) {
+            return Ok(Route::Refuse(reason));
+        }
+        let worker: Option<String> = row.try_get("worker_id")?;
+        Ok(match worker {
+            Some(w) => Route::Worker(w),
+            None => Route::Refuse(Reason::new(ErrorCode::SessionLost, format!("session {session_id} is active but has no worker"))),
+        })
+    }
+
+    /// The state of a session, checked against its tenant.
+    pub async fn state(&self, tenant: &str, session_id: &str) -> Result<Option<SessionState>> {
+        let row = sqlx::query("SELECT state FROM sessions WHERE session_id = $1 AND tenant = $2")
+            .bind(session_id)
+            .bind(tenant)
+            .fetch_optional(&self.pool)
+            .await
+            .context("reading session state")?;
+        row.map(|r| parse_state(r.try_get("state")?)).transpose()
+    }
+
+    /// Make `worker_id` the owner of a session, as the worker starting its opening job `job_id`.
+    /// Also allowed when the session is already active: the opening job was redelivered because
+    /// its first worker died. Returns false when the session is no longer bindable.
+    pub async fn bind(&self, session_id: &str, job_id: &str, worker_id: &str, container_id: &str) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE sessions SET state = 'active', worker_id = $3, container_id = $4, last_activity_at = now(),
+                    expires_at = now() + keep_alive_s * interval '1 second'
+             WHERE session_id = $1 AND created_by_job = $2 AND state = ANY($5)",
+        )
+        .bind(session_id)
+        .bind(job_id)
+        .bind(worker_id)
+        .bind(container_id)
+        .bind(states(SessionState::Active))
+        .execute(&self.pool)
+        .await
+        .context("binding session to worker")?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Record that a session's kernel was replaced by a new container.
+    pub async fn set_container(&self, session_id: &str, worker_id: &str, container_id: &str) -> Result<()> {
+        sqlx::query("UPDATE sessions SET container_id = $3 WHERE session_id = $1 AND worker_id = $2 AND state = 'active'")
+            .bind(session_id)
+            .bind(worker_id)
+            .bind(container_id)
+            .execute(&self.pool)
+            .await
+            .context("recording session container")?;
+        Ok(())
+    }
+
+    /// End a session held by `worker_id` (expired, closed, lost) or one that never started
+    /// (failed). Returns false if it had already ended or belongs to another worker.
+    pub async fn end(&self, session_id: &str, worker_id: Option<&str>, state: SessionState, reason: Option<&Reason>) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE sessions SET state = $2, ended_at = now(), end_reason = $3
+             WHERE session_id = $1 AND ($4::text IS NULL OR worker_id = $4) AND state = ANY($5)",
+        )
+        .bind(session_id)
+        .bind(state.as_str())
+        .bind(reason.map(serde_json::to_value).transpose()?)
+        .bind(worker_id)
+        .bind(states(state))
+        .execute(&self.pool)
+        .await
+        .context("ending session")?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Declare every live session of `worker_id` lost, and end their unfinished jobs with
+    /// `session_lost`. Called by a worker at start-up (its containers are gone) and by the
+    /// sweeper for a worker whose heartbeat stopped. Returns the number of sessions lost.
+    pub async fn lose_worker(&self, worker_id: &str, why: &str) -> Result<u64> {
+        let reason = Reason::new(ErrorCode::SessionLost, why.to_string());
+        let reason_json = serde_json::to_value(&reason)?;
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let lost: Vec<String> = sqlx::query_scalar(
+            "UPDATE sessions SET state = 'lost', ended_at = now(), end_reason = $2
+             WHERE worker_id = $1 AND state = ANY($3) RETURNING session_id",
+        )
+        .bind(worker_id)
+        .bind(&reason_json)
+        .bind(states(SessionState::Lost))
+        .fetch_all(&mut *tx)
+        .await
+        .context("marking sessions lost")?;
+        if !lost.is_empty() {
+            refuse_session_jobs(&mut tx, &lost, &reason_json).await?;
+        }
+        tx.commit().await.context("committing lost sessions")?;
+        Ok(lost.len() as u64)
+    }
+
+    /// Note that a worker is alive, with its capacity.
+    pub async fn heartbeat(&self, worker_id: &str, slots: i32, max_sessions: i32) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO workers (worker_id, slots, max_sessions) VALUES ($1, $2, $3)
+             ON CONFLICT (worker_id) DO UPDATE SET last_seen_at = now(), slots = $2, max_sessions = $3",
+        )
+        .bind(worker_id)
+        .bind(slots)
+        .bind(max_sessions)
+        .execute(&self.pool)
+        .await
+        .context("worker heartbeat")?;
+        Ok(())
+    }
+
+    /// Workers that hold live sessions but have not been seen for `silence`.
+    pub async fn silent_workers(&self, silence: Duration) -> Result<Vec<String>> {
+        let rows = sqlx::query_scalar(
+            "SELECT w.worker_id FROM workers w
+             WHERE w.last_seen_at < now() - $1 * interval '1 millisecond'
+               AND EXISTS (SELECT 1 FROM sessions s WHERE s.worker_id = w.worker_id AND s.state IN ('starting', 'active'))",
+        )
+        .bind(i64::try_from(silence.as_millis()).unwrap_or(i64::MAX))
+        .fetch_all(&self.pool)
+        .await
+        .context("finding silent workers")?;
+        Ok(rows)
+    }
+
+    /// One session as its tenant sees it.
+    pub async fn get(&self, tenant: &str, session_id: &str) -> Result<Option<Session>> {
+        let row = sqlx::query("SELECT document FROM session_documents WHERE session_id = $1 AND tenant = $2")
+            .bind(session_id)
+            .bind(tenant)
+            .fetch_optional(&self.pool)
+            .await
+            .context("reading session")?;
+        row.map(|r| {
+            let v: serde_json::Value = r.try_get("document")?;
+            serde_json::from_value(v).context("decoding session")
+        })
+        .transpose()
+    }
+
+    /// When the session expires unless a job runs (active sessions).
+    pub async fn expires_at(&self, session_id: &str) -> Result<Option<DateTime<Utc>>> {
+        let v = sqlx::query_scalar("SELECT expires_at FROM sessions WHERE session_id = $1")
+            .bind(session_id)
+            .fetch_optional(&self.pool)
+            .await
+            .context("reading session expiry")?;
+        Ok(v.flatten())
+    }
+}
+
+/// End the unfinished jobs of ended sessions: queued ones are `rejected` (they never ran),
+/// running ones `infrastructure_error` (their kernel went away under them).
+pub(crate) async fn refuse_session_jobs(tx: &mut sqlx::PgConnection, sessions: &[String], reason: &serde_json::Value) -> Result<()> {
+    debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected) && JobStatus::Running.can_become(JobStatus::InfrastructureError));
+    sqlx::query(
+        "UPDATE jobs SET status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END,
+                reason = $2, finished_at = now()
+         WHERE session_id = ANY($1) AND status IN ('queued', 'running')",
+    )
+    .bind(sessions)
+    .bind(reason)
+    .execute(tx)
+    .await
+    .context("ending the jobs of lost sessions")?;
+    Ok(())
+}
+
+fn parse_state(s: String) -> Result<SessionState> {
+    SessionState::parse(&s).with_context(|| format!("unknown session state {s:?} in database"))
+}

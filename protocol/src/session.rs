@@ -1,0 +1,261 @@
+//! Sessions: the contract of a stateful kernel that lives across jobs.
+//!
+//! A session is one long-lived sandbox on one worker. A job opens it (`session.new`), later jobs
+//! name it (`session.id`) and run in it one at a time, in submission order, seeing the variables
+//! and files earlier jobs left. It ends when its keep-alive runs out, when a job closes it, or
+//! when its worker dies. This module owns the session state machine and the keep-alive rules.
+//!
+//! ```text
+//! new job ──▶ starting ──▶ active ──▶ expired   (keep-alive ran out)
+//!                │            │  ├──▶ closed    (a job asked `close`)
+//!                │            │  └──▶ lost      (its worker died, or the kernel could not restart)
+//!                └──▶ failed  (no sandbox could be started for it)
+//! ```
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ErrorCode, Reason};
+
+/// Where a session is in its life. Terminal states never change again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    /// Recorded by the scheduler; its first job has not reached a worker yet.
+    Starting,
+    /// Held by a worker, which runs its jobs.
+    Active,
+    /// The keep-alive ran out; container and workspace are gone.
+    Expired,
+    /// A job closed it; container and workspace are gone.
+    Closed,
+    /// Its worker died or its kernel could not be restarted.
+    Lost,
+    /// No sandbox could be started for it.
+    Failed,
+}
+
+impl SessionState {
+    /// Every state.
+    pub const ALL: [SessionState; 6] =
+        [SessionState::Starting, SessionState::Active, SessionState::Expired, SessionState::Closed, SessionState::Lost, SessionState::Failed];
+
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionState::Starting => "starting",
+            SessionState::Active => "active",
+            SessionState::Expired => "expired",
+            SessionState::Closed => "closed",
+            SessionState::Lost => "lost",
+            SessionState::Failed => "failed",
+        }
+    }
+
+    /// Parse a wire name.
+    pub fn parse(s: &str) -> Option<SessionState> {
+        SessionState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+
+    /// Whether the session can never run a job again.
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, SessionState::Starting | SessionState::Active)
+    }
+
+    /// Whether `self → next` is a legal transition.
+    pub fn can_become(self, next: SessionState) -> bool {
+        use SessionState::*;
+        match (self, next) {
+            (Starting, Active | Failed | Lost) => true,
+            // The first job was redelivered to another worker after its worker died.
+            (Active, Active) => true,
+            (Active, Expired | Closed | Lost) => true,
+            _ => false,
+        }
+    }
+
+    /// The states from which `next` may be entered (for SQL guards).
+    pub fn sources_of(next: SessionState) -> Vec<SessionState> {
+        SessionState::ALL.into_iter().filter(|s| s.can_become(next)).collect()
+    }
+
+    /// Why a job naming a session in this state cannot run, if it cannot.
+    pub fn refusal(self, id: &str) -> Option<Reason> {
+        let (code, what) = match self {
+            SessionState::Active => return None,
+            SessionState::Starting => (ErrorCode::SessionNotReady, "is still starting; submit again once its first job is running"),
+            SessionState::Expired => (ErrorCode::SessionExpired, "expired: its keep-alive ran out and its state is gone"),
+            SessionState::Closed => (ErrorCode::SessionClosed, "was closed"),
+            SessionState::Lost => (ErrorCode::SessionLost, "was lost with its worker; its state is gone"),
+            SessionState::Failed => (ErrorCode::SessionLost, "never started"),
+        };
+        Some(Reason::new(code, format!("session {id} {what}")))
+    }
+}
+
+impl std::fmt::Display for SessionState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The session part of a submission: open a new session, or run in an existing one.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionRequest {
+    /// `true`: open a new session with this job; the result carries its id.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub new: bool,
+    /// Run in this existing session (an id a previous result returned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// With `new`: seconds the session lives after its last activity (clamped to the operator's
+    /// maximum; default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_alive_s: Option<u64>,
+    /// With `id`: close the session after this job (its code may be empty).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub close: bool,
+}
+
+impl SessionRequest {
+    /// Check the combination of fields; returns a message for `invalid_value`.
+    pub fn check(&self) -> Result<(), String> {
+        match (&self.id, self.new) {
+            (Some(_), true) => return Err("session: give either `new: true` or `id`, not both".into()),
+            (None, false) => return Err("session: give `new: true` to open a session or `id` to use one".into()),
+            (Some(id), false) if !is_valid_session_id(id) => return Err("session.id is not a session id sandcell issued".into()),
+            _ => {}
+        }
+        if self.keep_alive_s.is_some() && !self.new {
+            return Err("session.keep_alive_s can only be set when opening a session".into());
+        }
+        if self.close && self.new {
+            return Err("session.close needs an existing session `id`".into());
+        }
+        Ok(())
+    }
+}
+
+/// Session ids are issued by the scheduler: `ses_` and 32 lowercase hex digits.
+pub fn new_session_id() -> String {
+    format!("ses_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Whether `s` has the shape of an id sandcell issues.
+pub fn is_valid_session_id(s: &str) -> bool {
+    s.len() == 36 && s.starts_with("ses_") && s[4..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The operator's keep-alive rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeepAlivePolicy {
+    /// Used when the job asks for none (`SANDCELL_SESSION_KEEP_ALIVE_S`, default 300).
+    pub default_s: u64,
+    /// The most a job may ask for (`SANDCELL_SESSION_MAX_KEEP_ALIVE_S`, default 3600).
+    pub max_s: u64,
+}
+
+impl Default for KeepAlivePolicy {
+    fn default() -> Self {
+        KeepAlivePolicy { default_s: 300, max_s: 3600 }
+    }
+}
+
+impl KeepAlivePolicy {
+    /// The keep-alive a session gets: the request clamped to `[1, max]`, or the default.
+    pub fn resolve(&self, requested: Option<u64>) -> u64 {
+        requested.unwrap_or(self.default_s).clamp(1, self.max_s.max(1))
+    }
+}
+
+/// What the scheduler tells a worker about the session of a job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JobSession {
+    /// The session id.
+    pub id: String,
+    /// This job opens the session.
+    pub new: bool,
+    /// With `new`: the keep-alive in seconds, resolved by the scheduler (0 otherwise).
+    pub keep_alive_s: u64,
+    /// Close the session after this job.
+    pub close: bool,
+}
+
+/// A session as a client reads it (in a job result, or on its own).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Session {
+    /// The session id.
+    pub id: String,
+    /// Owner.
+    pub tenant: String,
+    /// Where the session is.
+    pub state: SessionState,
+    /// Seconds of inactivity before it expires.
+    pub keep_alive_s: i64,
+    /// The worker holding it (while starting: none yet).
+    pub worker_id: Option<String>,
+    /// When the scheduler recorded it.
+    pub created_at: DateTime<Utc>,
+    /// When a job last finished in it (or it became active).
+    pub last_activity_at: Option<DateTime<Utc>>,
+    /// When it expires unless a job runs first (active sessions only).
+    pub expires_at: Option<DateTime<Utc>>,
+    /// When it ended.
+    pub ended_at: Option<DateTime<Utc>>,
+    /// Why it ended, for `lost` and `failed`.
+    pub end_reason: Option<Reason>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terminal_states_never_change() {
+        for from in SessionState::ALL.into_iter().filter(|s| s.is_terminal()) {
+            for to in SessionState::ALL {
+                assert!(!from.can_become(to), "{from} -> {to}");
+            }
+        }
+    }
+
+    #[test]
+    fn only_an_active_session_runs_jobs() {
+        for s in SessionState::ALL {
+            assert_eq!(s.refusal("ses_x").is_none(), s == SessionState::Active, "{s}");
+        }
+        assert_eq!(SessionState::Expired.refusal("ses_x").unwrap().code, ErrorCode::SessionExpired);
+    }
+
+    #[test]
+    fn issued_ids_are_valid_and_others_are_not() {
+        assert!(is_valid_session_id(&new_session_id()));
+        for bad in ["", "ses_", "ses_../../etc", "SES_0123456789abcdef0123456789abcdef", "ses_0123456789ABCDEF0123456789abcdef"] {
+            assert!(!is_valid_session_id(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn keep_alive_is_clamped_to_the_operator_maximum() {
+        let p = KeepAlivePolicy::default();
+        assert_eq!(p.resolve(None), 300);
+        assert_eq!(p.resolve(Some(99_999)), 3600);
+        assert_eq!(p.resolve(Some(0)), 1);
+    }
+
+    #[test]
+    fn session_request_combinations() {
+        let new = SessionRequest { new: true, ..Default::default() };
+        assert!(new.check().is_ok());
+        let id = SessionRequest { id: Some(new_session_id()), close: true, ..Default::default() };
+        assert!(id.check().is_ok());
+        assert!(SessionRequest::default().check().is_err());
+        assert!(SessionRequest { new: true, id: Some(new_session_id()), ..Default::default() }.check().is_err());
+        assert!(SessionRequest { id: Some(new_session_id()), keep_alive_s: Some(5), ..Default::default() }.check().is_err());
+        assert!(SessionRequest { new: true, close: true, ..Default::default() }.check().is_err());
+    }
+}
