@@ -34,4 +34,4 @@ docker run --rm -i --network none --read-only --user 1000:1000 \
 
 echo "== cargo test"
 # shellcheck disable=SC2086
-cargo test --workspace ${CARGO_TEST_ARGS:-}
+cargo test --workspace --no-fail-fast ${CARGO_TEST_ARGS:-}

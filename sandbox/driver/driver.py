@@ -16,8 +16,12 @@ Driver diagnostics go to a private duplicate of the original stderr.
 
 Driver -> worker
 ----------------
-ready           {"driver_version": 1, "python": "3.11.2", "ipython": "8.5.0"}
-                sent once, before the first request is read.
+ready           {"driver_version": 1, "python": "3.11.2", "ipython": "8.5.0",
+                 "preloaded": [module names], "startup_ms": float}
+                sent once, before the first request is read.  preloaded:
+                the SANDCELL_PRELOAD modules that imported (see below);
+                startup_ms: ms from the driver module's start (the
+                interpreter's own start-up not included) to ready.
 stream          {"id", "name": "stdout"|"stderr", "text"}
                 captured output, in order per stream; UTF-8 decoded with
                 errors="replace"; capped per request by stdout_limit /
@@ -33,11 +37,29 @@ display_data    {"id", "data": {mime: value}}
 error           {"id", "ename", "evalue", "traceback": [lines]}
                 an exception raised by a python cell (plain text, no ANSI).
 file_error      {"id", "path", "message"}   an input file was refused.
-file            {"id", "path", "size", "content_b64"}
-                a regular file under the workspace that is new or changed.
+file            {"id", "path", "size", "content_b64"[, "requested": true]}
+                a regular file under the workspace that is new or changed,
+                or (with "requested": true) an unchanged one named in
+                get_files.  A get_files path that is also new/changed is
+                sent once, as a changed file (no "requested").
 file_skipped    {"id", "path", "reason"}
-                a new/changed entry not sent; reason is one of
-                "not_regular_file", "too_large", "limit_reached", "unreadable".
+                a new/changed entry or a get_files path not sent; reason
+                is one of "not_regular_file" (also: a symlink, or a path
+                through a symlink or non-directory), "too_large",
+                "limit_reached", "unreadable"; for get_files paths also
+                "not_found" and "invalid_path" (fails the input-file path
+                rules).
+file_list       {"id", "entries": [{"path", "size", "mtime"}], "truncated"}
+                sent when the request has list_files: true.  The regular
+                files under the workspace after the code ran, sorted by
+                path (code point order), without the skipped tool/cache
+                dirs; symlinks are neither listed nor followed.  mtime:
+                seconds since the epoch, rounded to ms.  At most 1000
+                entries; truncated: more files exist.
+stats           {"id", "rss_kb": int, "children": int}
+                answer to a stats request: the driver's VmRSS, and how many
+                live (non-zombie) processes the container has besides the
+                driver and PID 1.
 done            {"id", "status": "ok"|"error"|"input_error",
                  "exit_code": int|null, "stdout_truncated", "stderr_truncated",
                  "execution_count", "duration_ms"}
@@ -56,18 +78,39 @@ Worker -> driver
 execute         {"id", "language": "python"|"bash", "code",
                  "files": [{"path", "content_b64"}],
                  "timeout_ms", "stdout_limit", "stderr_limit",
-                 "max_file_bytes", "max_artifact_files", "max_artifact_bytes"}
+                 "max_file_bytes", "max_artifact_files", "max_artifact_bytes",
+                 "get_files": [path], "list_files": bool}
                 "id" is opaque and echoed as "id" on every frame of the
                 request.  Only id/language/code are required.
+                get_files: at most 64 workspace-relative paths to send
+                after the code ran even if unchanged, in this order, after
+                the new/changed files and under the same limits (a repeated
+                path is sent once).  list_files: send a file_list.  Neither
+                is done for an input_error.
+stats           {"id"}
+                answered with one stats frame (no done).  Like any request
+                it is read only once the previous one is finished.
 
-Frames of one request are either
+Frames of one execute request are either
     file_error+, done(status "input_error")        (code not run), or
     (stream | execute_result | display_data | error)*  in the order produced,
-    (file | file_skipped)*,  done.
+    (file | file_skipped)*  (changed files sorted by path, then get_files),
+    file_list?,  done.
 Requests are handled one at a time; python state persists between them.
 EOF on stdin makes the driver exit with status 0.  SIGINT interrupts a
 running cell (python: KeyboardInterrupt; bash: SIGINT to its process group,
 SIGKILL after 2 s) and is ignored between cells.
+
+Environment
+-----------
+SANDCELL_WORKSPACE  the workspace directory (default /home/user).
+SANDCELL_PRELOAD    comma-separated module names (e.g.
+                    "numpy,pandas,matplotlib.pyplot") imported before ready,
+                    into sys.modules only: no name is bound in the user
+                    namespace.  A failed import is logged to diagnostics and
+                    left out of "preloaded".  If matplotlib got imported, a
+                    throwaway figure is rendered (outside pyplot) so a cell's
+                    first figure costs no more than later ones.
 """
 
 import base64
@@ -75,6 +118,8 @@ import codecs
 import contextlib
 import ctypes
 import errno
+import heapq
+import importlib
 import io
 import json
 import os
@@ -91,6 +136,9 @@ import threading
 import time
 import traceback
 
+# Start of the driver script, for "startup_ms" in the ready frame.
+STARTED_AT = time.monotonic()
+
 DRIVER_VERSION = 1
 WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
 
@@ -106,6 +154,10 @@ DEFAULT_LIMITS = {
 MAX_REQUEST_BYTES = 1 << 30
 MAX_PATH_BYTES = 4096
 MAX_NAME_BYTES = 255
+# Most entries in an execute request's get_files.
+MAX_GET_FILES = 64
+# Most entries in a file_list frame.
+MAX_LIST_ENTRIES = 1000
 
 KEPT_MIME_TYPES = (
     "text/plain",
@@ -591,7 +643,10 @@ def _open_parent_dir(root_fd, parts, create):
 
     Each component is opened relative to its parent's fd with O_NOFOLLOW, so
     a symlink anywhere on the path (even one swapped in concurrently) fails
-    with ELOOP/ENOTDIR instead of being followed.
+    with ELOOP/ENOTDIR instead of being followed.  gVisor (runsc) follows a
+    symlink despite O_NOFOLLOW when O_DIRECTORY is set, so each opened
+    directory is also checked to be the very inode that the name (not
+    followed) refers to.
     """
     fd = os.dup(root_fd)
     try:
@@ -602,6 +657,14 @@ def _open_parent_dir(root_fd, parts, create):
                 except FileExistsError:
                     pass
             child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                named = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                opened = os.fstat(child)
+                if not stat.S_ISDIR(named.st_mode) or (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+                    raise OSError(errno.ELOOP, "path component is a symlink", part)
+            except BaseException:
+                os.close(child)
+                raise
             os.close(fd)
             fd = child
         return fd
@@ -656,7 +719,8 @@ def _entry_key(st):
 
 def snapshot(root):
     """Map relative path -> (type, size, mtime_ns, inode) for every entry
-    under root except directories; never follows symlinks."""
+    under root except directories and the skipped tool/cache directories;
+    never follows symlinks (a symlink is an entry of its own)."""
     entries = {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         rel_dir = os.path.relpath(dirpath, root)
@@ -684,29 +748,55 @@ def snapshot(root):
     return entries
 
 
-def read_artifact(root_fd, rel_path, max_bytes):
-    """Return (data, None) or (None, skip_reason); (None, None) if gone."""
+def file_listing(entries):
+    """The file_list frame for a snapshot: its regular files, sorted by
+    path, at most MAX_LIST_ENTRIES of them."""
+    regular = ((path, key) for path, key in entries.items() if key[0] == stat.S_IFREG)
+    first = heapq.nsmallest(MAX_LIST_ENTRIES + 1, regular)
+    return {"type": "file_list",
+            "entries": [{"path": path, "size": key[1], "mtime": round(key[2] / 1e9, 3)}
+                        for path, key in first[:MAX_LIST_ENTRIES]],
+            "truncated": len(first) > MAX_LIST_ENTRIES}
+
+
+def open_artifact(root_fd, rel_path):
+    """Open a workspace file for reading without following any symlink.
+
+    Returns (fd, size, None), or (None, None, reason) with reason None when
+    the path does not exist.
+    """
     parts = rel_path.split("/")
     try:
         dir_fd = _open_parent_dir(root_fd, parts, create=False)
         try:
-            # O_NONBLOCK: a FIFO swapped in after the walk must not hang us.
+            # O_NONBLOCK: a FIFO (swapped in after the walk, or asked for by
+            # name) must not hang us.
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
     except FileNotFoundError:
-        return None, None
+        return None, None, None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
-            return None, "not_regular_file"
-        return None, "unreadable"
+            return None, None, "not_regular_file"
+        return None, None, "unreadable"
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # replaced between walk and open
-            return None, "not_regular_file"
-        if st.st_size > max_bytes:
-            return None, "too_large"
-        chunks, total = [], 0
+    except OSError:
+        os.close(fd)
+        return None, None, "unreadable"
+    if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, or replaced since the walk
+        os.close(fd)
+        return None, None, "not_regular_file"
+    return fd, st.st_size, None
+
+
+def read_artifact(fd, size, max_bytes):
+    """Return (data, None) or (None, skip_reason) for an fd from open_artifact."""
+    if size > max_bytes:
+        return None, "too_large"
+    chunks, total = [], 0
+    try:
         while True:  # read to EOF: the file may still be growing
             chunk = os.read(fd, 1 << 20)
             if not chunk:
@@ -715,40 +805,84 @@ def read_artifact(root_fd, rel_path, max_bytes):
             if total > max_bytes:
                 return None, "too_large"
             chunks.append(chunk)
-        return b"".join(chunks), None
     except OSError:
         return None, "unreadable"
-    finally:
-        os.close(fd)
+    return b"".join(chunks), None
 
 
-def collect_artifacts(root, before, limits, send):
-    after = snapshot(root)
-    changed = sorted(p for p, key in after.items() if before.get(p) != key)
-    if not changed:
-        return
+class FileCollector:
+    """Sends workspace files as file/file_skipped frames after a job, under
+    the request's max_file_bytes / max_artifact_files / max_artifact_bytes,
+    which changed and requested files share."""
+
+    def __init__(self, root_fd, limits, send):
+        self.root_fd = root_fd
+        self.limits = limits
+        self.send = send
+        self.count = 0
+        self.total = 0
+        self.reported = set()  # paths that got a file or file_skipped frame
+
+    def skip(self, rel, reason):
+        self.reported.add(rel)
+        self.send({"type": "file_skipped", "path": rel, "reason": reason})
+
+    def changed(self, before, after):
+        for rel in sorted(p for p, key in after.items() if before.get(p) != key):
+            if after[rel][0] != stat.S_IFREG:
+                self.skip(rel, "not_regular_file")  # never opened
+            else:
+                self._deliver(rel, requested=False)
+
+    def requested(self, paths):
+        for rel in paths:
+            if rel in self.reported:
+                continue  # already sent (or skipped) as a changed file, or a repeat
+            try:
+                validate_rel_path(rel)
+            except InputFileError:
+                self.skip(rel, "invalid_path")
+                continue
+            self._deliver(rel, requested=True)
+
+    def _deliver(self, rel, requested):
+        fd, size, reason = open_artifact(self.root_fd, rel)
+        if fd is None:
+            if reason is not None:
+                self.skip(rel, reason)
+            elif requested:
+                self.skip(rel, "not_found")
+            # a changed file deleted since the walk: nothing to report
+            return
+        try:
+            if self.count >= self.limits["max_artifact_files"]:
+                reason = "limit_reached"
+            else:
+                data, reason = read_artifact(fd, size, self.limits["max_file_bytes"])
+                if reason is None and self.total + len(data) > self.limits["max_artifact_bytes"]:
+                    reason = "limit_reached"
+        finally:
+            os.close(fd)
+        if reason is not None:
+            self.skip(rel, reason)
+            return
+        self.count += 1
+        self.total += len(data)
+        self.reported.add(rel)
+        frame = {"type": "file", "path": rel, "size": len(data),
+                 "content_b64": base64.b64encode(data).decode("ascii")}
+        if requested:
+            frame["requested"] = True
+        self.send(frame)
+
+
+def collect_files(root, before, after, limits, get_files, send):
+    """Send the files changed between the snapshots, then the get_files ones."""
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        count = total = 0
-        for rel in changed:
-            if after[rel][0] != stat.S_IFREG:
-                send({"type": "file_skipped", "path": rel, "reason": "not_regular_file"})
-                continue
-            if count >= limits["max_artifact_files"]:
-                send({"type": "file_skipped", "path": rel, "reason": "limit_reached"})
-                continue
-            data, reason = read_artifact(root_fd, rel, limits["max_file_bytes"])
-            if reason is None and data is not None and total + len(data) > limits["max_artifact_bytes"]:
-                reason = "limit_reached"
-            if reason is not None:
-                send({"type": "file_skipped", "path": rel, "reason": reason})
-                continue
-            if data is None:
-                continue  # deleted since the walk
-            count += 1
-            total += len(data)
-            send({"type": "file", "path": rel, "size": len(data),
-                  "content_b64": base64.b64encode(data).decode("ascii")})
+        collector = FileCollector(root_fd, limits, send)
+        collector.changed(before, after)
+        collector.requested(get_files)
     finally:
         os.close(root_fd)
 
@@ -964,9 +1098,49 @@ def parse_execute(obj):
     files = obj.get("files") or []
     if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
         raise RequestError("execute: files must be a list of objects")
+    get_files = obj.get("get_files")
+    if get_files is None:
+        get_files = []
+    if not isinstance(get_files, list) or not all(isinstance(p, str) for p in get_files):
+        raise RequestError("execute: get_files must be a list of strings")
+    if len(get_files) > MAX_GET_FILES:
+        raise RequestError("execute: get_files has %d entries; at most %d are allowed"
+                           % (len(get_files), MAX_GET_FILES))
+    list_files = obj.get("list_files")
+    if list_files is None:
+        list_files = False
+    if not isinstance(list_files, bool):
+        raise RequestError("execute: list_files must be a boolean")
     limits = {name: _int_field(obj, name, default) for name, default in DEFAULT_LIMITS.items()}
     return {"id": req_id, "language": obj["language"], "code": obj["code"],
-            "files": files, "limits": limits}
+            "files": files, "limits": limits, "get_files": get_files, "list_files": list_files}
+
+
+def process_stats():
+    """The driver's resident memory and how many other processes are alive
+    in the container (not counting the driver and PID 1)."""
+    rss_kb = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss_kb = int(line.split()[1])
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    children = 0
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, me):
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if state not in ("Z", "X"):  # zombies are not alive
+            children += 1
+    return {"type": "stats", "rss_kb": rss_kb, "children": children}
 
 
 class Driver:
@@ -1012,9 +1186,15 @@ class Driver:
                     raise RequestError("request must be a JSON object")
                 if isinstance(obj.get("id"), str):
                     req_id = obj["id"]
-                if obj.get("type") != "execute":
-                    raise RequestError("unknown request type %r" % (obj.get("type"),))
-                self.execute(parse_execute(obj))
+                kind = obj.get("type")
+                if kind == "execute":
+                    self.execute(parse_execute(obj))
+                elif kind == "stats":
+                    if req_id is None:
+                        raise RequestError("stats: id must be a string")
+                    self.send(req_id, process_stats())
+                else:
+                    raise RequestError("unknown request type %r" % (kind,))
             except (RequestError, ValueError) as exc:
                 self.protocol_error(_safe_str(exc), req_id)
             except (Exception, KeyboardInterrupt) as exc:
@@ -1045,7 +1225,10 @@ class Driver:
         finally:
             truncated = self.capture.end()
 
-        collect_artifacts(WORKSPACE, before, limits, lambda f: self.send(req_id, f))
+        after = snapshot(WORKSPACE)
+        collect_files(WORKSPACE, before, after, limits, req["get_files"], lambda f: self.send(req_id, f))
+        if req["list_files"]:
+            self.send(req_id, file_listing(after))
         status = "ok" if exit_code == 0 else "error"
         self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms))
 
@@ -1157,6 +1340,49 @@ def _describe_write_error(exc):
     return "cannot write file: %s" % (exc.strerror or exc,)
 
 
+def preload(spec, log):
+    """Import the comma-separated modules in spec (SANDCELL_PRELOAD) into
+    sys.modules, binding no names in the user namespace; return the names
+    that imported.  A failure is logged, never fatal."""
+    loaded = []
+    for name in spec.split(","):
+        name = name.strip()
+        if not name or name in loaded:
+            continue
+        started = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # SystemExit too: a module must not stop the driver
+            log("preload of %r failed: %r" % (name, exc))
+            continue
+        loaded.append(name)
+        log("preloaded %s in %.0f ms" % (name, (time.monotonic() - started) * 1000.0))
+    if "matplotlib" in sys.modules:
+        warm_up_matplotlib(log)
+    return loaded
+
+
+def warm_up_matplotlib(log):
+    """Render a throwaway figure so a cell's first figure doesn't pay for
+    loading the Agg backend and the font.  Uses Figure directly: pyplot's
+    figure numbering and state are left untouched."""
+    started = time.monotonic()
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(2, 2))
+        FigureCanvasAgg(figure)
+        axes = figure.add_subplot()
+        axes.plot([0, 1], [0, 1])
+        axes.set_title("warm-up")
+        figure.savefig(io.BytesIO(), format="png", bbox_inches="tight", dpi=100)
+    except Exception as exc:
+        log("matplotlib warm-up failed: %r" % (exc,))
+        return
+    log("matplotlib warm-up took %.0f ms" % ((time.monotonic() - started) * 1000.0))
+
+
 def main():
     channel, capture = setup_io()
     GATE.install()
@@ -1179,6 +1405,9 @@ def main():
         import IPython
 
         ipython_version = IPython.__version__
+        # After the shell exists, so a preloaded pyplot hooks into IPython
+        # exactly as if a cell had imported it.
+        preloaded = preload(os.environ.get("SANDCELL_PRELOAD", ""), channel.log)
     except Exception as exc:
         channel.log("start-up failed: %r" % (exc,))
         try:
@@ -1186,7 +1415,9 @@ def main():
         finally:
             os._exit(1)
     channel.send({"type": "ready", "driver_version": DRIVER_VERSION,
-                  "python": platform.python_version(), "ipython": ipython_version})
+                  "python": platform.python_version(), "ipython": ipython_version,
+                  "preloaded": preloaded,
+                  "startup_ms": round((time.monotonic() - STARTED_AT) * 1000.0, 1)})
     Driver(channel, capture, shell).serve()
     # os._exit: don't wait for threads a job may have left running.
     os._exit(0)

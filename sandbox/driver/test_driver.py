@@ -43,9 +43,11 @@ def b64(data):
 class DriverProcess:
     """A driver subprocess plus a thread that parses its frames."""
 
-    def __init__(self):
+    def __init__(self, env_extra=None, stderr=None):
         env = dict(os.environ)
         env["SANDCELL_WORKSPACE"] = WORKSPACE
+        env.pop("SANDCELL_PRELOAD", None)  # only where a test asks for it
+        env.update(env_extra or {})
         env.setdefault("MPLBACKEND", "Agg")
         # Keep tool state out of the workspace and out of the user's HOME.
         self._state = tempfile.TemporaryDirectory(prefix="sandcell-test-")
@@ -53,7 +55,7 @@ class DriverProcess:
         env.setdefault("MPLCONFIGDIR", os.path.join(self._state.name, "mpl"))
         self.proc = subprocess.Popen(
             [sys.executable, "-u", DRIVER],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env)
         self.frames = queue.Queue()
         threading.Thread(target=self._read_frames, daemon=True).start()
         self.ready = self.next_frame(TIMEOUT)
@@ -104,6 +106,13 @@ class DriverProcess:
             frames.append(frame)
             if frame.get("id") == req_id and frame["type"] in ("done", "protocol_error"):
                 return frames
+
+    def stats(self):
+        req_id = "stats-%d" % next(_ids)
+        self.send({"type": "stats", "id": req_id})
+        frame = self.next_frame(TIMEOUT)
+        assert (frame["type"], frame.get("id")) == ("stats", req_id), frame
+        return frame
 
     def execute(self, code, language="python", **fields):
         req_id = self.start(code, language, **fields)
@@ -172,10 +181,44 @@ class TestLifecycle(unittest.TestCase):
             self.assertEqual(ready["driver_version"], 1)
             self.assertEqual(ready["python"].split(".")[:2], [str(sys.version_info[0]), str(sys.version_info[1])])
             self.assertTrue(ready["ipython"].startswith("8."), ready)
+            self.assertEqual(ready["preloaded"], [])
+            self.assertIsInstance(ready["startup_ms"], (int, float))
+            self.assertGreater(ready["startup_ms"], 0)
             driver.proc.stdin.close()
             self.assertEqual(driver.proc.wait(20), 0)
         finally:
             driver.close()
+
+
+class TestPreload(unittest.TestCase):
+    def test_preloaded_modules_are_imported_not_bound(self):
+        # A workspace module that kills its importer: preloading must survive it.
+        boom = os.path.join(WORKSPACE, "t_preload_boom.py")
+        with open(boom, "w") as f:
+            f.write("raise SystemExit(3)\n")
+        spec = " wave, no_such_module_sandcell ,.relative,,t_preload_boom,wave,matplotlib.pyplot"
+        with tempfile.TemporaryFile() as diag:
+            driver = DriverProcess({"SANDCELL_PRELOAD": spec}, stderr=diag)
+            try:
+                self.assertEqual(driver.ready["preloaded"], ["wave", "matplotlib.pyplot"])
+                self.assertGreater(driver.ready["startup_ms"], 0)
+                frames = driver.execute(
+                    "import sys\nprint(all(m in sys.modules for m in ('wave', 'matplotlib.pyplot')),"
+                    " [n for n in ('wave', 'plt', 'matplotlib', 'pyplot') if n in dir()])")
+                self.assertEqual(stream_text(frames, "stdout"), "True []\n")
+                # The warm-up render left pyplot untouched: the cell's figure is number 1.
+                frames = driver.execute("import matplotlib.pyplot as plt\nplt.plot([1, 2])\n"
+                                        "print(plt.get_fignums())")
+                self.assertEqual(stream_text(frames, "stdout"), "[1]\n")
+                images = [f for f in of_type(frames, "display_data") if "image/png" in f["data"]]
+                self.assertEqual(len(images), 1)
+            finally:
+                driver.close()
+                os.remove(boom)
+            diag.seek(0)
+            log = diag.read().decode("utf-8", "replace")
+        for name in ("no_such_module_sandcell", ".relative", "t_preload_boom"):
+            self.assertIn("preload of %r failed" % name, log)
 
 
 class TestPython(DriverTestCase):
@@ -337,6 +380,7 @@ class TestPython(DriverTestCase):
         driver.proc.send_signal(signal.SIGINT)  # idle: must be ignored
         time.sleep(0.3)
         self.assertAlive()
+        self.run_ok("defined_before_sigint = 'kept'")
 
         req_id = driver.start("print('spinning', flush=True)\nwhile True:\n    pass")
         frames = []
@@ -348,7 +392,8 @@ class TestPython(DriverTestCase):
         d = done(frames)
         self.assertEqual((d["status"], d["exit_code"]), ("error", 1))
         self.assertEqual(of_type(frames, "error")[0]["ename"], "KeyboardInterrupt")
-        self.assertAlive()
+        frames = self.run_ok("print(defined_before_sigint)")
+        self.assertEqual(stream_text(frames, "stdout"), "kept\n")
 
     def test_repeated_sigint_still_reports_one_error(self):
         driver = self.driver
@@ -531,6 +576,129 @@ class TestFiles(DriverTestCase):
                          {"t_tot/3": "limit_reached"})
 
 
+    def test_get_files(self):
+        self.run_ok("mkdir -p t_get/dir && echo one > t_get/a.txt && echo two > t_get/b.txt"
+                    " && ln -s /etc/passwd t_get/link && ln -s b.txt t_get/relink && ln -s /etc t_get/etcdir",
+                    language="bash")
+        get_files = ["t_get/b.txt", "t_get/a.txt", "t_get/missing.txt", "t_get/link", "t_get/relink",
+                     "t_get/dir", "t_get/etcdir", "t_get/etcdir/passwd", "../etc/passwd", "/etc/passwd", "t_get//b.txt",
+                     "t_get/./b.txt", "", "t_get/b.txt"]
+        frames = self.run_ok("open('t_get/a.txt', 'a').write('more')", get_files=get_files)
+        # Changed files first (not marked, not repeated), then the requested ones in request order.
+        self.assertEqual([(f["type"], f["path"], f.get("requested", f.get("reason")))
+                          for f in frames if f["type"] in ("file", "file_skipped")],
+                         [("file", "t_get/a.txt", None),
+                          ("file", "t_get/b.txt", True),
+                          ("file_skipped", "t_get/missing.txt", "not_found"),
+                          ("file_skipped", "t_get/link", "not_regular_file"),
+                          ("file_skipped", "t_get/relink", "not_regular_file"),
+                          ("file_skipped", "t_get/dir", "not_regular_file"),
+                          ("file_skipped", "t_get/etcdir", "not_regular_file"),
+                          ("file_skipped", "t_get/etcdir/passwd", "not_regular_file"),
+                          ("file_skipped", "../etc/passwd", "invalid_path"),
+                          ("file_skipped", "/etc/passwd", "invalid_path"),
+                          ("file_skipped", "t_get//b.txt", "invalid_path"),
+                          ("file_skipped", "t_get/./b.txt", "invalid_path"),
+                          ("file_skipped", "", "invalid_path")])
+        files = {f["path"]: f for f in of_type(frames, "file")}
+        self.assertEqual(base64.b64decode(files["t_get/a.txt"]["content_b64"]), b"one\nmore")
+        self.assertEqual(base64.b64decode(files["t_get/b.txt"]["content_b64"]), b"two\n")
+        self.assertEqual(files["t_get/b.txt"]["size"], 4)
+        self.assertNotIn("root:", json.dumps(frames))
+        self.assertEqual(of_type(frames, "file_list"), [])
+        # Works for bash and with no code at all.
+        for language in ("bash", "python"):
+            frames = self.run_ok("", language=language, get_files=["t_get/a.txt"])
+            self.assertEqual([(f["path"], f["requested"]) for f in of_type(frames, "file")],
+                             [("t_get/a.txt", True)])
+
+    def test_get_files_limits(self):
+        self.run_ok("mkdir -p t_getlim && head -c 100 /dev/zero > t_getlim/big && echo 1 > t_getlim/1"
+                    " && echo 2 > t_getlim/2", language="bash")
+        frames = self.run_ok("pass", get_files=["t_getlim/big", "t_getlim/1", "t_getlim/2", "t_getlim/none"],
+                             max_file_bytes=50, max_artifact_files=1)
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_getlim/1"])
+        self.assertEqual({f["path"]: f["reason"] for f in of_type(frames, "file_skipped")},
+                         {"t_getlim/big": "too_large", "t_getlim/2": "limit_reached",
+                          "t_getlim/none": "not_found"})
+        # Changed files use up the budget first.
+        frames = self.run_ok("echo x > t_getlim/new", language="bash", get_files=["t_getlim/1"],
+                             max_artifact_files=1)
+        self.assertEqual([(f["path"], f.get("requested")) for f in of_type(frames, "file")],
+                         [("t_getlim/new", None)])
+        self.assertEqual({f["path"]: f["reason"] for f in of_type(frames, "file_skipped")},
+                         {"t_getlim/1": "limit_reached"})
+        frames = self.run_ok("pass", get_files=["t_getlim/1", "t_getlim/2"], max_artifact_bytes=3)
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_getlim/1"])
+        self.assertEqual({f["path"]: f["reason"] for f in of_type(frames, "file_skipped")},
+                         {"t_getlim/2": "limit_reached"})
+
+    def test_get_and_list_files_not_processed_on_input_error(self):
+        self.run_ok("echo kept > t_gie.txt", language="bash")
+        frames = self.driver.execute("print('RAN')", files=[{"path": "../t_gie_bad", "content_b64": ""}],
+                                     get_files=["t_gie.txt"], list_files=True)
+        self.assertEqual(done(frames)["status"], "input_error")
+        self.assertEqual([f["type"] for f in frames], ["file_error", "done"])
+
+    def test_list_files(self):
+        frames = self.run_ok(
+            "mkdir -p t_ls/sub t_ls/__pycache__ t_ls/.cache .cache && echo hello > t_ls/sub/f.txt"
+            " && : > t_ls/empty && echo x > t_ls/__pycache__/m.pyc && echo x > t_ls/.cache/kept"
+            " && echo x > .cache/t_ls_hidden && ln -s /etc/passwd t_ls/link && ln -s /etc t_ls/etclink"
+            " && ln -s sub t_ls/sublink && mkfifo t_ls/fifo",
+            language="bash", list_files=True)
+        # After the file frames, just before done.
+        self.assertEqual([f["type"] for f in frames][-2:], ["file_list", "done"])
+        self.assertEqual(len(of_type(frames, "file_list")), 1)
+        self.assertLess(max(i for i, f in enumerate(frames) if f["type"] == "file"), len(frames) - 2)
+        listing = frames[-2]
+        self.assertFalse(listing["truncated"])
+        paths = [e["path"] for e in listing["entries"]]
+        self.assertEqual(paths, sorted(paths))
+        self.assertEqual(len(paths), len(set(paths)))
+        self.assertEqual([p for p in paths if p.startswith("t_ls/")],
+                         ["t_ls/.cache/kept", "t_ls/empty", "t_ls/sub/f.txt"])
+        self.assertFalse([p for p in paths if p.startswith((".cache/", "__pycache__/")) or "/__pycache__/" in p])
+        entries = {e["path"]: e for e in listing["entries"]}
+        self.assertEqual(set(entries["t_ls/sub/f.txt"]), {"path", "size", "mtime"})
+        self.assertEqual(entries["t_ls/sub/f.txt"]["size"], 6)
+        self.assertEqual(entries["t_ls/empty"]["size"], 0)
+        mtime = entries["t_ls/sub/f.txt"]["mtime"]
+        self.assertIsInstance(mtime, float)
+        self.assertLess(abs(mtime - time.time()), 60)
+        self.assertEqual(mtime, round(mtime, 3))
+        self.assertNotIn("root:", json.dumps(frames))
+
+    def test_list_files_truncated(self):
+        try:
+            frames = self.run_ok("mkdir -p t_many && cd t_many && for i in $(seq 1000 2000); do : > f$i; done",
+                                 language="bash", list_files=True, max_artifact_files=0)
+            listing = of_type(frames, "file_list")[0]
+            self.assertTrue(listing["truncated"])
+            paths = [e["path"] for e in listing["entries"]]
+            self.assertEqual(len(paths), 1000)
+            self.assertEqual(paths, sorted(paths))
+        finally:
+            self.run_ok("rm -rf t_many", language="bash")
+
+
+class TestStats(DriverTestCase):
+    def test_stats(self):
+        driver = self.driver
+        stats = driver.stats()
+        self.assertEqual(set(stats), {"type", "id", "rss_kb", "children"})
+        self.assertGreater(stats["rss_kb"], 10000)  # an IPython process is tens of MB
+        base = stats["children"]
+        self.assertIsInstance(base, int)
+        self.run_ok("import subprocess\n_sleeper = subprocess.Popen(['sleep', '60'])")
+        try:
+            self.assertEqual(driver.stats()["children"], base + 1)
+        finally:
+            self.run_ok("_sleeper.kill()\n_sleeper.wait()\ndel _sleeper")
+        self.assertEqual(driver.stats()["children"], base)
+        self.assertAlive()
+
+
 class TestProtocol(DriverTestCase):
     def test_malformed_requests(self):
         driver = self.driver
@@ -548,10 +716,17 @@ class TestProtocol(DriverTestCase):
 
         for bad in ({"type": "execute", "id": "b2", "language": "python"},
                     {"type": "execute", "id": "b3", "language": "cobol", "code": ""},
-                    {"type": "execute", "id": "b4", "language": "python", "code": "", "stdout_limit": -1}):
+                    {"type": "execute", "id": "b4", "language": "python", "code": "", "stdout_limit": -1},
+                    {"type": "execute", "id": "b5", "language": "python", "code": "", "get_files": "a.txt"},
+                    {"type": "execute", "id": "b6", "language": "python", "code": "", "get_files": ["a", 1]},
+                    {"type": "execute", "id": "b7", "language": "python", "code": "",
+                     "get_files": ["f%d" % i for i in range(65)]},
+                    {"type": "execute", "id": "b8", "language": "python", "code": "", "list_files": "yes"},
+                    {"type": "stats", "id": 5}):
             driver.send(bad)
             frame = driver.next_frame(TIMEOUT)
-            self.assertEqual((frame["type"], frame.get("id")), ("protocol_error", bad["id"]))
+            expected_id = bad["id"] if isinstance(bad["id"], str) else None
+            self.assertEqual((frame["type"], frame.get("id")), ("protocol_error", expected_id))
         self.assertAlive()
 
 

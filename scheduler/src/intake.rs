@@ -10,8 +10,14 @@
 //!   first copy was recorded but never confirmed on the jobs queue and this delivery is a retry
 //!   or a redelivery (the scheduler failed in between), in which case it is dispatched now.
 //!   Should a job still be dispatched twice, workers run it once: a fresh delivery never takes
-//!   over a job that is already running.
+//!   over a job that is already running;
+//! - jobs of one session are handled one after the other in the order their submissions
+//!   arrived (a lane per session), and published to the queue of the worker holding the
+//!   session, which runs them in that order; other submissions are handled concurrently;
+//! - a job that opens a session goes to the shared `sandcell.jobs` queue (any worker with room);
+//!   a job naming a session that is not active is `rejected` with the session's reason.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,8 +29,11 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, Bas
 use lapin::types::FieldTable;
 use lapin::Channel;
 use sandcell_core::broker;
-use sandcell_core::jobs::{JobStore, Recorded};
-use sandcell_protocol::{parse_submission, ExecutionJob, JobStatus, Rejection, Submission};
+use sandcell_core::jobs::{JobSessionRecord, JobStore, Recorded};
+use sandcell_core::sessions::{Route, SessionStore};
+use sandcell_protocol::session::new_session_id;
+use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, JobSession, JobStatus, Reason, Rejection, Submission};
+use tokio::sync::oneshot;
 use sha2::{Digest, Sha256};
 
 use crate::metrics::Metrics;
@@ -64,14 +73,27 @@ async fn consume(cfg: &Config, jobs: &JobStore, metrics: &Metrics, broker_up: &A
     tracing::info!(queue = broker::SUBMISSIONS_QUEUE, prefetch = cfg.prefetch, "intake consuming");
 
     // Deliveries are handled concurrently (up to the prefetch); each acks its own message.
+    // Deliveries naming the same session wait for the one before them (their lane).
     let mut in_flight = tokio::task::JoinSet::new();
+    let mut lanes = Lanes::default();
     loop {
         tokio::select! {
             next = consumer.next() => {
                 let Some(delivery) = next else { break };
                 let delivery = delivery.context("receiving a submission")?;
                 let (cfg, jobs, metrics, publisher) = (cfg.clone(), jobs.clone(), metrics.clone(), publisher.clone());
-                in_flight.spawn(async move { handle_delivery(&cfg, &jobs, &metrics, &publisher, delivery).await });
+                let (before, done) = lanes.enter(session_key(&delivery.data));
+                in_flight.spawn(async move {
+                    if let Some(before) = before {
+                        // Err only means the previous handler failed; its message will be redelivered.
+                        let _ = before.await;
+                    }
+                    let r = handle_delivery(&cfg, &jobs, &metrics, &publisher, delivery).await;
+                    if let Some(done) = done {
+                        let _ = done.send(());
+                    }
+                    r
+                });
             }
             Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
                 // A failed handler left its message unacked; reconnecting makes the broker redeliver it.
@@ -80,6 +102,42 @@ async fn consume(cfg: &Config, jobs: &JobStore, metrics: &Metrics, broker_up: &A
         }
     }
     Ok(())
+}
+
+/// The per-session lanes that keep one session's submissions in arrival order.
+#[derive(Default)]
+struct Lanes {
+    /// Session key → completion of the latest handler entered in that lane.
+    tails: HashMap<String, oneshot::Receiver<()>>,
+}
+
+impl Lanes {
+    /// Enter a delivery into its lane: returns what to wait for first and what to signal when done.
+    fn enter(&mut self, key: Option<String>) -> (Option<oneshot::Receiver<()>>, Option<oneshot::Sender<()>>) {
+        let Some(key) = key else { return (None, None) };
+        if self.tails.len() >= 1024 {
+            // Forget lanes whose last handler has finished.
+            self.tails.retain(|_, rx| matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+        }
+        let (tx, rx) = oneshot::channel();
+        (self.tails.insert(key, rx), Some(tx))
+    }
+}
+
+/// `tenant/session_id` of a submission that names an existing session; read leniently (the
+/// full validation happens in the handler).
+fn session_key(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Peek {
+        tenant: Option<String>,
+        session: Option<PeekSession>,
+    }
+    #[derive(serde::Deserialize)]
+    struct PeekSession {
+        id: Option<String>,
+    }
+    let peek: Peek = serde_json::from_slice(body).ok()?;
+    Some(format!("{}/{}", peek.tenant.unwrap_or_default(), peek.session?.id?))
 }
 
 /// Handle one delivery and ack or dead-letter it. Infrastructure errors are retried a few
@@ -121,14 +179,35 @@ async fn accept(
     body: &[u8],
     may_redispatch: bool,
 ) -> Result<Disposition> {
+    let sessions = SessionStore::new(jobs.pool().clone());
     let limits = cfg.policy.resolve(&sub.resource_request());
     let digest = hex::encode(Sha256::digest(body));
-    match jobs.record_queued(sub, &limits, &digest).await? {
+    // Where the job goes: a session's owner, or any worker.
+    let (mut session, queue) = match &sub.session {
+        None => (None, broker::JOBS_QUEUE.to_string()),
+        Some(req) if req.new => {
+            let keep_alive_s = cfg.keep_alive.resolve(req.keep_alive_s);
+            (Some(JobSession { id: new_session_id(), new: true, keep_alive_s, close: false }), broker::JOBS_QUEUE.to_string())
+        }
+        Some(req) => {
+            let id = req.id.clone().unwrap_or_default();
+            match sessions.route(&sub.tenant, &id).await? {
+                Route::Worker(w) => (Some(JobSession { id, new: false, keep_alive_s: 0, close: req.close }), broker::worker_queue(&w)),
+                Route::Refuse(reason) => return refuse(jobs, metrics, sub, &reason).await,
+            }
+        }
+    };
+    let record = session.as_ref().map(|s| if s.new { JobSessionRecord::Open(&s.id, s.keep_alive_s) } else { JobSessionRecord::Existing(&s.id) });
+    match jobs.record_queued(sub, &limits, &digest, record).await? {
         Recorded::New => {}
         // Only the delivery that recorded the job (retried, or redelivered after the scheduler
         // died) finishes its dispatch; a concurrent duplicate must not dispatch it a second time.
-        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, .. } if may_redispatch => {
+        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, session_id, .. } if may_redispatch => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "job recorded earlier but never dispatched; dispatching now");
+            // The session the first copy opened, not the one this copy would have.
+            if let (Some(s), Some(recorded)) = (session.as_mut(), session_id) {
+                s.id = recorded;
+            }
         }
         Recorded::Duplicate { status, same_payload, .. } => {
             if same_payload {
@@ -147,12 +226,37 @@ async fn accept(
         code: sub.code.clone(),
         files: sub.files.clone(),
         limits,
+        session,
+        get_files: sub.get_files.clone(),
+        list_files: sub.list_files,
     };
     let payload = serde_json::to_vec(&job).context("serializing execution job")?;
-    broker::publish_confirmed(publisher, broker::JOBS_QUEUE, &payload, broker::json_properties(&format!("{}/{}", sub.tenant, sub.job_id))).await?;
+    let props = broker::json_properties(&format!("{}/{}", sub.tenant, sub.job_id));
+    if let Err(e) = broker::publish_confirmed(publisher, &queue, &payload, props).await {
+        if e.downcast_ref::<broker::Unroutable>().is_none() {
+            return Err(e);
+        }
+        // The session's worker queue is gone: so is the worker, and the session with it.
+        let reason = Reason::new(ErrorCode::SessionLost, format!("the worker holding the session is gone ({queue} does not exist)"));
+        jobs.refuse(&sub.tenant, &sub.job_id, &reason).await?;
+        metrics.submissions.with_label_values(&["rejected"]).inc();
+        tracing::warn!(tenant = %sub.tenant, job_id = %sub.job_id, queue, "session worker queue missing; job refused");
+        return Ok(Disposition::Ack);
+    }
     jobs.mark_dispatched(&sub.tenant, &sub.job_id).await?;
     metrics.submissions.with_label_values(&["accepted"]).inc();
-    tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, language = sub.language.as_str(), "job queued");
+    tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, language = sub.language.as_str(), queue, "job queued");
+    Ok(Disposition::Ack)
+}
+
+/// Record a valid submission that cannot run because of its session.
+async fn refuse(jobs: &JobStore, metrics: &Metrics, sub: &Submission, reason: &Reason) -> Result<Disposition> {
+    let written = jobs.record_rejection(&sub.tenant, &sub.job_id, reason).await?;
+    if !written {
+        tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "resubmission of an existing job id; the existing job is kept");
+    }
+    tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, code = %reason.code, "submission refused: {}", reason.message);
+    metrics.submissions.with_label_values(&["rejected"]).inc();
     Ok(Disposition::Ack)
 }
 

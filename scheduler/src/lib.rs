@@ -3,7 +3,8 @@
 //! - [`intake`] consumes `sandcell.submissions`, judges each message with
 //!   [`sandcell_protocol::parse_submission`], records the job (or its rejection) in Postgres and
 //!   publishes the execution job to `sandcell.jobs`;
-//! - [`sweeper`] deletes expired artifacts from the object store and marks them expired;
+//! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, and
+//!   declares the sessions of workers whose heartbeat stopped `lost`;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 
 pub mod intake;
@@ -19,7 +20,7 @@ use anyhow::{Context, Result};
 use sandcell_core::config::{self, Services};
 use sandcell_core::jobs::JobStore;
 use sandcell_core::store::ArtifactStore;
-use sandcell_protocol::{IntakeLimits, LimitPolicy};
+use sandcell_protocol::{IntakeLimits, KeepAlivePolicy, LimitPolicy};
 
 /// Scheduler settings.
 #[derive(Debug, Clone)]
@@ -36,6 +37,10 @@ pub struct Config {
     pub sweep_interval: Duration,
     /// `SANDCELL_INTAKE_PREFETCH`, default 32: submissions handled concurrently.
     pub prefetch: u16,
+    /// Session keep-alive rules.
+    pub keep_alive: KeepAlivePolicy,
+    /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a worker silent this long has lost its sessions.
+    pub worker_dead_after: Duration,
 }
 
 impl Config {
@@ -48,6 +53,8 @@ impl Config {
             metrics_addr: config::parse_or("SANDCELL_SCHEDULER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9464)))?,
             sweep_interval: Duration::from_secs_f64(config::parse_or("SANDCELL_SWEEP_INTERVAL_S", 30.0f64)?.max(0.1)),
             prefetch: config::parse_or("SANDCELL_INTAKE_PREFETCH", 32u16)?.max(1),
+            keep_alive: config::keep_alive_policy_from_env()?,
+            worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
         })
     }
 }
@@ -80,7 +87,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         })
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
-    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval));
+    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, cfg.worker_dead_after));
     let intake = tokio::spawn(intake::run(cfg, jobs, metrics, broker_up));
 
     tokio::select! {

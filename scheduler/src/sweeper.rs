@@ -1,5 +1,7 @@
 //! The artifact TTL sweeper: the real enforcement of `expires_at`.
 //!
+//! Each tick also looks for workers whose heartbeat stopped and declares their sessions lost.
+//!
 //! Each tick deletes the objects of artifacts whose expiry has passed and then marks them
 //! `expired` (so a client sees `artifact_expired` and no URL). Deleting first and marking second
 //! means a crash in between only repeats an idempotent delete.
@@ -7,6 +9,7 @@
 use std::time::Duration;
 
 use sandcell_core::jobs::JobStore;
+use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
 
 use crate::metrics::Metrics;
@@ -14,13 +17,17 @@ use crate::metrics::Metrics;
 const BATCH: i64 = 500;
 
 /// Sweep forever, every `interval`.
-pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration) {
+pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration, worker_dead_after: Duration) {
+    let sessions = SessionStore::new(jobs.pool().clone());
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
             tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
+        }
+        if let Err(e) = sweep_silent_workers(&sessions, worker_dead_after).await {
+            tracing::warn!(error = format!("{e:#}"), "worker liveness sweep failed; retrying next tick");
         }
         match jobs.count_by_status().await {
             Ok(counts) => {
@@ -51,4 +58,17 @@ pub async fn sweep_once(jobs: &JobStore, store: &ArtifactStore, metrics: &Metric
     metrics.artifacts_expired.inc_by(n);
     tracing::info!(expired = n, "swept expired artifacts");
     Ok(n)
+}
+
+/// Declare the sessions of workers that stopped beating `lost` (their jobs end with
+/// `session_lost`). A worker that comes back with the same id finds them lost too.
+pub async fn sweep_silent_workers(sessions: &SessionStore, dead_after: Duration) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for worker in sessions.silent_workers(dead_after).await? {
+        let why = format!("worker {worker} stopped responding for more than {}s", dead_after.as_secs());
+        let n = sessions.lose_worker(&worker, &why).await?;
+        tracing::warn!(worker_id = %worker, sessions = n, "worker silent; its sessions are lost");
+        total += n;
+    }
+    Ok(total)
 }

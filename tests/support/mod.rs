@@ -8,9 +8,8 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use base64::Engine as _;
 use sandcell_client::Client;
-use sandcell_protocol::{InputFile, JobResult, Language, Submission};
+use sandcell_protocol::{InputFile, JobResult, Language, SessionRequest, Submission};
 
 /// Longest a test waits for one job.
 pub const JOB_WAIT: Duration = Duration::from_secs(120);
@@ -35,23 +34,64 @@ pub fn tenant() -> String {
 
 /// A Python submission with defaults.
 pub fn python(tenant: &str, code: &str) -> Submission {
-    Submission {
-        job_id: unique("py"),
-        tenant: tenant.to_string(),
-        language: Language::Python,
-        code: code.to_string(),
-        files: Vec::new(),
-        timeout_ms: None,
-        memory_mb: None,
-        cpus: None,
-        artifact_ttl_s: None,
-        session: None,
+    Submission::new(tenant, unique("py"), Language::Python, code)
+}
+
+/// A Python submission that opens a session with the given keep-alive.
+pub fn open_session(tenant: &str, code: &str, keep_alive_s: Option<u64>) -> Submission {
+    let mut sub = python(tenant, code);
+    sub.session = Some(SessionRequest { new: true, keep_alive_s, ..Default::default() });
+    sub
+}
+
+/// A Python submission that runs in an existing session.
+pub fn in_session(tenant: &str, session_id: &str, code: &str) -> Submission {
+    let mut sub = python(tenant, code);
+    sub.session = Some(SessionRequest { id: Some(session_id.to_string()), ..Default::default() });
+    sub
+}
+
+/// The id of the session a result ran in (panics if none).
+pub fn session_id(r: &JobResult) -> String {
+    r.session.as_ref().unwrap_or_else(|| panic!("result has no session: {r:?}")).id.clone()
+}
+
+/// The `text/plain` of a result's execute_result, if any.
+pub fn value(r: &JobResult) -> Option<String> {
+    r.outputs.iter().find_map(|o| match o {
+        sandcell_protocol::Output::ExecuteResult { data, .. } => data.get("text/plain").cloned(),
+        _ => None,
+    })
+}
+
+/// The container that ran a job, as the worker recorded it.
+pub async fn container_of(tenant: &str, job_id: &str) -> Option<String> {
+    let url = std::env::var("SANDCELL_DATABASE_URL").ok()?;
+    let pool = sqlx::PgPool::connect(&url).await.ok()?;
+    sqlx::query_scalar("SELECT container_id FROM jobs WHERE tenant = $1 AND job_id = $2")
+        .bind(tenant)
+        .bind(job_id)
+        .fetch_optional(&pool)
+        .await
+        .ok()
+        .flatten()
+        .flatten()
+}
+
+/// Whether a container with this id still exists (running or not).
+pub async fn container_exists(id: &str) -> bool {
+    let Ok(docker) = bollard::Docker::connect_with_defaults() else { return true };
+    let Ok(docker) = docker.negotiate_version().await else { return true };
+    match docker.inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>).await {
+        Ok(_) => true,
+        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => false,
+        Err(_) => true,
     }
 }
 
 /// An inline input file.
 pub fn input(path: &str, bytes: &[u8]) -> InputFile {
-    InputFile { path: path.to_string(), content_b64: base64::engine::general_purpose::STANDARD.encode(bytes) }
+    InputFile::inline(path, bytes)
 }
 
 /// Submit and wait for the terminal result.

@@ -32,18 +32,20 @@ pub async fn store_all(
     tenant: &str,
     job_id: &str,
     limits: &ExecutionLimits,
-    files: Vec<(String, Vec<u8>)>,
+    files: Vec<(String, Vec<u8>, bool)>,
     raw_outputs: Vec<RawOutput>,
 ) -> Result<Stored> {
     let ttl = Duration::from_secs(limits.artifact_ttl_s);
     let mut artifacts = Vec::new();
-    for (path, bytes) in files {
+    for (path, bytes, requested) in files {
         if let Err(e) = validate_workspace_path(&path) {
             tracing::warn!(tenant, job_id, path, error = %e, "sandbox reported an invalid output path; not stored");
             continue;
         }
         let content_type = mime_guess::from_path(&path).first_or_octet_stream().essence_str().to_string();
-        artifacts.push(upload(store, tenant, job_id, &path, ArtifactKind::File, &content_type, bytes, ttl).await?);
+        // A file the job asked for that it also changed is reported as written (`file`).
+        let kind = if requested { ArtifactKind::Fetched } else { ArtifactKind::File };
+        artifacts.push(upload(store, tenant, job_id, &path, kind, &content_type, bytes, ttl).await?);
     }
     let mut outputs = Vec::with_capacity(raw_outputs.len());
     for (n, raw) in raw_outputs.into_iter().enumerate() {

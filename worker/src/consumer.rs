@@ -1,17 +1,20 @@
-//! Consuming execution jobs: claim, execute, store, commit, ack.
+//! Consuming execution jobs from two queues and sending each where it runs.
 //!
-//! Invariants:
-//! - prefetch = slots: the broker never hands this worker more jobs than it can run at once,
-//!   and every unacked delivery is a busy slot;
+//! - `sandcell.jobs` (shared by all workers, prefetch = slots): one-off jobs, run here in a
+//!   kernel that is destroyed afterwards, and jobs that open a session, which this worker then
+//!   holds ([`crate::session::open`]). A worker at its session capacity returns an opening job
+//!   to the queue after a pause, for a worker with room.
+//! - `sandcell.worker.<id>` (this worker's own): jobs of sessions it holds, handed to the
+//!   session's task in delivery order; a job for a session it does not hold is refused with
+//!   the session's reason.
+//!
+//! Invariants (as before sessions):
 //! - a job is acked only after its result is committed in Postgres; if the worker dies before,
 //!   the broker redelivers it and the next claim runs it again (`attempts` counts the claims);
 //! - a redelivered job that is already finished is acked without running (claim refuses it);
-//! - only a redelivered message may take over a `running` job (its worker died); a fresh
-//!   delivery of a job that is already running is acked without running it again;
-//! - a job claimed more than `SANDCELL_MAX_ATTEMPTS` times is failed with `too_many_attempts`
-//!   instead of being run again (a job that crashes workers cannot crash them forever).
+//! - only a redelivered message may take over a `running` job (its worker died);
+//! - a job claimed more than `SANDCELL_MAX_ATTEMPTS` times is failed with `too_many_attempts`.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,16 +26,23 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use sandcell_core::broker;
-use sandcell_core::jobs::{Finished, JobStore};
+use sandcell_core::jobs::JobStore;
+use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
-use sandcell_protocol::{ErrorCode, ExecutionJob, JobStatus, Reason};
+use sandcell_protocol::{ErrorCode, ExecutionJob, Reason};
+use tokio::sync::Semaphore;
 
-use crate::execute::{execute, Outcome};
+use crate::kernel::OnTimeout;
 use crate::metrics::Metrics;
-use crate::sandbox::container::{LABEL_JOB, LABEL_TENANT, LABEL_WORKER};
+use crate::pool::WarmPool;
+use crate::run::{self, Extras};
+use crate::session::{Registry, Work};
 use crate::Config;
 
-/// Everything a job handler needs.
+/// How long a worker at its session capacity holds an opening job before returning it.
+const FULL_REQUEUE_DELAY: Duration = Duration::from_secs(1);
+
+/// Everything a job handler needs, cheap to clone.
 #[derive(Clone)]
 pub struct WorkerContext {
     /// Settings.
@@ -41,10 +51,20 @@ pub struct WorkerContext {
     pub docker: Docker,
     /// Job store.
     pub jobs: JobStore,
+    /// Session store.
+    pub sessions: SessionStore,
     /// Artifact store.
     pub store: ArtifactStore,
     /// Metrics.
     pub metrics: Metrics,
+    /// Warm kernels.
+    pub pool: WarmPool,
+    /// Sessions held here.
+    pub registry: Registry,
+    /// Cells running at once (`SANDCELL_WORKER_SLOTS`).
+    pub slots: Arc<Semaphore>,
+    /// Sessions held at once (`SANDCELL_WORKER_MAX_SESSIONS`).
+    pub session_capacity: Arc<Semaphore>,
 }
 
 /// Consume forever, reconnecting after broker failures.
@@ -64,23 +84,36 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     let url = ctx.cfg.services.amqp_url.clone();
     let name = format!("sandcell-worker-{}", ctx.cfg.worker_id);
     let conn = sandcell_core::retry_forever("rabbitmq", |_| broker::connect(&url, &name)).await;
-    let ch = conn.create_channel().await.context("opening channel")?;
-    broker::declare_topology(&ch).await?;
-    ch.basic_qos(ctx.cfg.slots, BasicQosOptions::default()).await.context("setting prefetch")?;
-    let mut consumer = ch
+    let shared_ch = conn.create_channel().await.context("opening channel")?;
+    broker::declare_topology(&shared_ch).await?;
+    shared_ch.basic_qos(ctx.cfg.slots, BasicQosOptions::default()).await.context("setting prefetch")?;
+    let mut shared = shared_ch
         .basic_consume(broker::JOBS_QUEUE.into(), name.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
         .await
         .context("consuming jobs")?;
+    let own_ch = conn.create_channel().await.context("opening channel")?;
+    let own_queue = broker::declare_worker_queue(&own_ch, &ctx.cfg.worker_id).await?;
+    own_ch.basic_qos(ctx.cfg.session_prefetch, BasicQosOptions::default()).await.context("setting prefetch")?;
+    let mut own = own_ch
+        .basic_consume(own_queue.as_str().into(), format!("{name}-sessions").as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .with_context(|| format!("consuming {own_queue}"))?;
     broker_up.store(true, Ordering::Relaxed);
-    tracing::info!(worker_id = %ctx.cfg.worker_id, slots = ctx.cfg.slots, "worker consuming");
+    tracing::info!(worker_id = %ctx.cfg.worker_id, slots = ctx.cfg.slots, own_queue, "worker consuming");
     let mut running = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
-            next = consumer.next() => {
+            next = shared.next() => {
                 let Some(delivery) = next else { break };
                 let delivery = delivery.context("receiving a job")?;
                 let ctx = ctx.clone();
-                running.spawn(async move { handle_delivery(&ctx, delivery).await });
+                running.spawn(async move { handle_shared(&ctx, delivery).await });
+            }
+            next = own.next() => {
+                let Some(delivery) = next else { break };
+                let delivery = delivery.context("receiving a session job")?;
+                // Handed to the session synchronously, so delivery order is mailbox order.
+                handle_own(ctx, delivery).await?;
             }
             Some(done) = running.join_next(), if !running.is_empty() => {
                 done.context("job handler panicked")??;
@@ -90,94 +123,97 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     Ok(())
 }
 
-async fn handle_delivery(ctx: &WorkerContext, delivery: Delivery) -> Result<()> {
-    let job: ExecutionJob = match serde_json::from_slice(&delivery.data) {
-        Ok(j) => j,
+/// Decode an execution job; a message the scheduler did not write is dead-lettered.
+async fn decode(delivery: &Delivery) -> Result<Option<ExecutionJob>> {
+    match serde_json::from_slice(&delivery.data) {
+        Ok(j) => Ok(Some(j)),
         Err(e) => {
-            // Only the scheduler publishes here; a message it did not write is poison.
             tracing::error!(error = %e, bytes = delivery.data.len(), "undecodable execution job; dead-lettering");
             delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await.context("dead-lettering job")?;
+            Ok(None)
+        }
+    }
+}
+
+async fn handle_shared(ctx: &WorkerContext, delivery: Delivery) -> Result<()> {
+    let Some(job) = decode(&delivery).await? else { return Ok(()) };
+    match &job.session {
+        None => one_off(ctx, job, delivery).await,
+        Some(s) if s.new => {
+            let Ok(permit) = ctx.session_capacity.clone().try_acquire_owned() else {
+                tracing::info!(job_id = %job.job_id, held = ctx.registry.len(), "at session capacity; returning an opening job to the queue");
+                tokio::time::sleep(FULL_REQUEUE_DELAY).await;
+                delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.context("requeueing job")?;
+                return Ok(());
+            };
+            let Some(claim) = run::claim(ctx, &job, delivery.redelivered).await? else {
+                delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
+                return Ok(());
+            };
+            crate::session::open(ctx.clone(), Work { job, delivery, claim: Some(claim) }, permit).await
+        }
+        // Jobs of existing sessions travel on workers' own queues; accept one here all the same.
+        Some(_) => route_to_session(ctx, Work { job, delivery, claim: None }).await,
+    }
+}
+
+async fn handle_own(ctx: &WorkerContext, delivery: Delivery) -> Result<()> {
+    let Some(job) = decode(&delivery).await? else { return Ok(()) };
+    route_to_session(ctx, Work { job, delivery, claim: None }).await
+}
+
+/// Give a job to the session it names, or refuse it with the session's reason.
+async fn route_to_session(ctx: &WorkerContext, work: Work) -> Result<()> {
+    let Err(work) = ctx.registry.deliver(work) else { return Ok(()) };
+    let job = &work.job;
+    let id = job.session.as_ref().map(|s| s.id.as_str()).unwrap_or_default();
+    let reason = match ctx.sessions.state(&job.tenant, id).await? {
+        None => Reason::new(ErrorCode::SessionNotFound, format!("tenant {} has no session {id}", job.tenant)),
+        Some(state) => state
+            .refusal(id)
+            .unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, format!("session {id} is not held by worker {}", ctx.cfg.worker_id))),
+    };
+    run::refuse(ctx, job, &reason).await?;
+    work.delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
+    Ok(())
+}
+
+/// Run a job without a session in its own kernel, destroyed afterwards.
+async fn one_off(ctx: &WorkerContext, job: ExecutionJob, delivery: Delivery) -> Result<()> {
+    let files = match run::resolve_inputs(ctx, &job).await {
+        Ok(f) => f,
+        Err(reason) => {
+            run::refuse(ctx, &job, &reason).await?;
+            delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
             return Ok(());
         }
     };
-    ctx.metrics.busy_slots.inc();
-    let result = process(ctx, &job, delivery.redelivered).await;
-    ctx.metrics.busy_slots.dec();
-    result?;
-    delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
-    Ok(())
-}
-
-/// Run one job to a committed result. An error means nothing was committed: the delivery must
-/// stay unacked.
-async fn process(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> Result<()> {
-    let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
-    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, redelivered).await? else {
-        tracing::info!(tenant, job_id, redelivered, "job already running, finished or unknown; not run again");
+    let Some(claim) = run::claim(ctx, &job, delivery.redelivered).await? else {
+        delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
         return Ok(());
     };
-    let wait = (chrono::Utc::now() - claim.queued_at).to_std().unwrap_or_default();
-    ctx.metrics.queue_wait_seconds.observe(wait.as_secs_f64());
-    if claim.attempt > ctx.cfg.max_attempts {
-        let reason = Reason::new(ErrorCode::TooManyAttempts, format!("claimed {} times without completing", claim.attempt - 1));
-        ctx.jobs.fail(tenant, job_id, JobStatus::InfrastructureError, &reason).await?;
-        ctx.metrics.jobs.with_label_values(&[JobStatus::InfrastructureError.as_str()]).inc();
-        return Ok(());
-    }
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
-    let labels = HashMap::from([
-        (LABEL_WORKER.to_string(), ctx.cfg.worker_id.clone()),
-        (LABEL_TENANT.to_string(), tenant.to_string()),
-        (LABEL_JOB.to_string(), job_id.to_string()),
-    ]);
-    tracing::info!(tenant, job_id, attempt = claim.attempt, "running job");
-    let outcome = execute(&ctx.docker, &ctx.cfg.exec, labels, job, &limits).await;
-    if let Some(d) = outcome.sandbox_start {
-        ctx.metrics.container_start_seconds.observe(d.as_secs_f64());
-    }
-    let finished = finish(ctx, job, &limits, outcome).await;
-    commit(ctx, tenant, job_id, &finished).await?;
-    ctx.metrics.jobs.with_label_values(&[finished.status.as_str()]).inc();
-    ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
-    tracing::info!(tenant, job_id, status = %finished.status, elapsed_ms = started.elapsed().as_millis() as u64, "job finished");
-    Ok(())
-}
-
-/// Store the outcome's files and turn it into the row to commit.
-async fn finish(ctx: &WorkerContext, job: &ExecutionJob, limits: &sandcell_protocol::ExecutionLimits, o: Outcome) -> Finished {
-    let mut fin = Finished {
-        status: o.status,
-        stdout: o.stdout.text,
-        stderr: o.stderr.text,
-        stdout_truncated: o.stdout.truncated,
-        stderr_truncated: o.stderr.truncated,
-        exit_code: o.exit_code,
-        error: o.error,
-        reason: o.reason,
-        outputs: Vec::new(),
-        artifacts: Vec::new(),
+    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, attempt = claim.attempt, "running job");
+    let (outcome, container) = {
+        let _slot = ctx.slots.acquire().await.context("slots closed")?;
+        ctx.metrics.busy_slots.inc();
+        let spec = run::spec_for(ctx, &job, &limits);
+        let result = match run::kernel_for(ctx, &spec).await {
+            Ok(mut kernel) => {
+                let cell = kernel.run(&job, &files, &limits, OnTimeout::Kill).await;
+                let id = kernel.id().to_string();
+                kernel.destroy().await;
+                (cell.outcome, Some(id))
+            }
+            Err(e) => (crate::execute::Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), None),
+        };
+        ctx.metrics.busy_slots.dec();
+        result
     };
-    match crate::artifacts::store_all(&ctx.store, &job.tenant, &job.job_id, limits, o.files, o.outputs).await {
-        Ok(stored) => {
-            fin.outputs = stored.outputs;
-            fin.artifacts = stored.artifacts;
-        }
-        Err(e) => {
-            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "storing artifacts failed");
-            fin.status = JobStatus::InfrastructureError;
-            fin.reason = Some(Reason::new(ErrorCode::StorageFailed, format!("{e:#}")));
-        }
-    }
-    fin
-}
-
-/// Commit with a few retries (the database may be restarting). Gives up with an error, leaving
-/// the delivery unacked so that the job is redelivered.
-async fn commit(ctx: &WorkerContext, tenant: &str, job_id: &str, fin: &Finished) -> Result<()> {
-    let committed = sandcell_core::retry("committing a result", 6, |_| ctx.jobs.finish(tenant, job_id, fin)).await?;
-    if !committed {
-        tracing::warn!(tenant, job_id, "job was finished elsewhere; this result is discarded");
-    }
+    let status = run::commit(ctx, &job, &limits, outcome, Extras { container_id: container, ..Default::default() }).await?;
+    delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
+    ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
+    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "job finished");
     Ok(())
 }

@@ -1,22 +1,19 @@
-//! Running one job: start a sandbox, hand the code to the driver, gather what comes back,
-//! enforce the wall clock, and always destroy the sandbox.
+//! What a cell produced: the driver's events folded into an [`Outcome`] with its caps applied.
 //!
-//! [`execute`] never fails: every failure becomes an [`Outcome`] with a status and a reason,
-//! because a failing job must produce a result, not take the worker down.
+//! The conversation that produces the events is [`crate::kernel`]'s; this module only decides
+//! what each event means for the result (status, capped text, rich outputs, files).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use bollard::Docker;
-use sandcell_protocol::{ErrorCode, ExecError, ExecutionJob, ExecutionLimits, JobStatus, Language, Reason};
+use sandcell_protocol::{ErrorCode, ExecError, ExecutionLimits, JobStatus, Language, Reason};
 
-use crate::sandbox::container::SandboxSpec;
-use crate::sandbox::protocol::{DriverEvent, ExecuteRequest};
-use crate::sandbox::Sandbox;
+use crate::sandbox::protocol::DriverEvent;
 
 /// Most rich outputs kept per job.
 const MAX_OUTPUTS: usize = 64;
+/// Most workspace entries kept in a listing (the driver sends at most this many).
+const MAX_LISTED_FILES: usize = 1000;
 
 /// Text with a byte cap; what does not fit is dropped and flagged.
 #[derive(Debug, Default, Clone)]
@@ -87,14 +84,15 @@ pub struct Outcome {
     pub reason: Option<Reason>,
     /// Rich outputs.
     pub outputs: Vec<RawOutput>,
-    /// Output files (path, bytes).
-    pub files: Vec<(String, Vec<u8>)>,
-    /// Time from create to the driver's `ready`, when it got that far.
-    pub sandbox_start: Option<Duration>,
+    /// Output files (path, bytes, asked for by `get_files`).
+    pub files: Vec<(String, Vec<u8>, bool)>,
+    /// Workspace listing, when asked for.
+    pub listing: Option<sandcell_protocol::FileListing>,
 }
 
 impl Outcome {
-    fn new(limits: &ExecutionLimits) -> Self {
+    /// An empty outcome under `limits` (status `infrastructure_error` until `done` says otherwise).
+    pub fn new(limits: &ExecutionLimits) -> Self {
         Outcome {
             status: JobStatus::InfrastructureError,
             stdout: CappedText::new(limits.stdout_bytes),
@@ -104,114 +102,20 @@ impl Outcome {
             reason: None,
             outputs: Vec::new(),
             files: Vec::new(),
-            sandbox_start: None,
+            listing: None,
         }
     }
 
-    fn infra(mut self, code: ErrorCode, message: String) -> Self {
+    /// An outcome for a job that could not run: infrastructure error with a reason.
+    pub fn infra(mut self, code: ErrorCode, message: String) -> Self {
         self.status = JobStatus::InfrastructureError;
         self.reason = Some(Reason::new(code, message));
         self
     }
 }
 
-/// Worker-side settings for running sandboxes.
-#[derive(Debug, Clone)]
-pub struct ExecSettings {
-    /// Image reference.
-    pub image: String,
-    /// OCI runtime.
-    pub runtime: String,
-    /// Longest wait for the driver's `ready`.
-    pub start_timeout: Duration,
-}
-
-/// Run `job` under `limits` in a fresh sandbox.
-pub async fn execute(docker: &Docker, settings: &ExecSettings, spec_labels: std::collections::HashMap<String, String>, job: &ExecutionJob, limits: &ExecutionLimits) -> Outcome {
-    let mut out = Outcome::new(limits);
-    let spec = SandboxSpec { image: settings.image.clone(), runtime: settings.runtime.clone(), limits: limits.clone(), labels: spec_labels };
-    // One frame carries at most one file (base64) or one figure; bound it accordingly.
-    let max_frame = usize::try_from(limits.artifact_bytes.saturating_mul(4) / 3 + (4 << 20)).unwrap_or(usize::MAX);
-    let t0 = Instant::now();
-    let mut sandbox = match Sandbox::start(docker, &spec, max_frame).await {
-        Ok(s) => s,
-        Err(e) => return out.infra(ErrorCode::SandboxUnavailable, format!("{e:#}")),
-    };
-    match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
-        Ok(Ok(Some(DriverEvent::Ready { .. }))) => out.sandbox_start = Some(t0.elapsed()),
-        other => {
-            let what = match other {
-                Err(_) => format!("the sandbox did not become ready within {:?}", settings.start_timeout),
-                Ok(Ok(None)) => "the sandbox exited before it was ready".to_string(),
-                Ok(Ok(Some(ev))) => format!("the sandbox sent {ev:?} before ready"),
-                Ok(Err(e)) => format!("{e:#}"),
-            };
-            let diag = sandbox.diagnostics();
-            sandbox.destroy().await;
-            return out.infra(ErrorCode::SandboxUnavailable, format!("{what}; driver said: {}", diag.trim()));
-        }
-    }
-
-    let request = ExecuteRequest::new(&job.job_id, job.language, &job.code, &job.files, limits);
-    let sent = match serde_json::to_vec(&request) {
-        Ok(payload) => sandbox.send(&payload).await,
-        Err(e) => Err(e.into()),
-    };
-    if let Err(e) = sent {
-        sandbox.destroy().await;
-        return out.infra(ErrorCode::DriverProtocol, format!("sending the job to the sandbox: {e:#}"));
-    }
-    // One job per sandbox: the driver exits after this cell.
-    sandbox.close_input().await;
-
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
-    let mut file_bytes: u64 = 0;
-    loop {
-        match tokio::time::timeout_at(deadline, sandbox.next_event()).await {
-            Err(_) => {
-                sandbox.kill().await;
-                out.status = JobStatus::TimedOut;
-                out.reason = None;
-                break;
-            }
-            Ok(Err(e)) => {
-                sandbox.kill().await;
-                out = out.infra(ErrorCode::DriverProtocol, format!("{e:#}"));
-                break;
-            }
-            Ok(Ok(None)) => {
-                // The driver's output ended without `done`: it was killed or killed itself.
-                let state = sandbox.exit_state().await;
-                out.exit_code = state.exit_code.and_then(|c| i32::try_from(c).ok());
-                if state.oom_killed {
-                    out.status = JobStatus::OomKilled;
-                    out.reason = None;
-                } else {
-                    out.status = JobStatus::Failed;
-                    out.reason = Some(Reason::new(
-                        ErrorCode::DriverProtocol,
-                        format!("the interpreter exited (code {:?}) before the job finished", state.exit_code),
-                    ));
-                }
-                break;
-            }
-            Ok(Ok(Some(event))) => {
-                if apply(&mut out, event, job.language, limits, &mut file_bytes) {
-                    break;
-                }
-            }
-        }
-    }
-    let diag = sandbox.diagnostics();
-    if !diag.trim().is_empty() {
-        tracing::debug!(job_id = %job.job_id, diagnostics = %diag.trim(), "driver diagnostics");
-    }
-    sandbox.destroy().await;
-    out
-}
-
 /// Fold one driver event into the outcome. Returns true on `done`.
-fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &ExecutionLimits, file_bytes: &mut u64) -> bool {
+pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &ExecutionLimits, file_bytes: &mut u64) -> bool {
     match event {
         DriverEvent::Stream { name, text } => match name.as_str() {
             "stderr" => out.stderr.push(&text),
@@ -220,17 +124,21 @@ fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &Exe
         DriverEvent::ExecuteResult { data } => push_output(out, OutputKind::ExecuteResult, data, limits.stdout_bytes),
         DriverEvent::DisplayData { data } => push_output(out, OutputKind::DisplayData, data, limits.stdout_bytes),
         DriverEvent::Error { ename, evalue, traceback } => out.error = Some(ExecError { ename, evalue, traceback }),
-        DriverEvent::File { path, content_b64 } => {
+        DriverEvent::File { path, content_b64, requested } => {
             match base64::engine::general_purpose::STANDARD.decode(content_b64.as_bytes()) {
                 Ok(bytes) if out.files.len() < limits.artifact_files as usize && *file_bytes + bytes.len() as u64 <= limits.artifact_bytes => {
                     *file_bytes += bytes.len() as u64;
-                    out.files.push((path, bytes));
+                    out.files.push((path, bytes, requested));
                 }
                 Ok(_) => tracing::info!(path, "output file over the artifact limits; not collected"),
                 Err(e) => tracing::warn!(path, error = %e, "driver sent a file with invalid base64"),
             }
         }
         DriverEvent::FileSkipped { path, reason } => tracing::info!(path, reason, "output file not collected"),
+        DriverEvent::FileList { mut entries, truncated } => {
+            entries.truncate(MAX_LISTED_FILES);
+            out.listing = Some(sandcell_protocol::FileListing { entries, truncated });
+        }
         DriverEvent::FileError { path, message } => {
             out.reason = Some(Reason::new(ErrorCode::InputFileRejected, format!("input file {path:?}: {message}")));
         }

@@ -1,15 +1,22 @@
-//! The worker: takes execution jobs off `sandcell.jobs` and runs each in a fresh, capped
-//! Docker sandbox, then commits the result and its artifacts.
+//! The worker: runs execution jobs in capped Docker sandboxes — one-off jobs in a kernel of
+//! their own, session jobs in the long-lived kernel of the session this worker holds — then
+//! commits each result and its artifacts.
 //!
-//! The data path through this crate: [`consumer`] (delivery, claim, ack) → [`execute`]
-//! (sandbox conversation, wall clock) → [`sandbox`] (container limits, driver framing) →
-//! [`artifacts`] (object store) → back to [`consumer`], which commits to Postgres and acks.
+//! The data path through this crate: [`consumer`] (the shared and the worker's own queue) →
+//! [`session`] (one task per held session) or a one-off kernel → [`run`] (inputs, claim,
+//! commit) → [`kernel`] (cells under a wall clock, interrupts) → [`execute`] (driver events into
+//! an outcome) → [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
+//! [`pool`] keeps started kernels ready for the next session or one-off job.
 
 pub mod artifacts;
 pub mod consumer;
 pub mod execute;
+pub mod kernel;
 pub mod metrics;
+pub mod pool;
+pub mod run;
 pub mod sandbox;
+pub mod session;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,11 +25,15 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use sandcell_core::config::{self, Services};
+use std::collections::HashSet;
+
 use sandcell_core::jobs::JobStore;
+use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
 use sandcell_protocol::LimitPolicy;
+use tokio::sync::Semaphore;
 
-use crate::execute::ExecSettings;
+use crate::kernel::KernelSettings;
 
 /// Worker settings.
 #[derive(Debug, Clone)]
@@ -31,35 +42,76 @@ pub struct Config {
     pub services: Services,
     /// Operator's limit policy; limits carried by jobs are capped by its maximums.
     pub policy: LimitPolicy,
-    /// `SANDCELL_WORKER_ID`, default the host name: labels this worker's containers.
+    /// `SANDCELL_WORKER_ID`, default the host name: names this worker's queue and labels its
+    /// containers. 1–64 of `[A-Za-z0-9._-]`.
     pub worker_id: String,
-    /// `SANDCELL_WORKER_SLOTS`, default 4: jobs run concurrently (= the consumer prefetch).
+    /// `SANDCELL_WORKER_SLOTS`, default 4: cells running at once (and the shared-queue prefetch).
     pub slots: u16,
-    /// `SANDCELL_SANDBOX_IMAGE` (required) and `SANDCELL_DOCKER_RUNTIME` (default `runc`).
-    pub exec: ExecSettings,
+    /// `SANDCELL_WORKER_MAX_SESSIONS`, default 32: sessions held at once.
+    pub max_sessions: u16,
+    /// `SANDCELL_SESSION_PREFETCH`, default 256: unacked jobs taken from the worker's own queue.
+    pub session_prefetch: u16,
+    /// `SANDCELL_WARM_POOL`, default 2: started kernels kept ready.
+    pub warm_pool: usize,
+    /// Kernel settings (`SANDCELL_SANDBOX_IMAGE` required, `SANDCELL_DOCKER_RUNTIME`,
+    /// `SANDCELL_SANDBOX_START_TIMEOUT_MS`, `SANDCELL_PRELOAD`, `SANDCELL_INTERRUPT_GRACE_MS`).
+    pub kernel: KernelSettings,
     /// `SANDCELL_MAX_ATTEMPTS`, default 3: claims of one job before it is failed.
     pub max_attempts: i32,
+    /// `SANDCELL_MAX_UPLOAD_FILE_BYTES`, default 100 MiB: largest input file by `s3_key`.
+    pub max_upload_bytes: u64,
+    /// `SANDCELL_EGRESS_TENANTS`, default empty: tenants whose sandboxes get a network.
+    pub egress_tenants: HashSet<String>,
+    /// `SANDCELL_EGRESS_NETWORK`, default none: the Docker network those sandboxes join.
+    pub egress_network: Option<String>,
+    /// `SANDCELL_HEARTBEAT_S`, default 5: how often the worker tells Postgres it is alive.
+    pub heartbeat: Duration,
     /// `SANDCELL_WORKER_METRICS_ADDR`, default `127.0.0.1:9465`.
     pub metrics_addr: SocketAddr,
+}
+
+/// Whether `id` can name a worker (and its queue).
+pub fn is_valid_worker_id(id: &str) -> bool {
+    (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 impl Config {
     /// Read the configuration from the environment.
     pub fn from_env() -> Result<Self> {
         let host = std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default();
-        let default_id = if host.is_empty() { "worker-1".to_string() } else { host };
+        let default_id = if is_valid_worker_id(&host) { host } else { "worker-1".to_string() };
+        let worker_id = config::var_or("SANDCELL_WORKER_ID", &default_id);
+        anyhow::ensure!(is_valid_worker_id(&worker_id), "SANDCELL_WORKER_ID must be 1-64 characters of [A-Za-z0-9._-]");
+        let policy = config::limit_policy_from_env()?;
+        let max_frame = usize::try_from(policy.max.artifact_bytes.saturating_mul(4) / 3 + (4 << 20)).unwrap_or(usize::MAX);
+        let list = |name: &str, default: &str| -> Vec<String> {
+            config::var_or(name, default).split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
+        };
+        let egress_tenants: HashSet<String> = list("SANDCELL_EGRESS_TENANTS", "").into_iter().collect();
+        let egress_network = Some(config::var_or("SANDCELL_EGRESS_NETWORK", "")).filter(|s| !s.is_empty());
+        anyhow::ensure!(egress_tenants.is_empty() || egress_network.is_some(), "SANDCELL_EGRESS_TENANTS needs SANDCELL_EGRESS_NETWORK");
         Ok(Config {
             services: Services::from_env()?,
-            policy: config::limit_policy_from_env()?,
-            worker_id: config::var_or("SANDCELL_WORKER_ID", &default_id),
+            worker_id,
             slots: config::parse_or("SANDCELL_WORKER_SLOTS", 4u16)?.max(1),
-            exec: ExecSettings {
+            max_sessions: config::parse_or("SANDCELL_WORKER_MAX_SESSIONS", 32u16)?.max(1),
+            session_prefetch: config::parse_or("SANDCELL_SESSION_PREFETCH", 256u16)?.max(1),
+            warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
+            kernel: KernelSettings {
                 image: config::var_required("SANDCELL_SANDBOX_IMAGE")?,
                 runtime: config::var_or("SANDCELL_DOCKER_RUNTIME", "runc"),
                 start_timeout: Duration::from_millis(config::parse_or("SANDCELL_SANDBOX_START_TIMEOUT_MS", 30_000u64)?),
+                preload: list("SANDCELL_PRELOAD", "numpy,pandas,matplotlib.pyplot"),
+                interrupt_grace: Duration::from_millis(config::parse_or("SANDCELL_INTERRUPT_GRACE_MS", 3_000u64)?),
+                max_frame,
             },
             max_attempts: config::parse_or("SANDCELL_MAX_ATTEMPTS", 3i32)?.max(1),
+            max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
+            egress_tenants,
+            egress_network,
+            heartbeat: Duration::from_secs_f64(config::parse_or("SANDCELL_HEARTBEAT_S", 5.0f64)?.max(0.1)),
             metrics_addr: config::parse_or("SANDCELL_WORKER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9465)))?,
+            policy,
         })
     }
 }
@@ -82,9 +134,18 @@ pub async fn run(cfg: Config) -> Result<()> {
         tracing::warn!(removed, worker_id = %cfg.worker_id, "removed sandboxes left by a previous run");
     }
     let db_url = cfg.services.database_url.clone();
-    let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, u32::from(cfg.slots) + 2)).await;
-    let jobs = JobStore::new(pool);
+    let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, u32::from(cfg.slots) + 4)).await;
+    let jobs = JobStore::new(pool.clone());
+    let sessions = SessionStore::new(pool);
+    // The containers of this worker's previous run are gone, and its sessions with them.
+    let lost = sandcell_core::retry_forever("postgres", |_| sessions.lose_worker(&cfg.worker_id, "the worker holding it restarted")).await;
+    if lost > 0 {
+        tracing::warn!(lost, worker_id = %cfg.worker_id, "sessions of a previous run declared lost");
+    }
     let store = ArtifactStore::new(&cfg.services.s3);
+    let warm = pool::WarmPool::new(cfg.warm_pool, &cfg.kernel, cfg.policy.default.clone(), &cfg.worker_id, metrics.clone());
+    tokio::spawn(warm.clone().refill_forever(docker.clone(), cfg.kernel.clone()));
+    tokio::spawn(heartbeat_forever(sessions.clone(), cfg.worker_id.clone(), cfg.slots, cfg.max_sessions, cfg.heartbeat));
 
     let broker_up = Arc::new(AtomicBool::new(false));
     let health: sandcell_core::telemetry::HealthCheck = {
@@ -101,11 +162,45 @@ pub async fn run(cfg: Config) -> Result<()> {
         })
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
-    let ctx = consumer::WorkerContext { cfg: Arc::new(cfg), docker, jobs, store, metrics };
+    let ctx = consumer::WorkerContext {
+        slots: Arc::new(Semaphore::new(usize::from(cfg.slots))),
+        session_capacity: Arc::new(Semaphore::new(usize::from(cfg.max_sessions))),
+        cfg: Arc::new(cfg),
+        docker: docker.clone(),
+        jobs,
+        sessions: sessions.clone(),
+        store,
+        metrics,
+        pool: warm.clone(),
+        registry: session::Registry::default(),
+    };
+    let worker_id = ctx.cfg.worker_id.clone();
     let consuming = tokio::spawn(consumer::run(ctx, broker_up));
-    tokio::select! {
+    let result = tokio::select! {
         r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
         r = consuming => r.context("consumer task panicked"),
         _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted; stopping"); Ok(()) }
+    };
+    // Sessions die with the worker: say so now rather than after the heartbeat times out.
+    if let Err(e) = sessions.lose_worker(&worker_id, "the worker holding it stopped").await {
+        tracing::warn!(error = format!("{e:#}"), "could not mark this worker's sessions lost");
+    }
+    warm.drain().await;
+    if let Err(e) = sandbox::remove_leftovers(&docker, &worker_id).await {
+        tracing::warn!(error = format!("{e:#}"), "could not remove this worker's sandboxes");
+    }
+    result
+}
+
+/// Tell Postgres this worker is alive, forever. The sweeper declares the sessions of a worker
+/// that stops beating lost.
+async fn heartbeat_forever(sessions: SessionStore, worker_id: String, slots: u16, max_sessions: u16, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = sessions.heartbeat(&worker_id, i32::from(slots), i32::from(max_sessions)).await {
+            tracing::warn!(error = format!("{e:#}"), "heartbeat failed");
+        }
     }
 }

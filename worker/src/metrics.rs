@@ -1,6 +1,6 @@
 //! The worker's Prometheus collectors.
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// Collectors, cheap to clone.
 #[derive(Clone)]
@@ -19,6 +19,15 @@ pub struct Metrics {
     pub busy_slots: IntGauge,
     /// `sandcell_worker_slots`: capacity.
     pub slots: IntGauge,
+    /// `sandcell_worker_sessions`: sessions held now.
+    pub sessions: IntGauge,
+    /// `sandcell_warm_pool_size`: warm kernels ready now.
+    pub pool_size: IntGauge,
+    /// `sandcell_warm_pool_takes_total{outcome}`: `hit`, `empty` (miss: pool empty) or `shape`
+    /// (miss: the job needs limits or a network the pool's kernels do not have).
+    pub pool_takes: IntCounterVec,
+    /// `sandcell_kernel_restarts_total`: session kernels replaced after dying or being killed.
+    pub kernel_restarts: IntCounter,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -42,6 +51,26 @@ impl Metrics {
         registry.register(Box::new(container_start_seconds.clone()))?;
         registry.register(Box::new(busy_slots.clone()))?;
         registry.register(Box::new(slots.clone()))?;
-        Ok(Metrics { registry, jobs, execution_seconds, queue_wait_seconds, container_start_seconds, busy_slots, slots })
+        let sessions = IntGauge::new("sandcell_worker_sessions", "Sessions held now")?;
+        let pool_size = IntGauge::new("sandcell_warm_pool_size", "Warm kernels ready now")?;
+        let pool_takes = IntCounterVec::new(Opts::new("sandcell_warm_pool_takes_total", "Kernel requests by outcome: hit, empty, shape"), &["outcome"])?;
+        let kernel_restarts = IntCounter::new("sandcell_kernel_restarts_total", "Session kernels replaced after dying or being killed")?;
+        registry.register(Box::new(sessions.clone()))?;
+        registry.register(Box::new(pool_size.clone()))?;
+        registry.register(Box::new(pool_takes.clone()))?;
+        registry.register(Box::new(kernel_restarts.clone()))?;
+        Ok(Metrics {
+            registry,
+            jobs,
+            execution_seconds,
+            queue_wait_seconds,
+            container_start_seconds,
+            busy_slots,
+            slots,
+            sessions,
+            pool_size,
+            pool_takes,
+            kernel_restarts,
+        })
     }
 }

@@ -12,7 +12,9 @@ use anyhow::Context;
 use lapin::Channel;
 use sandcell_core::broker;
 use sandcell_core::jobs::JobStore;
-use sandcell_protocol::{ArtifactState, JobResult, Submission};
+use sandcell_core::sessions::SessionStore;
+use sandcell_core::store::ArtifactStore;
+use sandcell_protocol::{ArtifactState, JobResult, Session, Submission};
 use sqlx::postgres::{PgListener, PgPoolOptions};
 
 /// What can go wrong for a client.
@@ -122,6 +124,11 @@ impl Client {
         }
     }
 
+    /// A session's current state, if the tenant has that session.
+    pub async fn session(&self, tenant: &str, session_id: &str) -> Result<Option<Session>, ClientError> {
+        Ok(SessionStore::new(self.jobs.pool().clone()).get(tenant, session_id).await?)
+    }
+
     /// The download URL of one artifact, or [`ClientError::ArtifactExpired`] once it expired.
     pub async fn artifact_url(&self, tenant: &str, job_id: &str, path: &str) -> Result<String, ClientError> {
         let r = self
@@ -134,4 +141,16 @@ impl Client {
             _ => Err(ClientError::ArtifactExpired(path.into())),
         }
     }
+}
+
+/// Upload a large input file for `tenant` and return the `s3_key` a job names it by
+/// (`<tenant>/_uploads/<name>`). Needs store credentials, so this is for trusted clients
+/// (an agent platform's backend), not for tenants' own code.
+pub async fn upload(store: &ArtifactStore, tenant: &str, name: &str, bytes: Vec<u8>) -> Result<String, ClientError> {
+    let key = format!("{}{name}", sandcell_protocol::submission::upload_prefix(tenant));
+    if !sandcell_protocol::submission::is_valid_upload_key(tenant, &key) {
+        return Err(anyhow::anyhow!("{name:?} is not a valid upload name").into());
+    }
+    store.put(&key, bytes, "application/octet-stream").await?;
+    Ok(key)
 }

@@ -13,10 +13,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use base64::Engine as _;
 use clap::{Parser, Subcommand};
 use sandcell_client::Client;
-use sandcell_protocol::{InputFile, Language, Submission};
+use sandcell_protocol::{InputFile, Language, SessionRequest, Submission};
 
 #[derive(Parser)]
 #[command(name = "sandcell", about = "Submit code to sandcell and read results")]
@@ -59,6 +58,29 @@ enum Command {
         /// How long to wait for the result.
         #[arg(long, default_value_t = 300)]
         wait_s: u64,
+        /// `new` to open a session with this job, or the id of a session to run in.
+        #[arg(long)]
+        session: Option<String>,
+        /// With `--session new`: keep-alive in seconds.
+        #[arg(long)]
+        keep_alive_s: Option<u64>,
+        /// With `--session <id>`: close the session after this job.
+        #[arg(long)]
+        close: bool,
+        /// Workspace file to return as an artifact after the code ran. Repeatable.
+        #[arg(long = "get-file")]
+        get_files: Vec<String>,
+        /// Return a listing of the workspace after the code ran.
+        #[arg(long)]
+        list_files: bool,
+    },
+    /// Print a session's current state.
+    Session {
+        /// Tenant.
+        #[arg(long, env = "SANDCELL_TENANT", default_value = "demo")]
+        tenant: String,
+        /// Session id.
+        session_id: String,
     },
     /// Print a job's current result.
     Result {
@@ -94,11 +116,27 @@ async fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let client = Client::from_env().await?;
     match cli.command {
-        Command::Run { tenant, job_id, language, code, code_file, files, timeout_ms, memory_mb, artifact_ttl_s, wait_s } => {
+        Command::Run {
+            tenant,
+            job_id,
+            language,
+            code,
+            code_file,
+            files,
+            timeout_ms,
+            memory_mb,
+            artifact_ttl_s,
+            wait_s,
+            session,
+            keep_alive_s,
+            close,
+            get_files,
+            list_files,
+        } => {
             let code = match (code, code_file) {
                 (Some(c), _) => c,
                 (None, Some(p)) => std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?,
-                (None, None) => anyhow::bail!("give --code or --code-file"),
+                (None, None) => String::new(),
             };
             let language = match language.as_str() {
                 "python" => Language::Python,
@@ -107,7 +145,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let files = files.iter().map(|spec| read_input(spec)).collect::<anyhow::Result<Vec<_>>>()?;
             let job_id = job_id.unwrap_or_else(|| format!("cli-{}", uuid::Uuid::new_v4()));
-            let sub = Submission { job_id: job_id.clone(), tenant: tenant.clone(), language, code, files, timeout_ms, memory_mb, cpus: None, artifact_ttl_s, session: None };
+            let mut sub = Submission::new(tenant.clone(), job_id.clone(), language, code);
+            sub.files = files;
+            sub.timeout_ms = timeout_ms;
+            sub.memory_mb = memory_mb;
+            sub.artifact_ttl_s = artifact_ttl_s;
+            sub.get_files = get_files;
+            sub.list_files = list_files;
+            sub.session = session.map(|s| match s.as_str() {
+                "new" => SessionRequest { new: true, keep_alive_s, ..Default::default() },
+                id => SessionRequest { id: Some(id.to_string()), close, ..Default::default() },
+            });
             client.submit(&sub).await?;
             let result = client.wait(&tenant, &job_id, Duration::from_secs(wait_s)).await?;
             println!("{}", serde_json::to_string_pretty(&result)?);
@@ -119,6 +167,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::SUCCESS)
             }
             None => anyhow::bail!("no job {job_id:?} for tenant {tenant:?}"),
+        },
+        Command::Session { tenant, session_id } => match client.session(&tenant, &session_id).await? {
+            Some(s) => {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+                Ok(ExitCode::SUCCESS)
+            }
+            None => anyhow::bail!("tenant {tenant:?} has no session {session_id:?}"),
         },
         Command::ArtifactUrl { tenant, job_id, path } => {
             println!("{}", client.artifact_url(&tenant, &job_id, &path).await?);
@@ -136,5 +191,5 @@ fn read_input(spec: &str) -> anyhow::Result<InputFile> {
         }
     };
     let bytes = std::fs::read(&local).with_context(|| format!("reading {local}"))?;
-    Ok(InputFile { path: remote, content_b64: base64::engine::general_purpose::STANDARD.encode(bytes) })
+    Ok(InputFile::inline(remote, &bytes))
 }

@@ -3,7 +3,8 @@
 //!
 //! What every sandbox gets, whatever the job asks:
 //! - memory limit with swap disabled (`memory_swap == memory`), CPU quota, pids limit;
-//! - `network_mode: none` and networking disabled;
+//! - `network_mode: none` and networking disabled — unless the operator granted the tenant
+//!   egress (`SANDCELL_EGRESS_TENANTS`), in which case the operator's network instead;
 //! - uid/gid 1000, `cap_drop: ALL`, `no-new-privileges`, Docker's default seccomp profile;
 //! - read-only root filesystem; writable, size-capped tmpfs at `/home/user` (the workspace)
 //!   and `/tmp`, both `nosuid,nodev`;
@@ -29,6 +30,11 @@ pub const SANDBOX_USER: &str = "1000:1000";
 /// Size of `/tmp` in the sandbox (interpreter caches live there, not in the workspace).
 const TMP_MB: u64 = 64;
 
+/// Label marking a warm-pool container (not yet given to any tenant).
+pub const LABEL_POOL: &str = "sandcell.pool";
+/// Label with the session id a container was started for.
+pub const LABEL_SESSION: &str = "sandcell.session";
+
 /// What is needed to build a sandbox.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
@@ -40,6 +46,37 @@ pub struct SandboxSpec {
     pub limits: ExecutionLimits,
     /// Labels identifying owner and job.
     pub labels: HashMap<String, String>,
+    /// Docker network for tenants the operator allowed egress; `None`: no network at all.
+    pub network: Option<String>,
+    /// Modules the driver imports before it reports ready (`SANDCELL_PRELOAD`).
+    pub preload: Vec<String>,
+}
+
+/// The properties fixed when a container is created. A warm container can serve a job only if
+/// the job needs exactly this shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerShape {
+    memory_mb: u64,
+    milli_cpus: u64,
+    pids: u32,
+    workspace_mb: u64,
+    runtime: String,
+    network: Option<String>,
+}
+
+impl SandboxSpec {
+    /// The shape of the containers this spec creates.
+    pub fn shape(&self) -> ContainerShape {
+        let l = &self.limits;
+        ContainerShape {
+            memory_mb: l.memory_mb,
+            milli_cpus: (l.cpus * 1000.0).round() as u64,
+            pids: l.pids,
+            workspace_mb: l.workspace_mb,
+            runtime: self.runtime.clone(),
+            network: self.network.clone(),
+        }
+    }
 }
 
 /// The Docker create body for `spec`.
@@ -55,7 +92,7 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         memory_swap: Some(memory),
         nano_cpus: Some((l.cpus * 1e9) as i64),
         pids_limit: Some(i64::from(l.pids)),
-        network_mode: Some("none".into()),
+        network_mode: Some(spec.network.clone().unwrap_or_else(|| "none".into())),
         readonly_rootfs: Some(true),
         tmpfs: Some(tmpfs),
         cap_drop: Some(vec!["ALL".into()]),
@@ -82,7 +119,8 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         open_stdin: Some(true),
         stdin_once: Some(true),
         tty: Some(false),
-        network_disabled: Some(true),
+        network_disabled: Some(spec.network.is_none()),
+        env: (!spec.preload.is_empty()).then(|| vec![format!("SANDCELL_PRELOAD={}", spec.preload.join(","))]),
         labels: Some(spec.labels.clone()),
         host_config: Some(host_config),
         ..Default::default()
@@ -99,7 +137,19 @@ mod tests {
             runtime: "runc".into(),
             limits: sandcell_protocol::LimitPolicy::default().default,
             labels: HashMap::new(),
+            network: None,
+            preload: Vec::new(),
         }
+    }
+
+    #[test]
+    fn egress_is_only_the_operators_network_when_granted() {
+        let mut s = spec();
+        s.network = Some("sandcell-egress".into());
+        let body = create_body(&s);
+        assert_eq!(body.host_config.unwrap().network_mode.as_deref(), Some("sandcell-egress"));
+        assert_eq!(body.network_disabled, Some(false));
+        assert_ne!(spec().shape(), s.shape(), "a granted network never reuses a no-network warm container");
     }
 
     #[test]

@@ -123,6 +123,21 @@ impl Sandbox {
         String::from_utf8_lossy(&self.diagnostics).into_owned()
     }
 
+    /// Send SIGINT to the driver (through tini, PID 1, which forwards it): the running cell
+    /// gets a `KeyboardInterrupt`, the kernel and its variables survive.
+    pub async fn interrupt(&mut self) {
+        if let Err(e) = self.docker.kill_container(&self.id, Some(KillContainerOptions { signal: "SIGINT".into() })).await {
+            tracing::debug!(container = %self.id, error = %e, "interrupt failed (already stopped?)");
+        }
+    }
+
+    /// Like [`Sandbox::diagnostics`], and forget them (a session logs each cell's own).
+    pub fn take_diagnostics(&mut self) -> String {
+        let d = self.diagnostics();
+        self.diagnostics.clear();
+        d
+    }
+
     /// Kill the container now (wall-clock timeout).
     pub async fn kill(&mut self) {
         if let Err(e) = self.docker.kill_container(&self.id, Some(KillContainerOptions { signal: "KILL".into() })).await {

@@ -38,11 +38,15 @@ pub struct ExecuteRequest<'a> {
     pub max_artifact_files: u32,
     /// Most output bytes collected.
     pub max_artifact_bytes: u64,
+    /// Files to send back whether changed or not.
+    pub get_files: &'a [String],
+    /// Send a workspace listing after the cell.
+    pub list_files: bool,
 }
 
 impl<'a> ExecuteRequest<'a> {
     /// The request for `code` under `limits`.
-    pub fn new(id: &'a str, language: Language, code: &'a str, files: &'a [InputFile], limits: &ExecutionLimits) -> Self {
+    pub fn new(id: &'a str, language: Language, code: &'a str, files: &'a [InputFile], limits: &ExecutionLimits, get_files: &'a [String], list_files: bool) -> Self {
         ExecuteRequest {
             kind: "execute",
             id,
@@ -55,6 +59,8 @@ impl<'a> ExecuteRequest<'a> {
             max_file_bytes: limits.artifact_bytes,
             max_artifact_files: limits.artifact_files,
             max_artifact_bytes: limits.artifact_bytes,
+            get_files,
+            list_files,
         }
     }
 }
@@ -100,12 +106,23 @@ pub enum DriverEvent {
         path: String,
         /// The bytes, base64.
         content_b64: String,
+        /// Sent because the job named it in `get_files` (it may be unchanged).
+        #[serde(default)]
+        requested: bool,
+    },
+    /// The workspace listing asked for with `list_files`.
+    FileList {
+        /// Regular files, sorted by path.
+        entries: Vec<sandcell_protocol::FileEntry>,
+        /// More files exist than listed.
+        #[serde(default)]
+        truncated: bool,
     },
     /// An output file that was not collected.
     FileSkipped {
         /// Workspace-relative path.
         path: String,
-        /// Why (`not_regular_file`, `too_large`, `limit_reached`).
+        /// Why (`not_regular_file`, `too_large`, `limit_reached`, `not_found`, `invalid_path`).
         reason: String,
     },
     /// An input file could not be written.

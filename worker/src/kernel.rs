@@ -1,0 +1,176 @@
+//! A kernel: one sandbox container whose driver has reported `ready`, and the running of cells
+//! in it under a wall clock.
+//!
+//! A kernel is used for one job (a one-off sandbox) or for many (a session). What happens at
+//! the deadline is the caller's choice ([`OnTimeout`]): a one-off kernel is simply killed; a
+//! session's kernel is first interrupted (SIGINT → `KeyboardInterrupt`) so that it keeps its
+//! variables, and killed only if it does not finish the cell within the grace period.
+//! [`Kernel::run`] never fails: every failure becomes an [`Outcome`], and [`CellRun::alive`]
+//! says whether the kernel can take another cell.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+use bollard::Docker;
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
+
+use crate::execute::{apply, Outcome};
+use crate::sandbox::container::{ContainerShape, SandboxSpec};
+use crate::sandbox::protocol::{DriverEvent, ExecuteRequest};
+use crate::sandbox::Sandbox;
+
+/// Worker-side settings for starting kernels.
+#[derive(Debug, Clone)]
+pub struct KernelSettings {
+    /// `SANDCELL_SANDBOX_IMAGE`: image reference.
+    pub image: String,
+    /// `SANDCELL_DOCKER_RUNTIME`: OCI runtime (`runc` or `runsc`).
+    pub runtime: String,
+    /// `SANDCELL_SANDBOX_START_TIMEOUT_MS`: longest wait for the driver's `ready`.
+    pub start_timeout: Duration,
+    /// `SANDCELL_PRELOAD`: modules a kernel imports before it is ready.
+    pub preload: Vec<String>,
+    /// `SANDCELL_INTERRUPT_GRACE_MS`: how long an interrupted session cell may take to stop.
+    pub interrupt_grace: Duration,
+    /// Largest single driver frame (one file or figure, base64), from the operator's maximum
+    /// artifact size, so any job fits any kernel.
+    pub max_frame: usize,
+}
+
+/// What to do when a cell's wall clock runs out.
+#[derive(Debug, Clone, Copy)]
+pub enum OnTimeout {
+    /// Kill the container (one-off kernels).
+    Kill,
+    /// Interrupt, then kill if the cell has not stopped after this grace (session kernels).
+    Interrupt(Duration),
+}
+
+/// The result of one cell.
+#[derive(Debug)]
+pub struct CellRun {
+    /// What the cell produced.
+    pub outcome: Outcome,
+    /// The kernel can run another cell (it was not killed and did not die).
+    pub alive: bool,
+}
+
+/// A started kernel.
+pub struct Kernel {
+    sandbox: Sandbox,
+    shape: ContainerShape,
+    /// Container create → driver ready.
+    pub start_time: Duration,
+}
+
+impl Kernel {
+    /// Create a container for `spec` and wait for its driver's `ready`.
+    pub async fn start(docker: &Docker, settings: &KernelSettings, spec: &SandboxSpec) -> Result<Kernel> {
+        let t0 = Instant::now();
+        let mut sandbox = Sandbox::start(docker, spec, settings.max_frame).await?;
+        match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
+            Ok(Ok(Some(DriverEvent::Ready { .. }))) => Ok(Kernel { sandbox, shape: spec.shape(), start_time: t0.elapsed() }),
+            other => {
+                let what = match other {
+                    Err(_) => format!("the sandbox did not become ready within {:?}", settings.start_timeout),
+                    Ok(Ok(None)) => "the sandbox exited before it was ready".to_string(),
+                    Ok(Ok(Some(ev))) => format!("the sandbox sent {ev:?} before ready"),
+                    Ok(Err(e)) => format!("{e:#}"),
+                };
+                let diag = sandbox.diagnostics();
+                sandbox.destroy().await;
+                Err(anyhow!("{what}; driver said: {}", diag.trim()))
+            }
+        }
+    }
+
+    /// The container id.
+    pub fn id(&self) -> &str {
+        self.sandbox.id()
+    }
+
+    /// The container's fixed properties.
+    pub fn shape(&self) -> &ContainerShape {
+        &self.shape
+    }
+
+    /// Run `job`'s code (with `files` already resolved to inline content) under `limits`.
+    pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, on_timeout: OnTimeout) -> CellRun {
+        let mut out = Outcome::new(limits);
+        let request = ExecuteRequest::new(&job.job_id, job.language, &job.code, files, limits, &job.get_files, job.list_files);
+        let sent = match serde_json::to_vec(&request) {
+            Ok(payload) => self.sandbox.send(&payload).await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = sent {
+            self.sandbox.kill().await;
+            let outcome = out.infra(ErrorCode::DriverProtocol, format!("sending the job to the sandbox: {e:#}"));
+            return CellRun { outcome, alive: false };
+        }
+
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
+        let mut grace_deadline = None;
+        let mut file_bytes: u64 = 0;
+        let mut alive = true;
+        loop {
+            match tokio::time::timeout_at(grace_deadline.unwrap_or(deadline), self.sandbox.next_event()).await {
+                Err(_) => match (on_timeout, grace_deadline) {
+                    (OnTimeout::Interrupt(grace), None) => {
+                        self.sandbox.interrupt().await;
+                        grace_deadline = Some(tokio::time::Instant::now() + grace);
+                    }
+                    _ => {
+                        self.sandbox.kill().await;
+                        out.status = JobStatus::TimedOut;
+                        out.reason = None;
+                        alive = false;
+                        break;
+                    }
+                },
+                Ok(Err(e)) => {
+                    self.sandbox.kill().await;
+                    out = out.infra(ErrorCode::DriverProtocol, format!("{e:#}"));
+                    alive = false;
+                    break;
+                }
+                Ok(Ok(None)) => {
+                    // The driver's output ended without `done`: it was killed or killed itself.
+                    let state = self.sandbox.exit_state().await;
+                    out.exit_code = state.exit_code.and_then(|c| i32::try_from(c).ok());
+                    if state.oom_killed {
+                        out.status = JobStatus::OomKilled;
+                        out.reason = None;
+                    } else {
+                        out.status = JobStatus::Failed;
+                        out.reason = Some(Reason::new(
+                            ErrorCode::DriverProtocol,
+                            format!("the interpreter exited (code {:?}) before the job finished", state.exit_code),
+                        ));
+                    }
+                    alive = false;
+                    break;
+                }
+                Ok(Ok(Some(event))) => {
+                    if apply(&mut out, event, job.language, limits, &mut file_bytes) {
+                        break;
+                    }
+                }
+            }
+        }
+        if grace_deadline.is_some() && alive {
+            // Interrupted in time: the cell ended with KeyboardInterrupt, the kernel lives on.
+            out.status = JobStatus::TimedOut;
+            out.reason = None;
+        }
+        let diag = self.sandbox.take_diagnostics();
+        if !diag.trim().is_empty() {
+            tracing::debug!(job_id = %job.job_id, diagnostics = %diag.trim(), "driver diagnostics");
+        }
+        CellRun { outcome: out, alive }
+    }
+
+    /// Remove the container and its workspace.
+    pub async fn destroy(self) {
+        self.sandbox.destroy().await;
+    }
+}

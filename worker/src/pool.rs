@@ -1,0 +1,110 @@
+//! The warm pool: kernels started ahead of demand, with the common libraries already imported,
+//! assigned to no tenant. A new session or a one-off job takes one if its container shape
+//! matches the pool's (the operator's default limits, no network); a background task refills
+//! the pool. A pool kernel is used by exactly one tenant and never returns to the pool.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bollard::Docker;
+use tokio::sync::Notify;
+
+use crate::kernel::{Kernel, KernelSettings};
+use crate::metrics::Metrics;
+use crate::sandbox::container::{ContainerShape, SandboxSpec, LABEL_POOL, LABEL_WORKER};
+
+/// A pool of started kernels, cheap to clone.
+#[derive(Clone)]
+pub struct WarmPool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    kernels: Mutex<Vec<Kernel>>,
+    target: usize,
+    spec: SandboxSpec,
+    shape: ContainerShape,
+    refill: Notify,
+    metrics: Metrics,
+}
+
+impl WarmPool {
+    /// A pool of `target` kernels built from the operator's default limits.
+    pub fn new(target: usize, settings: &KernelSettings, limits: sandcell_protocol::ExecutionLimits, worker_id: &str, metrics: Metrics) -> Self {
+        let spec = SandboxSpec {
+            image: settings.image.clone(),
+            runtime: settings.runtime.clone(),
+            limits,
+            labels: HashMap::from([(LABEL_WORKER.to_string(), worker_id.to_string()), (LABEL_POOL.to_string(), "1".to_string())]),
+            network: None,
+            preload: settings.preload.clone(),
+        };
+        let shape = spec.shape();
+        WarmPool { inner: Arc::new(Inner { kernels: Mutex::new(Vec::new()), target, spec, shape, refill: Notify::new(), metrics }) }
+    }
+
+    /// A warm kernel for a job needing `shape`, if one is ready. Counts a hit or a miss.
+    pub fn take(&self, shape: &ContainerShape) -> Option<Kernel> {
+        let inner = &self.inner;
+        let kernel = if *shape == inner.shape { inner.kernels.lock().ok().and_then(|mut k| k.pop()) } else { None };
+        let outcome = match (&kernel, *shape == inner.shape) {
+            (Some(_), _) => "hit",
+            (None, true) => "empty",
+            (None, false) => "shape",
+        };
+        inner.metrics.pool_takes.with_label_values(&[outcome]).inc();
+        if kernel.is_some() {
+            inner.metrics.pool_size.dec();
+            inner.refill.notify_one();
+        }
+        kernel
+    }
+
+    /// Number of warm kernels now.
+    pub fn len(&self) -> usize {
+        self.inner.kernels.lock().map(|k| k.len()).unwrap_or(0)
+    }
+
+    /// Whether the pool is empty now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keep the pool full, forever. Start failures are logged and retried with a backoff.
+    pub async fn refill_forever(self, docker: Docker, settings: KernelSettings) {
+        let inner = &self.inner;
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            while self.len() < inner.target {
+                match Kernel::start(&docker, &settings, &inner.spec).await {
+                    Ok(kernel) => {
+                        inner.metrics.container_start_seconds.observe(kernel.start_time.as_secs_f64());
+                        match inner.kernels.lock() {
+                            Ok(mut k) => {
+                                k.push(kernel);
+                                inner.metrics.pool_size.inc();
+                            }
+                            Err(_) => return,
+                        }
+                        backoff = Duration::from_millis(500);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = format!("{e:#}"), ?backoff, "could not start a warm kernel; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(30));
+                    }
+                }
+            }
+            inner.refill.notified().await;
+        }
+    }
+
+    /// Remove every warm kernel (shutdown).
+    pub async fn drain(&self) {
+        let kernels = self.inner.kernels.lock().map(|mut k| std::mem::take(&mut *k)).unwrap_or_default();
+        for k in kernels {
+            k.destroy().await;
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The steps every job goes through, whether it runs in a one-off kernel or in a session:
+//! fetch inputs uploaded by reference, claim, get a kernel, store outputs, commit.
+//!
+//! Order matters: inputs are resolved *before* the claim, so a job whose upload is missing is
+//! `rejected` without ever running; outputs are stored *before* the commit, and the delivery is
+//! acked only after it (see [`crate::consumer`]).
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use sandcell_core::jobs::{Claim, Finished, SessionTouch};
+use sandcell_core::store::Fetched;
+use sandcell_protocol::submission::is_valid_upload_key;
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
+
+use crate::consumer::WorkerContext;
+use crate::execute::Outcome;
+use crate::kernel::Kernel;
+use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
+
+/// Replace every `s3_key` input file by its content. A missing or oversize object is the
+/// client's error (`upload_failed`); a store failure is ours (`storage_failed`).
+pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Vec<InputFile>, Reason> {
+    let mut files = Vec::with_capacity(job.files.len());
+    for f in &job.files {
+        let Some(key) = &f.s3_key else {
+            files.push(f.clone());
+            continue;
+        };
+        // The scheduler checked the key; a worker trusts no message blindly.
+        if !is_valid_upload_key(&job.tenant, key) {
+            return Err(Reason::new(ErrorCode::InvalidFilePath, format!("input file {:?}: s3_key is not under the tenant's upload prefix", f.path)));
+        }
+        match ctx.store.get_limited(key, ctx.cfg.max_upload_bytes).await {
+            Ok(Fetched::Found(bytes)) => files.push(InputFile::inline(f.path.clone(), &bytes)),
+            Ok(Fetched::Missing) => return Err(Reason::new(ErrorCode::UploadFailed, format!("input file {:?}: no object {key:?}", f.path))),
+            Ok(Fetched::TooLarge(size)) => {
+                return Err(Reason::new(
+                    ErrorCode::UploadFailed,
+                    format!("input file {:?}: object {key:?} is {size} bytes; the limit is {}", f.path, ctx.cfg.max_upload_bytes),
+                ))
+            }
+            Err(e) => return Err(Reason::new(ErrorCode::StorageFailed, format!("input file {:?}: {e:#}", f.path))),
+        }
+    }
+    Ok(files)
+}
+
+/// Claim a job; `None` when it must not run (finished, running elsewhere, unknown, or claimed
+/// too often — the last is failed with `too_many_attempts` here).
+pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> Result<Option<Claim>> {
+    let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
+    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, redelivered).await? else {
+        tracing::info!(tenant, job_id, redelivered, "job already running, finished or unknown; not run again");
+        return Ok(None);
+    };
+    let wait = (chrono::Utc::now() - claim.queued_at).to_std().unwrap_or_default();
+    ctx.metrics.queue_wait_seconds.observe(wait.as_secs_f64());
+    if claim.attempt > ctx.cfg.max_attempts {
+        let reason = Reason::new(ErrorCode::TooManyAttempts, format!("claimed {} times without completing", claim.attempt - 1));
+        ctx.jobs.fail(tenant, job_id, JobStatus::InfrastructureError, &reason).await?;
+        ctx.metrics.jobs.with_label_values(&[JobStatus::InfrastructureError.as_str()]).inc();
+        return Ok(None);
+    }
+    Ok(Some(claim))
+}
+
+/// Refuse a job that cannot run (its inputs or session are gone) and count it.
+pub async fn refuse(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason) -> Result<()> {
+    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, code = %reason.code, "job refused: {}", reason.message);
+    if ctx.jobs.refuse(&job.tenant, &job.job_id, reason).await? {
+        ctx.metrics.jobs.with_label_values(&[JobStatus::Rejected.as_str()]).inc();
+    }
+    Ok(())
+}
+
+/// The container spec for a job (or a session opened by it).
+pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits) -> SandboxSpec {
+    let mut labels = HashMap::from([
+        (LABEL_WORKER.to_string(), ctx.cfg.worker_id.clone()),
+        (LABEL_TENANT.to_string(), job.tenant.clone()),
+        (LABEL_JOB.to_string(), job.job_id.clone()),
+    ]);
+    if let Some(s) = &job.session {
+        labels.insert(LABEL_SESSION.to_string(), s.id.clone());
+    }
+    let egress = ctx.cfg.egress_tenants.contains(&job.tenant);
+    SandboxSpec {
+        image: ctx.cfg.kernel.image.clone(),
+        runtime: ctx.cfg.kernel.runtime.clone(),
+        limits: limits.clone(),
+        labels,
+        network: if egress { ctx.cfg.egress_network.clone() } else { None },
+        preload: ctx.cfg.kernel.preload.clone(),
+    }
+}
+
+/// A kernel for `spec`: a warm one when the pool has one of that shape, else a fresh one.
+pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec) -> Result<Kernel> {
+    if let Some(k) = ctx.pool.take(&spec.shape()) {
+        return Ok(k);
+    }
+    let k = Kernel::start(&ctx.docker, &ctx.cfg.kernel, spec).await?;
+    ctx.metrics.container_start_seconds.observe(k.start_time.as_secs_f64());
+    Ok(k)
+}
+
+/// What a job's commit carries besides the cell's outcome.
+#[derive(Debug, Default)]
+pub struct Extras {
+    /// The session's kernel was replaced.
+    pub kernel_restarted: bool,
+    /// The container that ran the job.
+    pub container_id: Option<String>,
+    /// The session to extend or close.
+    pub session: Option<SessionTouch>,
+}
+
+/// Store the outcome's files and commit the result (with retries). An error means nothing was
+/// committed: the delivery must stay unacked.
+pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, o: Outcome, extras: Extras) -> Result<JobStatus> {
+    let mut fin = Finished {
+        status: o.status,
+        stdout: o.stdout.text,
+        stderr: o.stderr.text,
+        stdout_truncated: o.stdout.truncated,
+        stderr_truncated: o.stderr.truncated,
+        exit_code: o.exit_code,
+        error: o.error,
+        reason: o.reason,
+        outputs: Vec::new(),
+        artifacts: Vec::new(),
+        kernel_restarted: extras.kernel_restarted,
+        files: o.listing,
+        container_id: extras.container_id,
+        session: extras.session,
+    };
+    match crate::artifacts::store_all(&ctx.store, &job.tenant, &job.job_id, limits, o.files, o.outputs).await {
+        Ok(stored) => {
+            fin.outputs = stored.outputs;
+            fin.artifacts = stored.artifacts;
+        }
+        Err(e) => {
+            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "storing artifacts failed");
+            fin.status = JobStatus::InfrastructureError;
+            fin.reason = Some(Reason::new(ErrorCode::StorageFailed, format!("{e:#}")));
+        }
+    }
+    let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
+    let committed = sandcell_core::retry("committing a result", 6, |_| ctx.jobs.finish(tenant, job_id, &fin)).await?;
+    if !committed {
+        tracing::warn!(tenant, job_id, "job was finished elsewhere; this result is discarded");
+    }
+    ctx.metrics.jobs.with_label_values(&[fin.status.as_str()]).inc();
+    Ok(fin.status)
+}

@@ -1,0 +1,304 @@
+//! Sessions on this worker: the registry of the sessions it holds, and one task per session
+//! that owns its kernel, runs its jobs one at a time in arrival order, and ends it.
+//!
+//! Invariants:
+//! - a session is in the registry from just before its binding in Postgres until just after it
+//!   is ended there, so every job the scheduler routes here while it is `active` finds it;
+//! - only the session's task touches its kernel; jobs reach the task through its mailbox, in the
+//!   order the worker's queue delivered them (the scheduler published them in submission order);
+//! - the keep-alive timer runs only while the mailbox is empty: a job waiting to run is never
+//!   refused because the session expired under it;
+//! - when the task ends, jobs still in its mailbox are refused with the session's final reason,
+//!   and the container and its workspace are destroyed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Result;
+use lapin::message::Delivery;
+use lapin::options::BasicAckOptions;
+use sandcell_core::jobs::{Claim, SessionTouch};
+use sandcell_protocol::{ErrorCode, ExecutionJob, JobStatus, Reason, SessionState};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+
+use crate::consumer::WorkerContext;
+use crate::execute::Outcome;
+use crate::kernel::{Kernel, OnTimeout};
+use crate::run::{self, Extras};
+use crate::sandbox::container::SandboxSpec;
+
+/// A job on its way to a session, with the delivery to ack once it is committed.
+pub struct Work {
+    /// The job.
+    pub job: ExecutionJob,
+    /// Its delivery.
+    pub delivery: Delivery,
+    /// Set when the job was claimed before it reached the session (the opening job).
+    pub claim: Option<Claim>,
+}
+
+struct Entry {
+    tenant: String,
+    mailbox: mpsc::UnboundedSender<Work>,
+}
+
+/// The sessions this worker holds, cheap to clone.
+#[derive(Clone, Default)]
+pub struct Registry {
+    map: Arc<Mutex<HashMap<String, Entry>>>,
+}
+
+impl Registry {
+    /// Hand `work` to the session it names. Gives the work back when this worker does not hold
+    /// that session for that tenant.
+    pub fn deliver(&self, work: Work) -> Result<(), Box<Work>> {
+        let Some(session) = work.job.session.as_ref() else { return Err(Box::new(work)) };
+        let Ok(map) = self.map.lock() else { return Err(Box::new(work)) };
+        match map.get(&session.id) {
+            Some(e) if e.tenant == work.job.tenant => e.mailbox.send(work).map_err(|e| Box::new(e.0)),
+            _ => Err(Box::new(work)),
+        }
+    }
+
+    /// Number of sessions held.
+    pub fn len(&self) -> usize {
+        self.map.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// Whether no session is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Work>) {
+        if let Ok(mut m) = self.map.lock() {
+            m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox });
+        }
+    }
+
+    fn remove(&self, id: &str) {
+        if let Ok(mut m) = self.map.lock() {
+            m.remove(id);
+        }
+    }
+}
+
+/// Why a session's task stopped.
+enum End {
+    Expired,
+    Closed,
+    Lost(Reason),
+}
+
+/// Open the session `work.job` asks for and run the job in it. `work` is already claimed;
+/// `permit` is the session's place in this worker's capacity, released when it ends.
+pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) -> Result<()> {
+    let job = &work.job;
+    let Some(session) = job.session.clone() else { anyhow::bail!("open called for a job without a session") };
+    let limits = ctx.cfg.policy.cap(&job.limits);
+    let spec = run::spec_for(&ctx, job, &limits);
+    let kernel = match run::kernel_for(&ctx, &spec).await {
+        Ok(k) => k,
+        Err(e) => {
+            let reason = Reason::new(ErrorCode::SandboxUnavailable, format!("{e:#}"));
+            ctx.sessions.end(&session.id, None, SessionState::Failed, Some(&reason)).await?;
+            run::commit(&ctx, job, &limits, Outcome::new(&limits).infra(reason.code, reason.message.clone()), Extras::default()).await?;
+            work.delivery.ack(BasicAckOptions::default()).await?;
+            return Ok(());
+        }
+    };
+    // In the registry before it is active in Postgres: a job routed here finds it.
+    let (tx, rx) = mpsc::unbounded_channel();
+    ctx.registry.insert(&session.id, &job.tenant, tx);
+    match ctx.sessions.bind(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await {
+        Ok(true) => {}
+        Ok(false) | Err(_) => {
+            ctx.registry.remove(&session.id);
+            kernel.destroy().await;
+            let state = ctx.sessions.state(&job.tenant, &session.id).await.ok().flatten();
+            let reason = state.and_then(|s| s.refusal(&session.id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "the session could not be bound to this worker"));
+            run::refuse(&ctx, job, &reason).await?;
+            work.delivery.ack(BasicAckOptions::default()).await?;
+            return Ok(());
+        }
+    }
+    ctx.metrics.sessions.inc();
+    tracing::info!(tenant = %job.tenant, session_id = %session.id, keep_alive_s = session.keep_alive_s, container = %kernel.id(), "session opened");
+    let task = SessionTask {
+        id: session.id.clone(),
+        tenant: job.tenant.clone(),
+        keep_alive: Duration::from_secs(session.keep_alive_s.max(1)),
+        spec,
+        kernel: Some(kernel),
+        ctx: ctx.clone(),
+        _permit: permit,
+    };
+    tokio::spawn(task.run(work, rx));
+    Ok(())
+}
+
+struct SessionTask {
+    id: String,
+    tenant: String,
+    keep_alive: Duration,
+    spec: SandboxSpec,
+    kernel: Option<Kernel>,
+    ctx: WorkerContext,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl SessionTask {
+    async fn run(mut self, first: Work, mut mailbox: mpsc::UnboundedReceiver<Work>) {
+        let mut end = self.step(first).await;
+        let mut deadline = tokio::time::Instant::now() + self.keep_alive;
+        while end.is_none() {
+            tokio::select! {
+                biased;
+                work = mailbox.recv() => match work {
+                    Some(work) => {
+                        end = self.step(work).await;
+                        deadline = tokio::time::Instant::now() + self.keep_alive;
+                    }
+                    None => end = Some(End::Lost(Reason::new(ErrorCode::SessionLost, "the worker is shutting down"))),
+                },
+                _ = tokio::time::sleep_until(deadline) => end = Some(End::Expired),
+            }
+        }
+        let end = end.unwrap_or(End::Expired);
+        self.finish(end, mailbox).await;
+    }
+
+    /// Run one job; log instead of failing (a job must never take the session down).
+    async fn step(&mut self, work: Work) -> Option<End> {
+        match self.process(work).await {
+            Ok(end) => end,
+            Err(e) => {
+                // Nothing was committed; the delivery stays unacked and is redelivered when
+                // the worker's channel closes.
+                tracing::error!(session_id = %self.id, error = format!("{e:#}"), "session job failed");
+                None
+            }
+        }
+    }
+
+    async fn process(&mut self, work: Work) -> Result<Option<End>> {
+        let ctx = self.ctx.clone();
+        let job = &work.job;
+        let close = job.session.as_ref().is_some_and(|s| s.close);
+        let files = match run::resolve_inputs(&ctx, job).await {
+            Ok(f) => f,
+            Err(reason) => {
+                run::refuse(&ctx, job, &reason).await?;
+                work.delivery.ack(BasicAckOptions::default()).await?;
+                return Ok(None);
+            }
+        };
+        let claim = match work.claim {
+            Some(c) => Some(c),
+            None => run::claim(&ctx, job, work.delivery.redelivered).await?,
+        };
+        if claim.is_none() {
+            work.delivery.ack(BasicAckOptions::default()).await?;
+            return Ok(None);
+        }
+        let limits = ctx.cfg.policy.cap(&job.limits);
+        let Some(kernel) = self.kernel.as_mut() else { anyhow::bail!("session {} has no kernel", self.id) };
+        let started = std::time::Instant::now();
+        let cell = {
+            let _slot = ctx.slots.acquire().await?;
+            ctx.metrics.busy_slots.inc();
+            let cell = kernel.run(job, &files, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)).await;
+            ctx.metrics.busy_slots.dec();
+            cell
+        };
+        let mut outcome = cell.outcome;
+        let mut extras = Extras {
+            kernel_restarted: false,
+            container_id: Some(kernel.id().to_string()),
+            session: Some(SessionTouch { id: self.id.clone(), close }),
+        };
+        let mut end = close.then_some(End::Closed);
+        if !cell.alive {
+            let why = match outcome.status {
+                JobStatus::OomKilled => "the kernel ran out of memory".to_string(),
+                JobStatus::TimedOut => format!("the cell did not stop within {:?} of the interrupt and the kernel was killed", ctx.cfg.kernel.interrupt_grace),
+                _ => format!("the kernel died (exit code {:?})", outcome.exit_code),
+            };
+            if close {
+                if let Some(k) = self.kernel.take() {
+                    k.destroy().await;
+                }
+            } else {
+                match self.restart().await {
+                    Ok(container) => {
+                        extras.kernel_restarted = true;
+                        extras.container_id = Some(container);
+                        outcome.reason = Some(Reason::new(
+                            ErrorCode::KernelRestarted,
+                            format!("{why}; it was restarted: variables, imports and workspace files are gone"),
+                        ));
+                    }
+                    Err(e) => {
+                        let reason = Reason::new(ErrorCode::SessionLost, format!("{why}, and no new kernel could be started: {e:#}"));
+                        outcome.reason = Some(reason.clone());
+                        extras.session = None;
+                        end = Some(End::Lost(reason));
+                    }
+                }
+            }
+        }
+        let status = run::commit(&ctx, job, &limits, outcome, extras).await?;
+        work.delivery.ack(BasicAckOptions::default()).await?;
+        ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
+        tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id = %self.id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "session job finished");
+        Ok(end)
+    }
+
+    /// Replace a dead kernel with a fresh one of the same shape; returns its container id.
+    async fn restart(&mut self) -> Result<String> {
+        if let Some(k) = self.kernel.take() {
+            k.destroy().await;
+        }
+        let kernel = run::kernel_for(&self.ctx, &self.spec).await?;
+        let id = kernel.id().to_string();
+        self.ctx.sessions.set_container(&self.id, &self.ctx.cfg.worker_id, &id).await?;
+        self.ctx.metrics.kernel_restarts.inc();
+        tracing::warn!(session_id = %self.id, container = %id, "kernel restarted");
+        self.kernel = Some(kernel);
+        Ok(id)
+    }
+
+    /// End the session: record it, leave the registry, refuse what is still queued, destroy.
+    async fn finish(mut self, end: End, mut mailbox: mpsc::UnboundedReceiver<Work>) {
+        let ctx = self.ctx.clone();
+        let (state, reason) = match end {
+            End::Expired => (SessionState::Expired, None),
+            End::Closed => (SessionState::Closed, None),
+            End::Lost(r) => (SessionState::Lost, Some(r)),
+        };
+        // Closed is recorded by the closing job's commit; the others here, first, so that a
+        // job routed from now on is refused by the scheduler rather than sent here.
+        if state != SessionState::Closed {
+            let ended = sandcell_core::retry("ending a session", 6, |_| ctx.sessions.end(&self.id, Some(&ctx.cfg.worker_id), state, reason.as_ref())).await;
+            if let Err(e) = ended {
+                tracing::error!(session_id = %self.id, error = format!("{e:#}"), "could not record the end of a session");
+            }
+        }
+        ctx.registry.remove(&self.id);
+        mailbox.close();
+        let refusal = reason.clone().or_else(|| state.refusal(&self.id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "session ended"));
+        while let Ok(work) = mailbox.try_recv() {
+            if let Err(e) = run::refuse(&ctx, &work.job, &refusal).await {
+                tracing::error!(job_id = %work.job.job_id, error = format!("{e:#}"), "could not refuse a job of an ended session");
+                continue;
+            }
+            let _ = work.delivery.ack(BasicAckOptions::default()).await;
+        }
+        if let Some(k) = self.kernel.take() {
+            k.destroy().await;
+        }
+        ctx.metrics.sessions.dec();
+        tracing::info!(tenant = %self.tenant, session_id = %self.id, %state, "session ended");
+    }
+}
