@@ -124,6 +124,11 @@ impl Client {
         }
     }
 
+    /// The database URL this client reads from.
+    pub fn database_url(&self) -> &str {
+        &self.database_url
+    }
+
     /// A session's current state, if the tenant has that session.
     pub async fn session(&self, tenant: &str, session_id: &str) -> Result<Option<Session>, ClientError> {
         Ok(SessionStore::new(self.jobs.pool().clone()).get(tenant, session_id).await?)
@@ -140,6 +145,54 @@ impl Client {
             (ArtifactState::Available, Some(url)) if a.expires_at > chrono::Utc::now() => Ok(url),
             _ => Err(ClientError::ArtifactExpired(path.into())),
         }
+    }
+}
+
+/// Waits for many jobs over one `LISTEN` connection: register a job with [`Watcher::watch`]
+/// *before* submitting it, then await the returned receiver; it resolves when the job's
+/// notification reports a terminal status. For pipelining agents and benchmarks, where
+/// [`Client::wait`]'s connection per job would cost more than the job.
+pub struct Watcher {
+    waiting: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<String>>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watcher {
+    /// Connect a listener to `database_url`.
+    pub async fn connect(database_url: &str) -> Result<Self, ClientError> {
+        let mut listener = PgListener::connect(database_url).await.context("connecting listener")?;
+        listener.listen("sandcell_jobs").await.context("LISTEN sandcell_jobs")?;
+        let waiting: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<String>>>> = Default::default();
+        let map = waiting.clone();
+        let task = tokio::spawn(async move {
+            while let Ok(n) = listener.recv().await {
+                let v: serde_json::Value = serde_json::from_str(n.payload()).unwrap_or_default();
+                let status = v["status"].as_str().and_then(sandcell_protocol::JobStatus::parse);
+                if !status.is_some_and(|s| s.is_terminal()) {
+                    continue;
+                }
+                let key = (v["tenant"].as_str().unwrap_or_default().to_string(), v["job_id"].as_str().unwrap_or_default().to_string());
+                if let Some(tx) = map.lock().ok().and_then(|mut m| m.remove(&key)) {
+                    let _ = tx.send(v["status"].as_str().unwrap_or_default().to_string());
+                }
+            }
+        });
+        Ok(Watcher { waiting, task })
+    }
+
+    /// Be told when `(tenant, job_id)` reaches a terminal status (the status is sent).
+    pub fn watch(&self, tenant: &str, job_id: &str) -> tokio::sync::oneshot::Receiver<String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if let Ok(mut m) = self.waiting.lock() {
+            m.insert((tenant.to_string(), job_id.to_string()), tx);
+        }
+        rx
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 

@@ -1,0 +1,413 @@
+//! `sandcell-bench`: what an agent waits for, measured on the local stack.
+//!
+//! Run by `deploy/local/bench.sh`, which starts release builds of the scheduler and worker. It
+//! prints, and writes under `docs/benchmarks/` as JSON, a markdown table and a PNG:
+//! - in-session round trip of `1+1`: publish → terminal notification → result row read;
+//! - first result of a new session, with a warm-pool hit and with a cold start (pool miss);
+//! - throughput of 16 sessions fed concurrently, and CPU time of scheduler and worker per job;
+//! - memory of an idle session's container (cgroup);
+//! - the baseline: `docker run --rm` of the same image per job, through the Docker API.
+//!
+//! The PNG is drawn by sandcell itself: the samples go in as a CSV, matplotlib draws, the
+//! chart comes back as an artifact.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use futures::StreamExt;
+use sandcell_client::{Client, Watcher};
+use sandcell_protocol::{InputFile, JobResult, JobStatus, Language, SessionRequest, Submission};
+use serde::Serialize;
+
+#[derive(Parser)]
+struct Args {
+    /// Sequential `1+1` jobs in one session.
+    #[arg(long, default_value_t = 500)]
+    in_session_jobs: usize,
+    /// New sessions opened per pool case.
+    #[arg(long, default_value_t = 10)]
+    new_sessions: usize,
+    /// Sessions fed concurrently in the throughput run.
+    #[arg(long, default_value_t = 16)]
+    sessions: usize,
+    /// Jobs per session in the throughput run.
+    #[arg(long, default_value_t = 100)]
+    jobs_per_session: usize,
+    /// Baseline `docker run` jobs.
+    #[arg(long, default_value_t = 20)]
+    baseline_jobs: usize,
+    /// Worker metrics endpoint (pool size and takes).
+    #[arg(long, default_value = "127.0.0.1:9465")]
+    worker_metrics: String,
+    /// Where to write latest.json, README.md and latency.png.
+    #[arg(long, default_value = "docs/benchmarks")]
+    out: std::path::PathBuf,
+}
+
+/// Percentiles of one latency sample, in milliseconds.
+#[derive(Debug, Serialize, Clone)]
+struct Summary {
+    n: usize,
+    p50_ms: f64,
+    p95_ms: f64,
+    p99_ms: f64,
+    mean_ms: f64,
+    max_ms: f64,
+}
+
+fn summarize(samples: &[Duration]) -> Summary {
+    let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+    ms.sort_by(|a, b| a.total_cmp(b));
+    let pct = |p: f64| if ms.is_empty() { f64::NAN } else { ms[((p * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1] };
+    Summary {
+        n: ms.len(),
+        p50_ms: round(pct(0.50)),
+        p95_ms: round(pct(0.95)),
+        p99_ms: round(pct(0.99)),
+        mean_ms: round(ms.iter().sum::<f64>() / ms.len().max(1) as f64),
+        max_ms: round(ms.last().copied().unwrap_or(f64::NAN)),
+    }
+}
+
+fn round(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+#[derive(Serialize)]
+struct Report {
+    measured_at: String,
+    git_commit: String,
+    machine: String,
+    in_session_round_trip: Summary,
+    new_session_warm_pool_hit: Summary,
+    new_session_cold_start: Summary,
+    warm_pool_hits_observed: u64,
+    throughput_sessions: usize,
+    throughput_jobs: usize,
+    throughput_seconds: f64,
+    throughput_jobs_per_s: f64,
+    cpu_ms_per_job_scheduler: Option<f64>,
+    cpu_ms_per_job_worker: Option<f64>,
+    idle_session_memory_mib: f64,
+    idle_session_memory_without_cache_mib: f64,
+    baseline_docker_run: Summary,
+}
+
+struct Bench {
+    client: Client,
+    watcher: Watcher,
+    tenant: String,
+}
+
+impl Bench {
+    /// Submit and wait for the terminal result; the time is publish → result row read.
+    async fn run(&self, sub: &Submission) -> Result<(Duration, JobResult)> {
+        let done = self.watcher.watch(&sub.tenant, &sub.job_id);
+        let t0 = Instant::now();
+        self.client.submit(sub).await?;
+        tokio::time::timeout(Duration::from_secs(120), done).await.context("no result within 120 s")?.context("watcher ended")?;
+        let r = self.client.result(&sub.tenant, &sub.job_id).await?.context("result row missing")?;
+        Ok((t0.elapsed(), r))
+    }
+
+    fn job(&self, code: &str, session: Option<SessionRequest>) -> Submission {
+        let mut s = Submission::new(self.tenant.clone(), format!("bench-{}", uuid::Uuid::new_v4().simple()), Language::Python, code);
+        s.session = session;
+        s
+    }
+
+    async fn open(&self, code: &str, memory_mb: Option<u64>) -> Result<(Duration, String)> {
+        let mut sub = self.job(code, Some(SessionRequest { new: true, ..Default::default() }));
+        sub.memory_mb = memory_mb;
+        let (d, r) = self.run(&sub).await?;
+        if r.status != JobStatus::Succeeded {
+            bail!("opening a session failed: {:?}", r.reason);
+        }
+        Ok((d, r.session.context("no session in result")?.id))
+    }
+
+    async fn close(&self, id: &str) -> Result<()> {
+        let sub = self.job("", Some(SessionRequest { id: Some(id.to_string()), close: true, ..Default::default() }));
+        self.run(&sub).await?;
+        Ok(())
+    }
+
+    fn in_session(&self, id: &str, code: &str) -> Submission {
+        self.job(code, Some(SessionRequest { id: Some(id.to_string()), ..Default::default() }))
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let client = Client::from_env().await?;
+    let watcher = Watcher::connect(client.database_url()).await?;
+    let tenant = format!("bench{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let b = Bench { client, watcher, tenant };
+
+    // 1. In-session round trip.
+    let (_, sid) = b.open("x = 0", None).await?;
+    for _ in 0..20 {
+        b.run(&b.in_session(&sid, "1+1")).await?;
+    }
+    let mut in_session = Vec::with_capacity(args.in_session_jobs);
+    for _ in 0..args.in_session_jobs {
+        let (d, r) = b.run(&b.in_session(&sid, "1+1")).await?;
+        anyhow::ensure!(r.status == JobStatus::Succeeded, "in-session job failed: {r:?}");
+        in_session.push(d);
+    }
+    println!("in-session 1+1 round trip: {:?}", summarize(&in_session));
+
+    // 4. Idle memory of that session's container, after a moment of rest.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (mem, mem_nocache) = idle_memory(&b, &sid).await?;
+    println!("idle session memory: {mem:.1} MiB ({mem_nocache:.1} MiB without page cache)");
+    b.close(&sid).await?;
+
+    // 2. New sessions: warm-pool hits, then cold starts (a memory limit no warm kernel has).
+    let mut warm = Vec::new();
+    let hits_before = pool_metric(&args.worker_metrics, "sandcell_warm_pool_takes_total{outcome=\"hit\"}").await.unwrap_or(0.0);
+    for _ in 0..args.new_sessions {
+        wait_for_pool(&args.worker_metrics).await?;
+        let (d, id) = b.open("1+1", None).await?;
+        warm.push(d);
+        b.close(&id).await?;
+    }
+    let hits = pool_metric(&args.worker_metrics, "sandcell_warm_pool_takes_total{outcome=\"hit\"}").await.unwrap_or(0.0) - hits_before;
+    println!("new session, warm pool hit: {:?} ({hits} hits)", summarize(&warm));
+    let mut cold = Vec::new();
+    for _ in 0..args.new_sessions {
+        let (d, id) = b.open("1+1", Some(1000)).await?;
+        cold.push(d);
+        b.close(&id).await?;
+    }
+    println!("new session, cold start: {:?}", summarize(&cold));
+
+    // 3. Throughput: N sessions, each fed its jobs back to back without waiting.
+    let mut sessions = Vec::new();
+    for _ in 0..args.sessions {
+        sessions.push(b.open("n = 0", None).await?.1);
+    }
+    let cpu_before = (cpu_ms("SANDCELL_SCHEDULER_PID"), cpu_ms("SANDCELL_WORKER_PID"));
+    let t0 = Instant::now();
+    let feeds = sessions.iter().map(|id| {
+        let b = &b;
+        async move {
+            let mut waits = Vec::new();
+            for _ in 0..args.jobs_per_session {
+                let sub = b.in_session(id, "n += 1");
+                waits.push(b.watcher.watch(&sub.tenant, &sub.job_id));
+                b.client.submit(&sub).await?;
+            }
+            for w in waits {
+                tokio::time::timeout(Duration::from_secs(300), w).await.context("throughput job timed out")??;
+            }
+            anyhow::Ok(())
+        }
+    });
+    futures::stream::iter(feeds).buffer_unordered(args.sessions).collect::<Vec<_>>().await.into_iter().collect::<Result<Vec<_>>>()?;
+    let elapsed = t0.elapsed();
+    let total = args.sessions * args.jobs_per_session;
+    let cpu_after = (cpu_ms("SANDCELL_SCHEDULER_PID"), cpu_ms("SANDCELL_WORKER_PID"));
+    let per_job = |a: Option<f64>, b: Option<f64>| Some(round((b? - a?) / total as f64));
+    let cpu_sched = per_job(cpu_before.0, cpu_after.0);
+    let cpu_worker = per_job(cpu_before.1, cpu_after.1);
+    // Every job ran, in order: each session counted to jobs_per_session.
+    for id in &sessions {
+        let (_, r) = b.run(&b.in_session(id, "n")).await?;
+        let got = r.outputs.iter().find_map(|o| match o {
+            sandcell_protocol::Output::ExecuteResult { data, .. } => data.get("text/plain").cloned(),
+            _ => None,
+        });
+        anyhow::ensure!(got.as_deref() == Some(args.jobs_per_session.to_string().as_str()), "session {id} counted {got:?}");
+        b.close(id).await?;
+    }
+    let jobs_per_s = round(total as f64 / elapsed.as_secs_f64());
+    println!("throughput: {total} jobs in {:.2} s over {} sessions = {jobs_per_s} jobs/s", elapsed.as_secs_f64(), args.sessions);
+    println!("CPU per job: scheduler {cpu_sched:?} ms, worker {cpu_worker:?} ms");
+
+    // 5. Baseline: a container per job.
+    let baseline = docker_run_baseline(args.baseline_jobs).await?;
+    println!("baseline docker run --rm: {:?}", summarize(&baseline));
+
+    let report = Report {
+        measured_at: chrono::Utc::now().to_rfc3339(),
+        git_commit: std::env::var("SANDCELL_GIT_COMMIT").unwrap_or_default(),
+        machine: std::env::var("SANDCELL_MACHINE").unwrap_or_default(),
+        in_session_round_trip: summarize(&in_session),
+        new_session_warm_pool_hit: summarize(&warm),
+        new_session_cold_start: summarize(&cold),
+        warm_pool_hits_observed: hits.max(0.0) as u64,
+        throughput_sessions: args.sessions,
+        throughput_jobs: total,
+        throughput_seconds: round(elapsed.as_secs_f64()),
+        throughput_jobs_per_s: jobs_per_s,
+        cpu_ms_per_job_scheduler: cpu_sched,
+        cpu_ms_per_job_worker: cpu_worker,
+        idle_session_memory_mib: round(mem),
+        idle_session_memory_without_cache_mib: round(mem_nocache),
+        baseline_docker_run: summarize(&baseline),
+    };
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("latest.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+    std::fs::write(args.out.join("README.md"), markdown(&report))?;
+    plot(&b, &args.out, &[("in-session 1+1", &in_session), ("new session (warm)", &warm), ("new session (cold)", &cold), ("docker run --rm", &baseline)]).await?;
+    println!("wrote {}/latest.json, README.md, latency.png", args.out.display());
+    Ok(())
+}
+
+/// Process CPU time (user + system) in ms of the pid named by `var`.
+fn cpu_ms(var: &str) -> Option<f64> {
+    let pid = std::env::var(var).ok()?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks * 10.0) // USER_HZ is 100 on Linux
+}
+
+async fn metrics_text(addr: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
+async fn pool_metric(addr: &str, name: &str) -> Result<f64> {
+    let text = metrics_text(addr).await?;
+    let line = text.lines().find(|l| l.starts_with(name)).with_context(|| format!("no {name}"))?;
+    Ok(line.rsplit(' ').next().unwrap_or("0").parse()?)
+}
+
+async fn wait_for_pool(addr: &str) -> Result<()> {
+    for _ in 0..300 {
+        if pool_metric(addr, "sandcell_warm_pool_size").await.unwrap_or(0.0) >= 1.0 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the warm pool did not refill within 30 s")
+}
+
+/// Memory of the session's container from its cgroup: total, and without inactive page cache
+/// (what `docker stats` shows).
+async fn idle_memory(b: &Bench, session_id: &str) -> Result<(f64, f64)> {
+    let pool = sqlx::PgPool::connect(b.client.database_url()).await?;
+    let container: String = sqlx::query_scalar("SELECT container_id FROM sessions WHERE session_id = $1")
+        .bind(session_id)
+        .fetch_one(&pool)
+        .await
+        .context("session container")?;
+    let docker = bollard::Docker::connect_with_defaults()?.negotiate_version().await?;
+    let mut stats = docker.stats(&container, Some(bollard::query_parameters::StatsOptions { stream: false, one_shot: false }));
+    let s = stats.next().await.context("no stats")??;
+    let m = s.memory_stats.context("no memory stats")?;
+    let usage = m.usage.unwrap_or(0) as f64;
+    let inactive = m.stats.as_ref().and_then(|st| st.get("inactive_file").copied()).unwrap_or(0) as f64;
+    Ok((usage / 1048576.0, (usage - inactive) / 1048576.0))
+}
+
+/// The seed's baseline: create, attach, start, wait and remove a container of the same image
+/// per job, through the Docker API.
+async fn docker_run_baseline(n: usize) -> Result<Vec<Duration>> {
+    use bollard::query_parameters::{AttachContainerOptions, RemoveContainerOptions, StartContainerOptions, WaitContainerOptions};
+    let image = std::env::var("SANDCELL_SANDBOX_IMAGE").context("SANDCELL_SANDBOX_IMAGE")?;
+    let docker = bollard::Docker::connect_with_defaults()?.negotiate_version().await?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n + 2 {
+        let t0 = Instant::now();
+        let body = bollard::models::ContainerCreateBody {
+            image: Some(image.clone()),
+            cmd: Some(vec!["python3".into(), "-c".into(), "print(1+1)".into()]),
+            attach_stdout: Some(true),
+            host_config: Some(bollard::models::HostConfig { network_mode: Some("none".into()), ..Default::default() }),
+            ..Default::default()
+        };
+        let id = docker.create_container(None::<bollard::query_parameters::CreateContainerOptions>, body).await?.id;
+        let mut attach = docker
+            .attach_container(&id, Some(AttachContainerOptions { stdout: true, stream: true, ..Default::default() }))
+            .await?;
+        docker.start_container(&id, None::<StartContainerOptions>).await?;
+        let mut text = String::new();
+        while let Some(Ok(chunk)) = attach.output.next().await {
+            text.push_str(&chunk.to_string());
+        }
+        let _ = docker.wait_container(&id, None::<WaitContainerOptions>).collect::<Vec<_>>().await;
+        docker.remove_container(&id, Some(RemoveContainerOptions { force: true, ..Default::default() })).await?;
+        anyhow::ensure!(text.trim() == "2", "baseline printed {text:?}");
+        out.push(t0.elapsed());
+    }
+    // The first two warm Docker's caches, as the in-session warm-up does for sandcell.
+    Ok(out.split_off(2))
+}
+
+fn row(name: &str, s: &Summary, target: &str) -> String {
+    format!("| {name} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {target} |\n", s.n, s.p50_ms, s.p95_ms, s.p99_ms, s.max_ms)
+}
+
+fn markdown(r: &Report) -> String {
+    let mut m = String::from("# sandcell benchmark\n\n");
+    m += "Produced by `bash deploy/local/bench.sh` (release builds, local stack, runc). Do not edit by hand;\n";
+    m += "the raw figures are in [`latest.json`](latest.json), the distributions in [`latency.png`](latency.png).\n\n";
+    m += &format!("Measured {} at commit `{}` on {}.\n\n", r.measured_at, r.git_commit, r.machine);
+    m += "## Latency: publish → result visible to a client (ms)\n\n";
+    m += "| case | n | p50 | p95 | p99 | max | target |\n|---|---|---|---|---|---|---|\n";
+    m += &row("in-session `1+1`", &r.in_session_round_trip, "p50 ≤ 5, p99 ≤ 25");
+    m += &row("new session, warm pool hit", &r.new_session_warm_pool_hit, "p50 ≤ 40");
+    m += &row("new session, cold start (pool miss)", &r.new_session_cold_start, "—");
+    m += &row("baseline: `docker run --rm` per job (Docker API, no queue or store)", &r.baseline_docker_run, "—");
+    m += &format!("\nWarm-pool hits observed during the warm case: {} of {}.\n\n", r.warm_pool_hits_observed, r.new_session_warm_pool_hit.n);
+    m += "## Throughput and cost\n\n| figure | value | target |\n|---|---|---|\n";
+    m += &format!("| in-session throughput, {} sessions, {} jobs | {:.1} jobs/s ({:.2} s) | ≥ 300 jobs/s |\n", r.throughput_sessions, r.throughput_jobs, r.throughput_jobs_per_s, r.throughput_seconds);
+    let opt = |v: Option<f64>| v.map(|x| format!("{x:.2} ms")).unwrap_or_else(|| "n/a".into());
+    m += &format!("| scheduler CPU per job | {} | — |\n", opt(r.cpu_ms_per_job_scheduler));
+    m += &format!("| worker CPU per job (excluding the sandbox) | {} | — |\n", opt(r.cpu_ms_per_job_worker));
+    m += &format!("| idle session memory (cgroup, without page cache) | {:.1} MiB ({:.1} MiB with cache) | ≤ 150 MiB |\n", r.idle_session_memory_without_cache_mib, r.idle_session_memory_mib);
+    m
+}
+
+/// Draw the latency distributions with sandcell itself and save the PNG artifact.
+async fn plot(b: &Bench, out: &std::path::Path, series: &[(&str, &Vec<Duration>)]) -> Result<()> {
+    let mut csv = String::from("series,ms\n");
+    for (name, samples) in series {
+        for d in samples.iter() {
+            csv += &format!("{name},{:.3}\n", d.as_secs_f64() * 1000.0);
+        }
+    }
+    let code = r#"
+import pandas as pd, matplotlib.pyplot as plt, numpy as np
+df = pd.read_csv('samples.csv')
+fig, ax = plt.subplots(figsize=(9, 5))
+for name, g in df.groupby('series', sort=False):
+    v = np.sort(g['ms'].values)
+    ax.step(v, np.arange(1, len(v) + 1) / len(v), where='post', label=f"{name} (n={len(v)}, p50={np.median(v):.1f} ms)")
+ax.set_xscale('log'); ax.set_xlabel('publish → result visible (ms, log scale)'); ax.set_ylabel('fraction of jobs')
+ax.set_title('sandcell latency distributions'); ax.grid(True, which='both', alpha=.3); ax.legend(loc='lower right')
+fig.tight_layout(); fig.savefig('latency.png', dpi=110)
+"#;
+    let mut sub = b.job(code, None);
+    sub.files = vec![InputFile::inline("samples.csv", csv.as_bytes())];
+    let (_, r) = b.run(&sub).await?;
+    let url = r.artifacts.iter().find(|a| a.path == "latency.png").and_then(|a| a.download_url.clone()).with_context(|| format!("no chart: {:?}", r.error))?;
+    let png = http_get(&url).await?;
+    std::fs::write(out.join("latency.png"), png)?;
+    Ok(())
+}
+
+async fn http_get(url: &str) -> Result<Vec<u8>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("http://").context("http only")?;
+    let (host, path) = rest.split_once('/').context("no path")?;
+    let mut s = tokio::net::TcpStream::connect(host).await?;
+    s.write_all(format!("GET /{path} HTTP/1.0\r\nHost: {host}\r\n\r\n").as_bytes()).await?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await?;
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").context("no header end")?;
+    anyhow::ensure!(raw.starts_with(b"HTTP/1.1 200") || raw.starts_with(b"HTTP/1.0 200"), "download failed");
+    Ok(raw[split + 4..].to_vec())
+}
+
