@@ -306,3 +306,18 @@ async fn a_large_file_uploaded_by_reference_lands_in_the_workspace() {
     assert_eq!(reason_code(&r), Some(ErrorCode::UploadFailed));
     assert!(r.stdout.is_empty());
 }
+
+#[tokio::test]
+async fn a_large_html_output_is_stored_in_full_and_previewed_inline() {
+    let c = client().await;
+    let r = run(&c, &python(&tenant(), "from IPython.display import HTML\nHTML('<b>row</b>' * 10000)")).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let Some(Output::ExecuteResult { data, artifacts }) = r.outputs.first() else { panic!("no execute_result: {r:?}") };
+    assert!(data["text/html"].ends_with("[truncated by sandcell]") && data["text/html"].len() < 70_000);
+    let path = artifacts.get("text/html").expect("full HTML stored as an artifact");
+    let a = r.artifacts.iter().find(|a| &a.path == path).expect("artifact row");
+    assert_eq!(a.content_type, "text/html");
+    let (status, body) = http_get(a.download_url.as_deref().unwrap()).await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(body, "<b>row</b>".repeat(10000).into_bytes());
+}

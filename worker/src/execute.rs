@@ -121,8 +121,8 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             "stderr" => out.stderr.push(&text),
             _ => out.stdout.push(&text),
         },
-        DriverEvent::ExecuteResult { data } => push_output(out, OutputKind::ExecuteResult, data, limits.stdout_bytes),
-        DriverEvent::DisplayData { data } => push_output(out, OutputKind::DisplayData, data, limits.stdout_bytes),
+        DriverEvent::ExecuteResult { data } => push_output(out, OutputKind::ExecuteResult, data, limits),
+        DriverEvent::DisplayData { data } => push_output(out, OutputKind::DisplayData, data, limits),
         DriverEvent::Error { ename, evalue, traceback } => out.error = Some(ExecError { ename, evalue, traceback }),
         DriverEvent::File { path, content_b64, requested } => {
             match base64::engine::general_purpose::STANDARD.decode(content_b64.as_bytes()) {
@@ -171,9 +171,15 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
 /// Marker appended to a text representation cut at the cap.
 pub const TRUNCATION_MARKER: &str = "\n…[truncated by sandcell]";
 
-/// Keep rich outputs within the stdout cap: each text representation is cut (with a marker)
-/// so that a huge repr cannot bloat the result row.
-fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde_json::Value>, text_cap: u64) {
+/// Text representations longer than this are stored in full as artifacts; the result keeps
+/// this much inline as a preview.
+pub const INLINE_OUTPUT_BYTES: u64 = 64 * 1024;
+
+/// Keep rich outputs small in the result row: a text representation longer than
+/// [`INLINE_OUTPUT_BYTES`] goes to the object store in full (up to the artifact byte limit) and
+/// is cut inline, with a marker; binary representations always go to the store.
+fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde_json::Value>, limits: &ExecutionLimits) {
+    let text_cap = limits.stdout_bytes.min(INLINE_OUTPUT_BYTES);
     if out.outputs.len() >= MAX_OUTPUTS {
         return;
     }
@@ -185,11 +191,17 @@ fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde
                 Ok(bytes) => raw.binary.push((mime, bytes)),
                 Err(e) => tracing::warn!(mime, error = %e, "driver sent undecodable binary output"),
             },
-            (_, serde_json::Value::String(s)) => {
+            (_, value) => {
+                let s = match value {
+                    serde_json::Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                if s.len() as u64 > INLINE_OUTPUT_BYTES {
+                    let mut full = s.clone().into_bytes();
+                    full.truncate(usize::try_from(limits.artifact_bytes).unwrap_or(usize::MAX));
+                    raw.binary.push((mime.clone(), full));
+                }
                 raw.text.insert(mime, cap_text(s, text_cap));
-            }
-            (_, other) => {
-                raw.text.insert(mime, cap_text(other.to_string(), text_cap));
             }
         }
     }
@@ -238,6 +250,18 @@ mod tests {
         let data = BTreeMap::from([("text/plain".to_string(), serde_json::json!("x".repeat(1000)))]);
         apply(&mut out, DriverEvent::ExecuteResult { data }, Language::Python, &limits, &mut 0);
         assert_eq!(out.outputs[0].text["text/plain"], format!("{}{TRUNCATION_MARKER}", "x".repeat(10)));
+    }
+
+    #[test]
+    fn a_large_html_output_is_kept_in_full_as_an_artifact_and_previewed_inline() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let mut out = Outcome::new(&limits);
+        let html = format!("<table>{}</table>", "<tr><td>1</td></tr>".repeat(10_000));
+        let data = BTreeMap::from([("text/html".to_string(), serde_json::json!(html.clone()))]);
+        apply(&mut out, DriverEvent::ExecuteResult { data }, Language::Python, &limits, &mut 0);
+        let o = &out.outputs[0];
+        assert_eq!(o.binary, vec![("text/html".to_string(), html.clone().into_bytes())]);
+        assert_eq!(o.text["text/html"].len(), INLINE_OUTPUT_BYTES as usize + TRUNCATION_MARKER.len());
     }
 
     #[test]
