@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sandcell_client::ClientError;
 use sandcell_core::store::ArtifactStore;
-use sandcell_protocol::{ArtifactKind, ArtifactState, JobStatus, Output};
+use sandcell_protocol::{ArtifactKind, ArtifactState, JobStatus};
 use sandcell_tests::*;
 
 const PNG_MAGIC: &[u8] = b"\x89PNG\r\n\x1a\n";
@@ -36,14 +36,7 @@ async fn an_open_figure_is_captured_without_savefig() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let path = r
-        .outputs
-        .iter()
-        .find_map(|o| match o {
-            Output::DisplayData { artifacts, .. } => artifacts.get("image/png").cloned(),
-            _ => None,
-        })
-        .expect("a display_data with image/png");
+    let path = displayed_png(&r).expect("a display_data with image/png");
     let a = r.artifacts.iter().find(|a| a.path == path).unwrap();
     assert_eq!(a.kind, ArtifactKind::Display);
     let (status, body) = http_get(a.download_url.as_deref().unwrap()).await.unwrap();

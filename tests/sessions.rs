@@ -59,14 +59,7 @@ async fn a_bar_chart_without_savefig_comes_back_as_a_png() {
     let id = session_id(&first);
     let r = run(&c, &in_session(&t, &id, "plt.bar([str(y) for y in years], [1.0, 1.3, 1.7])")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let path = r
-        .outputs
-        .iter()
-        .find_map(|o| match o {
-            Output::DisplayData { artifacts, .. } => artifacts.get("image/png").cloned(),
-            _ => None,
-        })
-        .expect("display_data with image/png");
+    let path = displayed_png(&r).expect("display_data with image/png");
     let a = r.artifacts.iter().find(|a| a.path == path).expect("artifact for the figure");
     assert_eq!(a.kind, ArtifactKind::Display);
     let (status, body) = http_get(a.download_url.as_deref().unwrap()).await.unwrap();

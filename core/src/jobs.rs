@@ -231,9 +231,8 @@ impl JobStore {
     /// a job that was already claimed becomes `infrastructure_error`. Returns whether it changed.
     pub async fn refuse(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
         let n = sqlx::query(
-            "UPDATE jobs SET status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END,
-                    reason = $3, finished_at = now()
-             WHERE tenant = $1 AND job_id = $2 AND status IN ('queued', 'running')",
+            // Composed from constants only.
+            sqlx::AssertSqlSafe(format!("UPDATE jobs SET {REFUSE_SET}, reason = $3, finished_at = now() WHERE tenant = $1 AND job_id = $2 AND {REFUSE_WHERE}")),
         )
         .bind(tenant)
         .bind(job_id)
@@ -444,6 +443,13 @@ impl JobStore {
         Ok(n)
     }
 }
+
+/// How a job that cannot run because its session or input is gone ends: `queued` (never ran) →
+/// `rejected`, `running` (its kernel went away under it) → `infrastructure_error`. Shared by
+/// [`JobStore::refuse`] and the session store's bulk refusal.
+pub(crate) const REFUSE_SET: &str = "status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END";
+/// The jobs [`REFUSE_SET`] applies to.
+pub(crate) const REFUSE_WHERE: &str = "status IN ('queued', 'running')";
 
 /// Postgres text cannot hold NUL; the sandbox may print it.
 fn strip_nul(s: &str) -> std::borrow::Cow<'_, str> {

@@ -12,7 +12,6 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use chrono::{DateTime, Utc};
 use sandcell_protocol::{ErrorCode, JobStatus, Reason, Session, SessionState};
 use sqlx::postgres::PgPool;
 use sqlx::Row;
@@ -196,26 +195,17 @@ impl SessionStore {
         .transpose()
     }
 
-    /// When the session expires unless a job runs (active sessions).
-    pub async fn expires_at(&self, session_id: &str) -> Result<Option<DateTime<Utc>>> {
-        let v = sqlx::query_scalar("SELECT expires_at FROM sessions WHERE session_id = $1")
-            .bind(session_id)
-            .fetch_optional(&self.pool)
-            .await
-            .context("reading session expiry")?;
-        Ok(v.flatten())
-    }
 }
 
-/// End the unfinished jobs of ended sessions: queued ones are `rejected` (they never ran),
-/// running ones `infrastructure_error` (their kernel went away under them).
-pub(crate) async fn refuse_session_jobs(tx: &mut sqlx::PgConnection, sessions: &[String], reason: &serde_json::Value) -> Result<()> {
+/// End the unfinished jobs of ended sessions, by the rule of [`crate::jobs::REFUSE_SET`].
+async fn refuse_session_jobs(tx: &mut sqlx::PgConnection, sessions: &[String], reason: &serde_json::Value) -> Result<()> {
     debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected) && JobStatus::Running.can_become(JobStatus::InfrastructureError));
-    sqlx::query(
-        "UPDATE jobs SET status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END,
-                reason = $2, finished_at = now()
-         WHERE session_id = ANY($1) AND status IN ('queued', 'running')",
-    )
+    // Composed from constants only.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET {}, reason = $2, finished_at = now() WHERE session_id = ANY($1) AND {}",
+        crate::jobs::REFUSE_SET,
+        crate::jobs::REFUSE_WHERE
+    )))
     .bind(sessions)
     .bind(reason)
     .execute(tx)

@@ -100,14 +100,12 @@ pub async fn run(client: &Client, sub: &Submission) -> JobResult {
     client.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.expect("job result")
 }
 
-/// Containers (running or not) labelled with this job id.
-pub async fn containers_of_job(job_id: &str) -> Result<usize> {
-    let docker = bollard::Docker::connect_with_defaults()?.negotiate_version().await?;
-    let filters = std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.job={job_id}")])]);
-    let list = docker
-        .list_containers(Some(bollard::query_parameters::ListContainersOptions { all: true, filters: Some(filters), ..Default::default() }))
-        .await?;
-    Ok(list.len())
+/// The artifact path of the first `display_data` PNG in a result (a captured figure).
+pub fn displayed_png(r: &JobResult) -> Option<String> {
+    r.outputs.iter().find_map(|o| match o {
+        sandcell_protocol::Output::DisplayData { artifacts, .. } => artifacts.get("image/png").cloned(),
+        _ => None,
+    })
 }
 
 /// A plain HTTP/1.1 GET (the store is on loopback, without TLS). Returns status and body.

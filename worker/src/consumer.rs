@@ -180,18 +180,7 @@ async fn route_to_session(ctx: &WorkerContext, work: Work) -> Result<()> {
 
 /// Run a job without a session in its own kernel, destroyed afterwards.
 async fn one_off(ctx: &WorkerContext, job: ExecutionJob, delivery: Delivery) -> Result<()> {
-    let files = match run::resolve_inputs(ctx, &job).await {
-        Ok(f) => f,
-        Err(reason) => {
-            run::refuse(ctx, &job, &reason).await?;
-            delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
-            return Ok(());
-        }
-    };
-    let Some(claim) = run::claim(ctx, &job, delivery.redelivered).await? else {
-        delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
-        return Ok(());
-    };
+    let Some((files, claim)) = run::prepare(ctx, &job, &delivery, None).await? else { return Ok(()) };
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, attempt = claim.attempt, "running job");

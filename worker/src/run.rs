@@ -7,7 +7,9 @@
 
 use std::collections::HashMap;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use lapin::message::Delivery;
+use lapin::options::BasicAckOptions;
 use sandcell_core::jobs::{Claim, Finished, SessionTouch};
 use sandcell_core::store::Fetched;
 use sandcell_protocol::submission::is_valid_upload_key;
@@ -44,6 +46,31 @@ pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<V
         }
     }
     Ok(files)
+}
+
+/// Inputs first, then the claim (unless `claimed` already): the files to run with and the
+/// claim, or `None` when the job must not run — it was refused (missing upload) or is not
+/// claimable — in which case its delivery is already acked.
+pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, delivery: &Delivery, claimed: Option<Claim>) -> Result<Option<(Vec<InputFile>, Claim)>> {
+    let files = match resolve_inputs(ctx, job).await {
+        Ok(f) => f,
+        Err(reason) => {
+            refuse(ctx, job, &reason).await?;
+            delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
+            return Ok(None);
+        }
+    };
+    let claim = match claimed {
+        Some(c) => Some(c),
+        None => claim(ctx, job, delivery.redelivered).await?,
+    };
+    match claim {
+        Some(c) => Ok(Some((files, c))),
+        None => {
+            delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
+            Ok(None)
+        }
+    }
 }
 
 /// Claim a job; `None` when it must not run (finished, running elsewhere, unknown, or claimed

@@ -186,22 +186,7 @@ impl SessionTask {
         let ctx = self.ctx.clone();
         let job = &work.job;
         let close = job.session.as_ref().is_some_and(|s| s.close);
-        let files = match run::resolve_inputs(&ctx, job).await {
-            Ok(f) => f,
-            Err(reason) => {
-                run::refuse(&ctx, job, &reason).await?;
-                work.delivery.ack(BasicAckOptions::default()).await?;
-                return Ok(None);
-            }
-        };
-        let claim = match work.claim {
-            Some(c) => Some(c),
-            None => run::claim(&ctx, job, work.delivery.redelivered).await?,
-        };
-        if claim.is_none() {
-            work.delivery.ack(BasicAckOptions::default()).await?;
-            return Ok(None);
-        }
+        let Some((files, _claim)) = run::prepare(&ctx, job, &work.delivery, work.claim).await? else { return Ok(None) };
         let limits = ctx.cfg.policy.cap(&job.limits);
         let Some(kernel) = self.kernel.as_mut() else { anyhow::bail!("session {} has no kernel", self.id) };
         let started = std::time::Instant::now();

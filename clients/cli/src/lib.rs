@@ -148,12 +148,15 @@ impl Client {
     }
 }
 
+/// Jobs being waited for, by `(tenant, job_id)`, with where to send their terminal status.
+type Waiting = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<String>>>>;
+
 /// Waits for many jobs over one `LISTEN` connection: register a job with [`Watcher::watch`]
 /// *before* submitting it, then await the returned receiver; it resolves when the job's
 /// notification reports a terminal status. For pipelining agents and benchmarks, where
 /// [`Client::wait`]'s connection per job would cost more than the job.
 pub struct Watcher {
-    waiting: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<String>>>>,
+    waiting: Waiting,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -162,7 +165,7 @@ impl Watcher {
     pub async fn connect(database_url: &str) -> Result<Self, ClientError> {
         let mut listener = PgListener::connect(database_url).await.context("connecting listener")?;
         listener.listen("sandcell_jobs").await.context("LISTEN sandcell_jobs")?;
-        let waiting: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<String>>>> = Default::default();
+        let waiting: Waiting = Default::default();
         let map = waiting.clone();
         let task = tokio::spawn(async move {
             while let Ok(n) = listener.recv().await {
