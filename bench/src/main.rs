@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use futures::StreamExt;
+use sandcell_core::tenants::{Quotas, TenantStore};
 use sandcell_client::{Client, Watcher};
 use sandcell_protocol::{InputFile, JobResult, JobStatus, Language, SessionRequest, Submission};
 use serde::Serialize;
@@ -142,8 +143,12 @@ impl Bench {
 async fn main() -> Result<()> {
     let args = Args::parse();
     let client = Client::from_env().await?;
-    let watcher = Watcher::connect(client.database_url()).await?;
     let tenant = format!("bench{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    // The throughput run queues 1600 jobs at once: more than a default tenant may.
+    let pool = sqlx::PgPool::connect(client.database_url()).await.context("connecting to Postgres")?;
+    let quotas = Quotas { max_sessions: 64, max_queued_jobs: 100_000, max_artifact_bytes: 1 << 40 };
+    TenantStore::new(pool).set_quotas(&tenant, &quotas).await?;
+    let watcher = Watcher::connect(&client, &tenant).await?;
     let b = Bench { client, watcher, tenant };
 
     // 1. In-session round trip.

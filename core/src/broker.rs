@@ -1,8 +1,12 @@
 //! RabbitMQ: the queue topology and the two operations everything else uses — confirmed
 //! publishing and consuming with manual acks.
 //!
-//! Topology (declared idempotently by every party at start-up, with identical arguments):
-//! - `sandcell.submissions` (quorum): clients publish [`Submission`](sandcell_protocol::Submission)s here;
+//! Topology (declared idempotently by the scheduler and workers at start-up, with identical
+//! arguments):
+//! - `sandcell.intake` (fanout exchange) → `sandcell.submissions` (quorum): clients publish
+//!   [`Submission`](sandcell_protocol::Submission)s to the exchange, with the `user_id`
+//!   property set to their broker user. A tenant's broker user may write to this exchange and
+//!   nothing else, so it cannot reach the jobs or worker queues, nor read any queue;
 //! - `sandcell.jobs` (quorum, delivery limit): the scheduler publishes
 //!   [`ExecutionJob`](sandcell_protocol::ExecutionJob)s here, workers consume;
 //! - `sandcell.worker.<id>` (classic, one per worker, declared by that worker): the scheduler
@@ -49,6 +53,12 @@ pub async fn declare_worker_queue(ch: &Channel, worker_id: &str) -> Result<Strin
     Ok(name)
 }
 
+/// The user name in an AMQP URL (what the broker authenticates the connection as).
+pub fn url_user(url: &str) -> Option<String> {
+    let uri: lapin::uri::AMQPUri = url.parse().ok()?;
+    Some(uri.authority.userinfo.username).filter(|u| !u.is_empty())
+}
+
 /// Open a connection to the broker.
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
@@ -67,6 +77,13 @@ pub fn redact(url: &str) -> String {
     }
 }
 
+/// The exchange clients publish submissions to (a fanout bound only to [`SUBMISSIONS_QUEUE`]).
+pub const INTAKE_EXCHANGE: &str = "sandcell.intake";
+
+/// The permissions a tenant's broker user gets (configure, write, read regexes): publish to
+/// [`INTAKE_EXCHANGE`], nothing else.
+pub const TENANT_PERMISSIONS: (&str, &str, &str) = ("^$", "^sandcell\\.intake$", "^$");
+
 /// Declare the queues and exchanges. Safe to call from every process, every start.
 pub async fn declare_topology(ch: &Channel) -> Result<()> {
     ch.exchange_declare(
@@ -83,6 +100,17 @@ pub async fn declare_topology(ch: &Channel) -> Result<()> {
         .context("binding the dead-letter queue")?;
     declare_quorum(ch, SUBMISSIONS_QUEUE, true).await?;
     declare_quorum(ch, JOBS_QUEUE, true).await?;
+    ch.exchange_declare(
+        INTAKE_EXCHANGE.into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions { durable: true, ..Default::default() },
+        FieldTable::default(),
+    )
+    .await
+    .context("declaring the intake exchange")?;
+    ch.queue_bind(SUBMISSIONS_QUEUE.into(), INTAKE_EXCHANGE.into(), "".into(), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .context("binding the submissions queue to the intake exchange")?;
     Ok(())
 }
 
@@ -122,8 +150,14 @@ pub struct Unroutable(pub String);
 /// Publish `body` to `queue` through the default exchange and wait for the broker's confirm.
 /// The publish is mandatory: a message no queue accepts is an error, not a silent drop.
 pub async fn publish_confirmed(ch: &Channel, queue: &str, body: &[u8], props: BasicProperties) -> Result<()> {
+    publish_to(ch, "", queue, body, props).await
+}
+
+/// Publish `body` to `exchange` with `routing_key`, mandatory and confirmed.
+pub async fn publish_to(ch: &Channel, exchange: &str, routing_key: &str, body: &[u8], props: BasicProperties) -> Result<()> {
+    let queue = if exchange.is_empty() { routing_key } else { exchange };
     let confirm = ch
-        .basic_publish("".into(), queue.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, body, props)
+        .basic_publish(exchange.into(), routing_key.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, body, props)
         .await
         .with_context(|| format!("publishing to {queue}"))?
         .await

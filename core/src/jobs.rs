@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
-use sandcell_protocol::{ArtifactKind, ExecError, ExecutionLimits, FileListing, JobResult, JobStatus, Output, Reason, Submission};
+use sandcell_protocol::{ArtifactKind, ExecError, ExecutionLimits, FileListing, JobResult, JobStatus, LimitHit, Output, Reason, SkippedFile, Submission};
+
+use crate::tenants::{self, Quotas};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
 
@@ -43,6 +45,8 @@ pub enum Recorded {
         /// The session the existing job runs in.
         session_id: Option<String>,
     },
+    /// The tenant is at a quota; nothing was recorded (the caller records the refusal).
+    OverQuota(Reason),
 }
 
 /// The session side of recording a job.
@@ -113,6 +117,12 @@ pub struct Finished {
     pub files: Option<FileListing>,
     /// The container that ran the job.
     pub container_id: Option<String>,
+    /// Sandbox limits the job ran into.
+    pub limits_hit: Vec<LimitHit>,
+    /// Files not stored, and why.
+    pub skipped_files: Vec<SkippedFile>,
+    /// Processes left running by the cell and killed at its end.
+    pub processes_killed: u32,
     /// The session to extend or close in the same transaction.
     pub session: Option<SessionTouch>,
 }
@@ -139,6 +149,8 @@ pub struct ExpiredArtifact {
 #[derive(Clone)]
 pub struct JobStore {
     pool: PgPool,
+    /// Quotas of tenants registered on their first job.
+    tenant_defaults: Quotas,
 }
 
 fn status_list(next: JobStatus) -> Vec<String> {
@@ -148,7 +160,13 @@ fn status_list(next: JobStatus) -> Vec<String> {
 impl JobStore {
     /// Wrap a pool.
     pub fn new(pool: PgPool) -> Self {
-        JobStore { pool }
+        JobStore { pool, tenant_defaults: Quotas::default() }
+    }
+
+    /// Use `defaults` as the quotas of tenants registered on their first job.
+    pub fn with_tenant_defaults(mut self, defaults: Quotas) -> Self {
+        self.tenant_defaults = defaults;
+        self
     }
 
     /// The underlying pool.
@@ -162,6 +180,19 @@ impl JobStore {
     pub async fn record_queued(&self, sub: &Submission, limits: &ExecutionLimits, sha256: &str, session: Option<JobSessionRecord<'_>>) -> Result<Recorded> {
         let limits_json = serde_json::to_value(limits).context("serializing limits")?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        // Quotas are checked under the tenant's row lock; a resubmitted id is not a new job.
+        let opens_session = matches!(session, Some(JobSessionRecord::Open(..)));
+        let refusal = tenants::admit(&mut tx, &sub.tenant, &self.tenant_defaults, opens_session).await?;
+        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant = $1 AND job_id = $2)")
+            .bind(&sub.tenant)
+            .bind(&sub.job_id)
+            .fetch_one(&mut *tx)
+            .await
+            .context("looking for the job id")?;
+        if let (Some(reason), false) = (refusal, exists) {
+            tx.rollback().await.context("rolling back refused job")?;
+            return Ok(Recorded::OverQuota(reason));
+        }
         let session_id = match session {
             Some(JobSessionRecord::Open(id, keep_alive_s)) => {
                 sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job) VALUES ($1, $2, 'starting', $3, $4)")
@@ -247,6 +278,8 @@ impl JobStore {
     /// Record a rejected submission under its `(tenant, job_id)`. An existing job with that id is
     /// left alone (a bad retry must not overwrite a good job); returns whether a row was written.
     pub async fn record_rejection(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        tenants::ensure(&mut tx, tenant, &self.tenant_defaults).await?;
         let n = sqlx::query(
             "INSERT INTO jobs (tenant, job_id, status, reason, finished_at)
              VALUES ($1, $2, 'rejected', $3, now())
@@ -255,22 +288,25 @@ impl JobStore {
         .bind(tenant)
         .bind(job_id)
         .bind(serde_json::to_value(reason)?)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
         .context("recording rejection")?
         .rows_affected();
+        tx.commit().await.context("committing rejection")?;
         Ok(n == 1)
     }
 
     /// Record a message that named no usable job id.
-    pub async fn record_intake_rejection(&self, message_id: Option<&str>, reason: &Reason, body: &[u8]) -> Result<()> {
+    /// `publisher` is the broker user that published it, when the broker vouched for one.
+    pub async fn record_intake_rejection(&self, message_id: Option<&str>, publisher: Option<&str>, reason: &Reason, body: &[u8]) -> Result<()> {
         let prefix = String::from_utf8_lossy(&body[..body.len().min(512)]).replace('\0', "\u{FFFD}");
-        sqlx::query("INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix) VALUES ($1, $2, $3, $4, $5)")
+        sqlx::query("INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix, publisher) VALUES ($1, $2, $3, $4, $5, $6)")
             .bind(message_id)
             .bind(reason.code.as_str())
             .bind(&reason.message)
             .bind(i32::try_from(body.len()).unwrap_or(i32::MAX))
             .bind(prefix)
+            .bind(publisher)
             .execute(&self.pool)
             .await
             .context("recording intake rejection")?;
@@ -309,7 +345,8 @@ impl JobStore {
         let n = sqlx::query(
             "UPDATE jobs SET status = $3, stdout = $4, stderr = $5, stdout_truncated = $6, stderr_truncated = $7,
                     exit_code = $8, error = $9, reason = $10, outputs = $11, finished_at = now(),
-                    kernel_restarted = $13, files = $14, container_id = $15
+                    kernel_restarted = $13, files = $14, container_id = $15,
+                    limits_hit = $16, skipped_files = $17, processes_killed = $18
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($12)",
         )
         .bind(tenant)
@@ -327,6 +364,9 @@ impl JobStore {
         .bind(fin.kernel_restarted)
         .bind(fin.files.as_ref().map(serde_json::to_value).transpose()?)
         .bind(&fin.container_id)
+        .bind(serde_json::to_value(&fin.limits_hit)?)
+        .bind(serde_json::to_value(&fin.skipped_files)?)
+        .bind(i32::try_from(fin.processes_killed).unwrap_or(i32::MAX))
         .execute(&mut *tx)
         .await
         .context("updating job result")?

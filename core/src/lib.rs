@@ -5,6 +5,8 @@
 //! - [`broker`]: RabbitMQ connection, the queue topology, confirmed publishing;
 //! - [`jobs`]: the job store in Postgres — every status transition goes through it;
 //! - [`store`]: the S3 artifact store (upload, presign, delete, lifecycle backstop);
+//! - [`sessions`]: session ownership and routing;
+//! - [`tenants`]: quotas, tenant database roles, the admission check;
 //! - [`telemetry`]: structured logs, the Prometheus registry, `/metrics` and `/healthz`.
 
 pub mod broker;
@@ -13,6 +15,7 @@ pub mod jobs;
 pub mod sessions;
 pub mod store;
 pub mod telemetry;
+pub mod tenants;
 
 /// Run `f` until it succeeds, waiting with capped exponential backoff between tries and logging
 /// every failure. Used for connecting to services that may still be starting or restarting.

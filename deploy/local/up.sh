@@ -165,10 +165,16 @@ EOF
 # ---------------------------------------------------------------- rabbitmq
 rabbit_config() {
     local changed=1
-    # AMQP on loopback only.
+    # AMQP and the management API (sandcell-admin creates tenants' users through it) on
+    # loopback only.
     write_if_changed /etc/rabbitmq/rabbitmq.conf 0644 <<'EOF' && changed=0
 # managed by sandcell deploy/local/up.sh
 listeners.tcp.default = 127.0.0.1:5672
+management.tcp.ip = 127.0.0.1
+management.tcp.port = 15672
+EOF
+    write_if_changed /etc/rabbitmq/enabled_plugins 0644 <<'EOF' && changed=0
+[rabbitmq_management].
 EOF
     # Erlang distribution (epmd 4369, node 25672) on loopback only as well.
     write_if_changed /etc/rabbitmq/rabbitmq-env.conf 0644 <<'EOF' && changed=0

@@ -63,11 +63,21 @@ pub enum ErrorCode {
     TooManyAttempts,
     /// The artifact's time to live has passed; it has been deleted.
     ArtifactExpired,
+    /// The message carries no broker-validated publisher (`user_id`).
+    Unauthenticated,
+    /// The body's `tenant` is not the tenant the broker authenticated.
+    TenantMismatch,
+    /// The tenant is at one of its quotas (sessions, queued jobs, artifact bytes).
+    QuotaExceeded,
+    /// The code hit the process limit: a fork or thread creation failed.
+    PidsLimit,
+    /// The workspace (or `/tmp`) filled up: a write failed for lack of space.
+    WorkspaceFull,
 }
 
 impl ErrorCode {
     /// Every code, in documentation order.
-    pub const ALL: [ErrorCode; 26] = [
+    pub const ALL: [ErrorCode; 31] = [
         ErrorCode::MalformedJson,
         ErrorCode::WrongType,
         ErrorCode::MissingField,
@@ -94,6 +104,11 @@ impl ErrorCode {
         ErrorCode::StorageFailed,
         ErrorCode::TooManyAttempts,
         ErrorCode::ArtifactExpired,
+        ErrorCode::Unauthenticated,
+        ErrorCode::TenantMismatch,
+        ErrorCode::QuotaExceeded,
+        ErrorCode::PidsLimit,
+        ErrorCode::WorkspaceFull,
     ];
 
     /// The wire name (`snake_case`).
@@ -125,6 +140,11 @@ impl ErrorCode {
             ErrorCode::StorageFailed => "storage_failed",
             ErrorCode::TooManyAttempts => "too_many_attempts",
             ErrorCode::ArtifactExpired => "artifact_expired",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::TenantMismatch => "tenant_mismatch",
+            ErrorCode::QuotaExceeded => "quota_exceeded",
+            ErrorCode::PidsLimit => "pids_limit",
+            ErrorCode::WorkspaceFull => "workspace_full",
         }
     }
 
@@ -157,6 +177,11 @@ impl ErrorCode {
             ErrorCode::StorageFailed => "Output files could not be stored in the object store (infrastructure).",
             ErrorCode::TooManyAttempts => "The job was delivered `SANDCELL_MAX_ATTEMPTS` times without completing.",
             ErrorCode::ArtifactExpired => "The artifact's TTL has passed and it was deleted from the object store.",
+            ErrorCode::Unauthenticated => "The message has no `user_id` property, so the broker did not vouch for its publisher; it is recorded for operators and dead-lettered.",
+            ErrorCode::TenantMismatch => "The body's `tenant` differs from the broker user that published it (only operator-trusted publishers may name another tenant); recorded under the publisher's tenant.",
+            ErrorCode::QuotaExceeded => "The tenant is at a quota: live sessions, queued and running jobs, or stored artifact bytes. The message names which; nothing ran.",
+            ErrorCode::PidsLimit => "The code hit the sandbox's process limit (`limits.pids`): creating a process or thread failed. The job's status says how it ended.",
+            ErrorCode::WorkspaceFull => "The workspace or `/tmp` ran out of space (`limits.workspace_mb`): a write failed. The job's status says how it ended.",
         }
     }
 }

@@ -61,6 +61,47 @@ pub struct JobResult {
     pub kernel_restarted: bool,
     /// Workspace listing after the code ran, when the job asked `list_files`.
     pub files: Option<FileListing>,
+    /// The sandbox limits the job ran into, whatever its final status: a fork bomb that
+    /// still finished in time has `["pids"]`. Empty when it stayed within every limit.
+    pub limits_hit: Vec<LimitHit>,
+    /// Workspace files the job wrote or asked for that were not stored, and why.
+    pub skipped_files: Vec<SkippedFile>,
+    /// Processes the code left running (a background `sleep`, a daemon) that were killed when
+    /// the cell ended.
+    pub processes_killed: u32,
+}
+
+/// A sandbox limit a job ran into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitHit {
+    /// The memory limit: the kernel's OOM killer ended a process (`status: oom_killed`).
+    Memory,
+    /// The wall clock (`status: timed_out`).
+    Time,
+    /// The process limit: a fork or thread creation failed (`reason.code: pids_limit` when
+    /// the job failed).
+    Pids,
+    /// The workspace or `/tmp` quota: a write failed for lack of space (`reason.code:
+    /// workspace_full` when the job failed).
+    Workspace,
+    /// The stdout or stderr cap: output was dropped (`stdout_truncated`/`stderr_truncated`).
+    Output,
+    /// The artifact limits (files per job, bytes per file or job, the tenant's stored bytes):
+    /// some files were not stored (see `skipped_files`).
+    Artifacts,
+}
+
+/// A workspace file that was not stored as an artifact.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SkippedFile {
+    /// Path relative to the workspace.
+    pub path: String,
+    /// Why: `not_regular_file` (a symlink, device, directory, or a path through a symlink),
+    /// `too_large`, `limit_reached` (files or bytes per job), `quota_exceeded` (the tenant's
+    /// stored artifact bytes), `unreadable`, `not_found`, `invalid_path`.
+    pub reason: String,
 }
 
 /// The workspace's regular files after a job (symlinks and tool caches are not listed).

@@ -62,12 +62,19 @@ stats           {"id", "rss_kb": int, "children": int}
                 driver and PID 1.
 done            {"id", "status": "ok"|"error"|"input_error",
                  "exit_code": int|null, "stdout_truncated", "stderr_truncated",
-                 "execution_count", "duration_ms"}
+                 "execution_count", "duration_ms", "processes_killed",
+                 "workspace_full"}
                 the last frame of a request.  exit_code: python 0/1; bash
                 the exit status (128+N if killed by signal N); null for
                 input_error.  execution_count: the cell's IPython number
                 (for bash/input_error: the last python cell's, 0 if none).
                 duration_ms: time spent running the code.
+                processes_killed: processes the code left running (a
+                background sleep, a daemonized child) that were killed
+                when it ended: after a request, only the driver and PID 1
+                are alive.  workspace_full: the workspace or /tmp had less
+                than 1% (at least 64 KiB) free after the code ran, or the
+                code's exception was ENOSPC.
 protocol_error  {"message"[, "id"]}
                 a malformed/unknown request or a driver bug.  When it
                 carries the id of a request, it ends that request instead
@@ -287,8 +294,22 @@ class Channel:
         self.out_fd = out_fd
         self.diag_fd = diag_fd
         self._lock = threading.Lock()
+        # A process forked from the kernel (os.fork, multiprocessing) inherits
+        # these fds.  Only the driver itself may speak the protocol, or a
+        # fork bomb's children would interleave frames and read requests.
+        self.owner = os.getpid()
+        os.register_at_fork(after_in_child=self._disown)
+
+    def _disown(self):
+        for fd in (self.in_fd, self.out_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def send(self, frame):
+        if os.getpid() != self.owner:
+            return  # a forked child: it has no voice
         # ensure_ascii=False keeps frames compact; "replace" turns lone
         # surrogates (possible in user strings) into "?" so the output is
         # always valid UTF-8 for the Rust side.
@@ -302,6 +323,10 @@ class Channel:
 
     def recv(self):
         """Return the next frame's payload, or None on EOF."""
+        if os.getpid() != self.owner:
+            # A forked child that finished the cell it was forked in: it must
+            # not serve requests.
+            os._exit(0)
         header = self._read_exact(4)
         if header is None:
             return None
@@ -1022,6 +1047,7 @@ def create_shell():
 
         def _showtraceback(self, etype, evalue, stb):
             # Replaces printing the traceback to stdout.
+            self.sandcell_last_exc = evalue
             self.sandcell_publish({
                 "type": "error",
                 "ename": getattr(etype, "__name__", _safe_str(etype)),
@@ -1116,6 +1142,72 @@ def parse_execute(obj):
             "files": files, "limits": limits, "get_files": get_files, "list_files": list_files}
 
 
+def other_processes():
+    """PIDs of the live (non-zombie) processes in the container other than
+    the driver and PID 1 (tini)."""
+    me = os.getpid()
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, me):
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if state not in ("Z", "X"):  # zombies are not alive
+            pids.append(int(name))
+    return pids
+
+
+def _reap_children():
+    # The driver's own children (subprocess.Popen from a cell) become
+    # zombies of the driver when killed; tini reaps everything else.
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def kill_strays(existing, rounds=100):
+    """Kill every process a cell left behind; returns how many were killed.
+    `existing`: the processes alive before the cell, which are spared (in a
+    sandbox there are none, since every cell's strays are killed; the set
+    matters where the driver is not alone, as in its tests).  Repeats while
+    processes keep appearing (a fork bomb forks between the scan and the
+    kill), up to `rounds` scans."""
+    killed = set()
+    for _ in range(rounds):
+        pids = [p for p in other_processes() if p not in existing]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.002)
+        _reap_children()
+    _reap_children()
+    return len(killed)
+
+
+def space_exhausted(path):
+    """Whether the filesystem at `path` is (nearly) full: under 1% free, and
+    never less than 64 KiB counts as full."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    free = st.f_bavail * st.f_frsize
+    total = st.f_blocks * st.f_frsize
+    return total > 0 and free < max(64 * 1024, total // 100)
+
+
 def process_stats():
     """The driver's resident memory and how many other processes are alive
     in the container (not counting the driver and PID 1)."""
@@ -1128,19 +1220,7 @@ def process_stats():
                     break
     except (OSError, ValueError, IndexError):
         pass
-    children = 0
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (1, me):
-            continue
-        try:
-            with open("/proc/%s/stat" % name) as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        if state not in ("Z", "X"):  # zombies are not alive
-            children += 1
-    return {"type": "stats", "rss_kb": rss_kb, "children": children}
+    return {"type": "stats", "rss_kb": rss_kb, "children": len(other_processes())}
 
 
 class Driver:
@@ -1209,10 +1289,12 @@ class Driver:
         os.makedirs(WORKSPACE, exist_ok=True)
 
         if not self.write_inputs(req_id, req["files"]):
-            self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0))
+            self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0, 0, False))
             return
 
         before = snapshot(WORKSPACE)
+        existing = set(other_processes())
+        self.shell.sandcell_last_exc = None
         self.capture.begin(req_id, limits["stdout_limit"], limits["stderr_limit"])
         started = time.monotonic()
         try:
@@ -1225,19 +1307,30 @@ class Driver:
         finally:
             truncated = self.capture.end()
 
+        # Nothing the cell started outlives it (and nothing changes files while
+        # they are collected).
+        killed = kill_strays(existing)
+        full = (space_exhausted(WORKSPACE) or space_exhausted("/tmp")
+                or self.last_error_errno == errno.ENOSPC)
         after = snapshot(WORKSPACE)
         collect_files(WORKSPACE, before, after, limits, req["get_files"], lambda f: self.send(req_id, f))
         if req["list_files"]:
             self.send(req_id, file_listing(after))
         status = "ok" if exit_code == 0 else "error"
-        self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms))
+        self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms, killed, full))
 
-    def done_frame(self, status, exit_code, truncated, duration_ms):
+    def done_frame(self, status, exit_code, truncated, duration_ms, killed, full):
         return {"type": "done", "status": status, "exit_code": exit_code,
                 "stdout_truncated": truncated[0], "stderr_truncated": truncated[1],
                 # For bash/input errors: the last python cell's number.
                 "execution_count": self.execution_count,
-                "duration_ms": round(duration_ms, 3)}
+                "duration_ms": round(duration_ms, 3),
+                "processes_killed": killed, "workspace_full": bool(full)}
+
+    @property
+    def last_error_errno(self):
+        # The errno of the exception the last python cell ended with, if any.
+        return getattr(getattr(self.shell, "sandcell_last_exc", None), "errno", None)
 
     def write_inputs(self, req_id, files):
         decoded, errors = decode_input_files(files)
@@ -1301,14 +1394,12 @@ class Driver:
         proc = subprocess.Popen(["bash", "-c", code], cwd=WORKSPACE, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
-            try:
-                with GATE.cell():
-                    returncode = proc.wait()
-            except KeyboardInterrupt:
-                returncode = self.interrupt_bash(proc)
-        finally:
-            # Anything the job left running in its process group dies with it.
-            _killpg(proc.pid, signal.SIGKILL)
+            with GATE.cell():
+                returncode = proc.wait()
+        except KeyboardInterrupt:
+            returncode = self.interrupt_bash(proc)
+        # Whatever the script left running (in its process group or not) is killed,
+        # and counted, by execute().
         return 128 - returncode if returncode < 0 else returncode
 
     @staticmethod

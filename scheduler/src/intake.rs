@@ -1,6 +1,12 @@
-//! Intake: `sandcell.submissions` → validation → Postgres → `sandcell.jobs`.
+//! Intake: `sandcell.submissions` → identity → validation → quotas → Postgres → `sandcell.jobs`.
 //!
 //! Invariants:
+//! - the tenant of a job is the broker user that published it (RabbitMQ checks the `user_id`
+//!   property against the connection's user), unless that user is operator-trusted
+//!   (`SANDCELL_TRUSTED_PUBLISHERS`); a body naming another tenant is `rejected` with
+//!   `tenant_mismatch` under the publisher's tenant, and a message without `user_id` is
+//!   recorded in `intake_rejections` (`unauthenticated`) and dead-lettered;
+//! - a job over one of its tenant's quotas is `rejected` with `quota_exceeded`;
 //! - a submission is acked only after its outcome is durable: the job row exists and the
 //!   execution job is confirmed by the broker, or the rejection is recorded;
 //! - nothing is dropped silently: a message whose `(tenant, job_id)` can be recovered gets a
@@ -162,11 +168,61 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
     Ok(())
 }
 
+/// Who published a submission, as the broker vouches (`user_id` is checked by RabbitMQ against
+/// the connection's user; a message without one was published by someone who did not say).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Publisher {
+    /// No `user_id`: nobody to attribute the message to.
+    Unknown,
+    /// An operator-trusted user (`SANDCELL_TRUSTED_PUBLISHERS`): the body names the tenant.
+    Trusted(String),
+    /// A tenant's own user: the tenant is this name, whatever the body says.
+    Tenant(String),
+}
+
+impl Publisher {
+    fn of(delivery: &Delivery, trusted: &std::collections::HashSet<String>) -> Publisher {
+        match delivery.properties.user_id().as_ref().map(|u| u.as_str().to_owned()) {
+            None => Publisher::Unknown,
+            Some(u) if trusted.contains(&u) => Publisher::Trusted(u),
+            Some(u) => Publisher::Tenant(u),
+        }
+    }
+
+    fn name(&self) -> Option<&str> {
+        match self {
+            Publisher::Unknown => None,
+            Publisher::Trusted(u) | Publisher::Tenant(u) => Some(u),
+        }
+    }
+}
+
 async fn handle(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: &Delivery, may_redispatch: bool) -> Result<Disposition> {
     let message_id = delivery.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
-    match parse_submission(&delivery.data, &cfg.intake) {
-        Ok(sub) => accept(cfg, jobs, metrics, publisher, &sub, &delivery.data, may_redispatch).await,
-        Err(rejection) => reject(jobs, metrics, &rejection, message_id.as_deref(), &delivery.data).await,
+    let from = Publisher::of(delivery, &cfg.trusted_publishers);
+    match (parse_submission(&delivery.data, &cfg.intake), &from) {
+        (_, Publisher::Unknown) => {
+            let reason = Reason::new(ErrorCode::Unauthenticated, "the message has no user_id property: publish with user_id set to your broker user");
+            let rejection = Rejection { reason, tenant: None, job_id: None };
+            reject(jobs, metrics, &rejection, message_id.as_deref(), None, &delivery.data).await
+        }
+        (Ok(sub), Publisher::Tenant(tenant)) if sub.tenant != *tenant => {
+            let reason = Reason::new(
+                ErrorCode::TenantMismatch,
+                format!("the body names tenant {:?} but the message was published by broker user {tenant:?}", sub.tenant),
+            );
+            tracing::warn!(publisher = %tenant, claimed = %sub.tenant, job_id = %sub.job_id, "submission claims another tenant; refused");
+            let rejection = Rejection { reason, tenant: Some(tenant.clone()), job_id: Some(sub.job_id.clone()) };
+            reject(jobs, metrics, &rejection, message_id.as_deref(), from.name(), &delivery.data).await
+        }
+        (Ok(sub), _) => accept(cfg, jobs, metrics, publisher, &sub, &delivery.data, may_redispatch).await,
+        (Err(mut rejection), _) => {
+            // A tenant's rejection is recorded under that tenant, never under the one its body names.
+            if let Publisher::Tenant(tenant) = &from {
+                rejection.tenant = Some(tenant.clone());
+            }
+            reject(jobs, metrics, &rejection, message_id.as_deref(), from.name(), &delivery.data).await
+        }
     }
 }
 
@@ -209,6 +265,7 @@ async fn accept(
                 s.id = recorded;
             }
         }
+        Recorded::OverQuota(reason) => return refuse(jobs, metrics, sub, &reason).await,
         Recorded::Duplicate { status, same_payload, .. } => {
             if same_payload {
                 tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, %status, "duplicate submission; not run again");
@@ -260,7 +317,7 @@ async fn refuse(jobs: &JobStore, metrics: &Metrics, sub: &Submission, reason: &R
     Ok(Disposition::Ack)
 }
 
-async fn reject(jobs: &JobStore, metrics: &Metrics, rej: &Rejection, message_id: Option<&str>, body: &[u8]) -> Result<Disposition> {
+async fn reject(jobs: &JobStore, metrics: &Metrics, rej: &Rejection, message_id: Option<&str>, publisher: Option<&str>, body: &[u8]) -> Result<Disposition> {
     if let Some((tenant, job_id)) = rej.recoverable_key() {
         let written = jobs.record_rejection(tenant, job_id, &rej.reason).await?;
         if !written {
@@ -270,8 +327,8 @@ async fn reject(jobs: &JobStore, metrics: &Metrics, rej: &Rejection, message_id:
         metrics.submissions.with_label_values(&["rejected"]).inc();
         return Ok(Disposition::Ack);
     }
-    jobs.record_intake_rejection(message_id, &rej.reason, body).await?;
-    tracing::warn!(message_id, code = %rej.reason.code, message = %rej.reason.message, body_bytes = body.len(), "unattributable submission dead-lettered");
+    jobs.record_intake_rejection(message_id, publisher, &rej.reason, body).await?;
+    tracing::warn!(message_id, publisher, code = %rej.reason.code, message = %rej.reason.message, body_bytes = body.len(), "unattributable submission dead-lettered");
     metrics.submissions.with_label_values(&["dead_lettered"]).inc();
     Ok(Disposition::DeadLetter)
 }

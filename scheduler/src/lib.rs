@@ -1,8 +1,9 @@
 //! The scheduler: the first stop of every submission and the keeper of artifact TTLs.
 //!
-//! - [`intake`] consumes `sandcell.submissions`, judges each message with
-//!   [`sandcell_protocol::parse_submission`], records the job (or its rejection) in Postgres and
-//!   publishes the execution job to `sandcell.jobs`;
+//! - [`intake`] consumes `sandcell.submissions`, takes the tenant from the broker-validated
+//!   `user_id`, judges each message with [`sandcell_protocol::parse_submission`], checks the
+//!   tenant's quotas, records the job (or its rejection) in Postgres and publishes the
+//!   execution job to `sandcell.jobs` (or the session's worker queue);
 //! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, and
 //!   declares the sessions of workers whose heartbeat stopped `lost`;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
@@ -11,6 +12,7 @@ pub mod intake;
 pub mod metrics;
 pub mod sweeper;
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -20,6 +22,7 @@ use anyhow::{Context, Result};
 use sandcell_core::config::{self, Services};
 use sandcell_core::jobs::JobStore;
 use sandcell_core::store::ArtifactStore;
+use sandcell_core::tenants::Quotas;
 use sandcell_protocol::{IntakeLimits, KeepAlivePolicy, LimitPolicy};
 
 /// Scheduler settings.
@@ -41,6 +44,11 @@ pub struct Config {
     pub keep_alive: KeepAlivePolicy,
     /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a worker silent this long has lost its sessions.
     pub worker_dead_after: Duration,
+    /// `SANDCELL_TRUSTED_PUBLISHERS`, default `sandcell`: broker users that may submit for any
+    /// tenant (the body's `tenant` is believed). Every other user submits as itself.
+    pub trusted_publishers: HashSet<String>,
+    /// `SANDCELL_DEFAULT_MAX_*`: quotas of tenants registered on their first job.
+    pub tenant_defaults: Quotas,
 }
 
 impl Config {
@@ -55,6 +63,13 @@ impl Config {
             prefetch: config::parse_or("SANDCELL_INTAKE_PREFETCH", 32u16)?.max(1),
             keep_alive: config::keep_alive_policy_from_env()?,
             worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
+            trusted_publishers: config::var_or("SANDCELL_TRUSTED_PUBLISHERS", "sandcell")
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect(),
+            tenant_defaults: Quotas::from_env()?,
         })
     }
 }
@@ -64,7 +79,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     let db_url = cfg.services.database_url.clone();
     let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, 8)).await;
-    let jobs = JobStore::new(pool);
+    let jobs = JobStore::new(pool).with_tenant_defaults(cfg.tenant_defaults);
     let store = ArtifactStore::new(&cfg.services.s3);
     // Backstop for the sweeper: lifecycle rules count whole days, so one day past the longest TTL.
     let days = i32::try_from(cfg.policy.max.artifact_ttl_s.div_ceil(86_400) + 1).unwrap_or(i32::MAX);

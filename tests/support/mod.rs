@@ -162,3 +162,47 @@ where
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// A tenant created the way an operator creates one (`sandcell-admin tenant create`): its own
+/// broker user and database role, with the given quotas (defaults when `None`).
+pub struct TestTenant {
+    /// Its name.
+    pub name: String,
+    /// Its connection URLs.
+    pub creds: sandcell_admin::TenantCredentials,
+}
+
+impl TestTenant {
+    /// Create a fresh tenant.
+    pub async fn create(quotas: Option<sandcell_core::tenants::Quotas>) -> TestTenant {
+        let settings = sandcell_admin::AdminSettings::from_env().expect("admin settings from the environment");
+        let admin = sandcell_admin::Admin::connect(settings).await.expect("connecting as operator");
+        let name = tenant();
+        let creds = admin.create_tenant(&name, &quotas.unwrap_or_default()).await.expect("creating tenant");
+        TestTenant { name, creds }
+    }
+
+    /// A client that publishes as the tenant's broker user and reads through its role.
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.creds.amqp_url, &self.creds.database_url).await.expect("tenant client connects")
+    }
+
+    /// A database pool logged in as the tenant's role.
+    pub async fn db(&self) -> sqlx::PgPool {
+        sqlx::PgPool::connect(&self.creds.database_url).await.expect("tenant role connects")
+    }
+}
+
+/// A pool logged in as the service role (sees everything).
+pub async fn service_db() -> sqlx::PgPool {
+    let url = std::env::var("SANDCELL_DATABASE_URL").expect("SANDCELL_DATABASE_URL");
+    sqlx::PgPool::connect(&url).await.expect("service role connects")
+}
+
+/// Prove the worker still serves: a one-off job on `worker_id` computes 6*7.
+pub async fn assert_worker_serves(c: &Client, tenant: &str, worker_id: &Option<String>) {
+    let r = run(c, &python(tenant, "print(6 * 7)")).await;
+    assert_eq!(r.status, sandcell_protocol::JobStatus::Succeeded, "the next job failed: {r:?}");
+    assert_eq!(r.stdout, "42\n");
+    assert_eq!(&r.worker_id, worker_id, "the same worker runs the next job");
+}

@@ -53,6 +53,8 @@ pub struct WorkerContext {
     pub jobs: JobStore,
     /// Session store.
     pub sessions: SessionStore,
+    /// Tenants (the artifact quota).
+    pub tenants: sandcell_core::tenants::TenantStore,
     /// Artifact store.
     pub store: ArtifactStore,
     /// Metrics.

@@ -3,10 +3,10 @@
 //! The conversation that produces the events is [`crate::kernel`]'s; this module only decides
 //! what each event means for the result (status, capped text, rich outputs, files).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use base64::Engine as _;
-use sandcell_protocol::{ErrorCode, ExecError, ExecutionLimits, JobStatus, Language, Reason};
+use sandcell_protocol::{ErrorCode, ExecError, ExecutionLimits, JobStatus, Language, LimitHit, Reason, SkippedFile};
 
 use crate::sandbox::protocol::DriverEvent;
 
@@ -14,6 +14,8 @@ use crate::sandbox::protocol::DriverEvent;
 const MAX_OUTPUTS: usize = 64;
 /// Most workspace entries kept in a listing (the driver sends at most this many).
 const MAX_LISTED_FILES: usize = 1000;
+/// Most skipped files reported per job.
+const MAX_SKIPPED_FILES: usize = 100;
 
 /// Text with a byte cap; what does not fit is dropped and flagged.
 #[derive(Debug, Default, Clone)]
@@ -88,6 +90,12 @@ pub struct Outcome {
     pub files: Vec<(String, Vec<u8>, bool)>,
     /// Workspace listing, when asked for.
     pub listing: Option<sandcell_protocol::FileListing>,
+    /// Sandbox limits the job ran into.
+    pub limits_hit: BTreeSet<LimitHit>,
+    /// Files not collected, and why.
+    pub skipped_files: Vec<SkippedFile>,
+    /// Processes the cell left running, killed at its end.
+    pub processes_killed: u32,
 }
 
 impl Outcome {
@@ -103,6 +111,51 @@ impl Outcome {
             outputs: Vec::new(),
             files: Vec::new(),
             listing: None,
+            limits_hit: BTreeSet::new(),
+            skipped_files: Vec::new(),
+            processes_killed: 0,
+        }
+    }
+
+    /// Note a file that was not collected.
+    pub fn skip(&mut self, path: String, reason: &str) {
+        if matches!(reason, "too_large" | "limit_reached" | "quota_exceeded") {
+            self.limits_hit.insert(LimitHit::Artifacts);
+        }
+        // A job cannot make the result grow without bound by writing many unstorable files.
+        if self.skipped_files.len() < MAX_SKIPPED_FILES {
+            self.skipped_files.push(SkippedFile { path, reason: reason.to_string() });
+        }
+    }
+
+    /// Settle what the limits did: the output caps, and a reason for a failure that a limit
+    /// explains (`pids_limit`, `workspace_full`), unless a reason is already set.
+    pub fn settle_limits(&mut self, limits: &ExecutionLimits) {
+        if self.stdout.truncated || self.stderr.truncated {
+            self.limits_hit.insert(LimitHit::Output);
+        }
+        match self.status {
+            JobStatus::TimedOut => {
+                self.limits_hit.insert(LimitHit::Time);
+            }
+            JobStatus::OomKilled => {
+                self.limits_hit.insert(LimitHit::Memory);
+            }
+            _ => {}
+        }
+        if self.status != JobStatus::Failed || self.reason.is_some() {
+            return;
+        }
+        if self.limits_hit.contains(&LimitHit::Pids) {
+            self.reason = Some(Reason::new(
+                ErrorCode::PidsLimit,
+                format!("the code hit the process limit ({} processes and threads): creating one failed", limits.pids),
+            ));
+        } else if self.limits_hit.contains(&LimitHit::Workspace) {
+            self.reason = Some(Reason::new(
+                ErrorCode::WorkspaceFull,
+                format!("the workspace ({} MB) or /tmp ran out of space", limits.workspace_mb),
+            ));
         }
     }
 
@@ -130,11 +183,17 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
                     *file_bytes += bytes.len() as u64;
                     out.files.push((path, bytes, requested));
                 }
-                Ok(_) => tracing::info!(path, "output file over the artifact limits; not collected"),
-                Err(e) => tracing::warn!(path, error = %e, "driver sent a file with invalid base64"),
+                Ok(_) => out.skip(path, "limit_reached"),
+                Err(e) => {
+                    tracing::warn!(path, error = %e, "driver sent a file with invalid base64");
+                    out.skip(path, "unreadable");
+                }
             }
         }
-        DriverEvent::FileSkipped { path, reason } => tracing::info!(path, reason, "output file not collected"),
+        DriverEvent::FileSkipped { path, reason } => {
+            tracing::debug!(path, reason, "output file not collected");
+            out.skip(path, &reason);
+        }
         DriverEvent::FileList { mut entries, truncated } => {
             entries.truncate(MAX_LISTED_FILES);
             out.listing = Some(sandcell_protocol::FileListing { entries, truncated });
@@ -150,9 +209,13 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             return true;
         }
         DriverEvent::Ready { .. } | DriverEvent::Unknown => {}
-        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated } => {
+        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full } => {
             out.stdout.truncated |= stdout_truncated;
             out.stderr.truncated |= stderr_truncated;
+            out.processes_killed = processes_killed;
+            if workspace_full {
+                out.limits_hit.insert(LimitHit::Workspace);
+            }
             out.exit_code = exit_code;
             let ok = match language {
                 Language::Python => status == "ok",
@@ -234,7 +297,7 @@ mod tests {
     fn bash_with_nonzero_exit_is_failed_and_python_ok_is_succeeded() {
         let limits = sandcell_protocol::LimitPolicy::default().default;
         let mut out = Outcome::new(&limits);
-        let done = DriverEvent::Done { status: "ok".into(), exit_code: Some(3), stdout_truncated: false, stderr_truncated: false };
+        let done = DriverEvent::Done { status: "ok".into(), exit_code: Some(3), stdout_truncated: false, stderr_truncated: false, processes_killed: 0, workspace_full: false };
         assert!(apply(&mut out, done.clone(), Language::Bash, &limits, &mut 0));
         assert_eq!(out.status, JobStatus::Failed);
         let mut out = Outcome::new(&limits);

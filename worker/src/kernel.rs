@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use bollard::Docker;
-use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason};
 
 use crate::execute::{apply, Outcome};
+use crate::sandbox::cgroup::Cgroup;
 use crate::sandbox::container::{ContainerShape, SandboxSpec};
 use crate::sandbox::protocol::{DriverEvent, ExecuteRequest};
 use crate::sandbox::Sandbox;
@@ -35,6 +36,8 @@ pub struct KernelSettings {
     /// Largest single driver frame (one file or figure, base64), from the operator's maximum
     /// artifact size, so any job fits any kernel.
     pub max_frame: usize,
+    /// `SANDCELL_CGROUP_ROOT`: the host's cgroup filesystem, for the containers' pids counters.
+    pub cgroup_root: std::path::PathBuf,
 }
 
 /// What to do when a cell's wall clock runs out.
@@ -59,6 +62,7 @@ pub struct CellRun {
 pub struct Kernel {
     sandbox: Sandbox,
     shape: ContainerShape,
+    cgroup: Cgroup,
     /// Container create → driver ready.
     pub start_time: Duration,
 }
@@ -69,7 +73,10 @@ impl Kernel {
         let t0 = Instant::now();
         let mut sandbox = Sandbox::start(docker, spec, settings.max_frame).await?;
         match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
-            Ok(Ok(Some(DriverEvent::Ready { .. }))) => Ok(Kernel { sandbox, shape: spec.shape(), start_time: t0.elapsed() }),
+            Ok(Ok(Some(DriverEvent::Ready { .. }))) => {
+                let cgroup = Cgroup::locate(&settings.cgroup_root, sandbox.id());
+                Ok(Kernel { sandbox, shape: spec.shape(), cgroup, start_time: t0.elapsed() })
+            }
             other => {
                 let what = match other {
                     Err(_) => format!("the sandbox did not become ready within {:?}", settings.start_timeout),
@@ -108,6 +115,9 @@ impl Kernel {
             return CellRun { outcome, alive: false };
         }
 
+        let refusals_before = self.cgroup.pids_refusals();
+        // Read before a kill too: a killed container's cgroup disappears.
+        let mut refusals_after = None;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
         let mut grace_deadline = None;
         let mut file_bytes: u64 = 0;
@@ -120,6 +130,7 @@ impl Kernel {
                         grace_deadline = Some(tokio::time::Instant::now() + grace);
                     }
                     _ => {
+                        refusals_after = self.cgroup.pids_refusals();
                         self.sandbox.kill().await;
                         out.status = JobStatus::TimedOut;
                         out.reason = None;
@@ -162,6 +173,12 @@ impl Kernel {
             out.status = JobStatus::TimedOut;
             out.reason = None;
         }
+        if let (Some(before), Some(after)) = (refusals_before, refusals_after.or_else(|| self.cgroup.pids_refusals())) {
+            if after > before {
+                out.limits_hit.insert(LimitHit::Pids);
+            }
+        }
+        out.settle_limits(limits);
         let diag = self.sandbox.take_diagnostics();
         if !diag.trim().is_empty() {
             tracing::debug!(job_id = %job.job_id, diagnostics = %diag.trim(), "driver diagnostics");

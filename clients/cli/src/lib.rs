@@ -2,9 +2,14 @@
 //!
 //! This is the flow the design prescribes for asynchronous agents: submit through the queue
 //! (with publisher confirms, so a returned `Ok` means the broker has the job), then poll the
-//! `job_results` view — or, as [`Client::wait`] does, `LISTEN` on `sandcell_jobs` and read
-//! the result when its notification arrives, with a periodic re-read in case a notification
-//! was lost while the listener reconnected.
+//! `job_results` view — or, as [`Client::wait`] does, `LISTEN` on the tenant's own
+//! notification channel and read the result when its notification arrives, with a periodic
+//! re-read in case a notification was lost while the listener reconnected.
+//!
+//! A tenant connects with its own broker user and database role (`sandcell-admin tenant
+//! create`): submissions carry `user_id` = the broker user, which RabbitMQ verifies, and
+//! row-level security shows the role only its own rows. An operator's trusted backend may
+//! connect as the service user and name any tenant.
 
 use std::time::Duration;
 
@@ -48,21 +53,23 @@ pub struct Client {
     publisher: Channel,
     jobs: JobStore,
     database_url: String,
+    /// The broker user, sent as `user_id` on every submission.
+    user: Option<String>,
 }
 
 impl Client {
     /// Connect to the broker and the database.
     pub async fn connect(amqp_url: &str, database_url: &str) -> Result<Self, ClientError> {
+        // No topology declaration: a tenant's user may not configure anything; the scheduler
+        // declares the intake exchange.
         let conn = broker::connect(amqp_url, "sandcell-client").await?;
-        let ch = conn.create_channel().await.context("opening channel")?;
-        broker::declare_topology(&ch).await?;
         let publisher = broker::publisher_channel(&conn).await?;
         let pool = PgPoolOptions::new()
             .max_connections(4)
             .connect(database_url)
             .await
             .with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
-        Ok(Client { _conn: conn, publisher, jobs: JobStore::new(pool), database_url: database_url.to_string() })
+        Ok(Client { _conn: conn, publisher, jobs: JobStore::new(pool), database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
     }
 
     /// Connect using `SANDCELL_AMQP_URL` and `SANDCELL_DATABASE_URL`.
@@ -80,12 +87,36 @@ impl Client {
 
     /// Publish raw bytes as a submission (for testing how sandcell treats bad input).
     pub async fn submit_raw(&self, body: &[u8], message_id: Option<&str>) -> Result<(), ClientError> {
-        let props = match message_id {
+        self.submit_raw_as(body, message_id, self.user.as_deref()).await
+    }
+
+    /// Publish raw bytes with the given `user_id` property (`None`: without one). The broker
+    /// refuses a `user_id` other than the connection's user by closing the channel.
+    pub async fn submit_raw_as(&self, body: &[u8], message_id: Option<&str>, user_id: Option<&str>) -> Result<(), ClientError> {
+        let mut props = match message_id {
             Some(id) => broker::json_properties(id),
             None => lapin::BasicProperties::default().with_delivery_mode(2),
         };
-        broker::publish_confirmed(&self.publisher, broker::SUBMISSIONS_QUEUE, body, props).await?;
+        if let Some(user) = user_id {
+            props = props.with_user_id(user.into());
+        }
+        broker::publish_to(&self.publisher, broker::INTAKE_EXCHANGE, "", body, props).await?;
         Ok(())
+    }
+
+    /// The tenant's notification channel, waiting up to `timeout` for the tenant to be
+    /// registered (a tenant submitting for the first time through a trusted backend).
+    async fn channel_of(&self, tenant: &str, timeout: Duration) -> Result<Option<String>, ClientError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(c) = sandcell_core::tenants::notify_channel(self.jobs.pool(), tenant).await? {
+                return Ok(Some(c));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The job's current result record, if the job exists.
@@ -95,9 +126,9 @@ impl Client {
 
     /// Wait until the job reaches a terminal status and return its result.
     pub async fn wait(&self, tenant: &str, job_id: &str, timeout: Duration) -> Result<JobResult, ClientError> {
-        let mut listener = PgListener::connect(&self.database_url).await.context("connecting listener")?;
-        listener.listen("sandcell_jobs").await.context("LISTEN sandcell_jobs")?;
         let deadline = tokio::time::Instant::now() + timeout;
+        let mut listener = PgListener::connect(&self.database_url).await.context("connecting listener")?;
+        let mut listening = false;
         let mut last = "not recorded yet".to_string();
         loop {
             if let Some(r) = self.result(tenant, job_id).await? {
@@ -109,6 +140,13 @@ impl Client {
             let now = tokio::time::Instant::now();
             if now >= deadline {
                 return Err(ClientError::Timeout(timeout, last));
+            }
+            if !listening {
+                if let Some(channel) = self.channel_of(tenant, (deadline - now).min(Duration::from_secs(1))).await? {
+                    listener.listen(&channel).await.context("LISTEN on the tenant's channel")?;
+                    listening = true;
+                    continue; // re-read: the job may have finished before LISTEN
+                }
             }
             // Wake on a notification for this job, or re-read after a second regardless.
             let wake = (deadline - now).min(Duration::from_secs(1));
@@ -161,10 +199,14 @@ pub struct Watcher {
 }
 
 impl Watcher {
-    /// Connect a listener to `database_url`.
-    pub async fn connect(database_url: &str) -> Result<Self, ClientError> {
-        let mut listener = PgListener::connect(database_url).await.context("connecting listener")?;
-        listener.listen("sandcell_jobs").await.context("LISTEN sandcell_jobs")?;
+    /// Connect a listener for `tenant`'s jobs (the tenant must be registered).
+    pub async fn connect(client: &Client, tenant: &str) -> Result<Self, ClientError> {
+        let channel = client
+            .channel_of(tenant, Duration::ZERO)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("tenant {tenant:?} is not registered (no notification channel)"))?;
+        let mut listener = PgListener::connect(&client.database_url).await.context("connecting listener")?;
+        listener.listen(&channel).await.context("LISTEN on the tenant's channel")?;
         let waiting: Waiting = Default::default();
         let map = waiting.clone();
         let task = tokio::spawn(async move {

@@ -6,6 +6,7 @@
 //! Containers carry the worker's label, so a worker that died is cleaned up by the next start's
 //! sweep ([`remove_leftovers`]).
 
+pub mod cgroup;
 pub mod container;
 pub mod frames;
 pub mod protocol;

@@ -149,6 +149,12 @@ pub enum DriverEvent {
         /// Driver dropped stderr beyond the cap.
         #[serde(default)]
         stderr_truncated: bool,
+        /// Processes the cell left running, killed at its end.
+        #[serde(default)]
+        processes_killed: u32,
+        /// The workspace or `/tmp` filled up.
+        #[serde(default)]
+        workspace_full: bool,
     },
     /// A message type this worker does not know; ignored.
     #[serde(other)]
@@ -164,7 +170,10 @@ mod tests {
         let e: DriverEvent = serde_json::from_str(r#"{"type":"stream","id":"j","name":"stdout","text":"hi\n"}"#).unwrap();
         assert_eq!(e, DriverEvent::Stream { name: "stdout".into(), text: "hi\n".into() });
         let e: DriverEvent = serde_json::from_str(r#"{"type":"done","id":"j","status":"ok","exit_code":0,"stdout_truncated":false,"stderr_truncated":true,"duration_ms":3.2}"#).unwrap();
-        assert_eq!(e, DriverEvent::Done { status: "ok".into(), exit_code: Some(0), stdout_truncated: false, stderr_truncated: true });
+        assert_eq!(
+            e,
+            DriverEvent::Done { status: "ok".into(), exit_code: Some(0), stdout_truncated: false, stderr_truncated: true, processes_killed: 0, workspace_full: false }
+        );
         let e: DriverEvent = serde_json::from_str(r#"{"type":"something_new","x":1}"#).unwrap();
         assert_eq!(e, DriverEvent::Unknown);
     }

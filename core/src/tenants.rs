@@ -1,0 +1,256 @@
+//! Tenants: their quotas, their database roles, and the admission check every submission passes.
+//!
+//! The one owner of per-tenant limits. The scheduler calls [`admit`] inside the transaction that
+//! records a job, the worker calls [`TenantStore::artifact_bytes_left`] before it stores files,
+//! and `sandcell-admin` calls [`TenantStore::create`] to give a tenant its own database role.
+//! Row-level security on the tables (migrations/0003_tenants.sql) is what keeps one tenant's
+//! rows from another's role; this module only creates the roles the policies name.
+
+use anyhow::{bail, Context, Result};
+use sandcell_protocol::{ErrorCode, Reason};
+use sqlx::postgres::PgPool;
+use sqlx::{Postgres, Row, Transaction};
+
+use crate::config::parse_or;
+
+/// The group role every tenant's login role belongs to (the policies are written for it).
+pub const TENANT_GROUP_ROLE: &str = "sandcell_tenant";
+
+/// A tenant's quotas. Over any of them, a submission is `rejected` with `quota_exceeded`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quotas {
+    /// Sessions `starting` or `active` at once.
+    pub max_sessions: u32,
+    /// Jobs `queued` or `running` at once.
+    pub max_queued_jobs: u32,
+    /// Bytes of artifacts still available in the store.
+    pub max_artifact_bytes: u64,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas { max_sessions: 20, max_queued_jobs: 1000, max_artifact_bytes: 5 * 1024 * 1024 * 1024 }
+    }
+}
+
+impl Quotas {
+    /// The operator's defaults for new tenants: `SANDCELL_DEFAULT_MAX_SESSIONS` (20),
+    /// `SANDCELL_DEFAULT_MAX_QUEUED_JOBS` (1000), `SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES` (5 GiB).
+    pub fn from_env() -> Result<Self> {
+        let d = Quotas::default();
+        Ok(Quotas {
+            max_sessions: parse_or("SANDCELL_DEFAULT_MAX_SESSIONS", d.max_sessions)?,
+            max_queued_jobs: parse_or("SANDCELL_DEFAULT_MAX_QUEUED_JOBS", d.max_queued_jobs)?,
+            max_artifact_bytes: parse_or("SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES", d.max_artifact_bytes)?,
+        })
+    }
+}
+
+/// Register `tenant` with `defaults` unless it already has a row. Every job row's tenant has a
+/// tenant row (its notification channel lives there).
+pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: &Quotas) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (tenant) DO NOTHING",
+    )
+    .bind(tenant)
+    .bind(i32::try_from(defaults.max_sessions).unwrap_or(i32::MAX))
+    .bind(i32::try_from(defaults.max_queued_jobs).unwrap_or(i32::MAX))
+    .bind(i64::try_from(defaults.max_artifact_bytes).unwrap_or(i64::MAX))
+    .execute(&mut **tx)
+    .await
+    .with_context(|| format!("registering tenant {tenant}"))?;
+    Ok(())
+}
+
+/// Decide whether `tenant` may queue one more job (which opens a session if `opens_session`).
+/// Locks the tenant's row until `tx` ends, so two submissions cannot both take the last slot.
+/// Returns the refusal, or `None` when the job is admitted.
+pub async fn admit(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: &Quotas, opens_session: bool) -> Result<Option<Reason>> {
+    ensure(tx, tenant, defaults).await?;
+    // Lock first, count after, in separate statements: under READ COMMITTED each statement
+    // sees what was committed when it began, so counts taken after the lock is granted
+    // include the job of the submission that held it.
+    sqlx::query("SELECT 1 FROM tenants WHERE tenant = $1 FOR UPDATE")
+        .bind(tenant)
+        .execute(&mut **tx)
+        .await
+        .with_context(|| format!("locking tenant {tenant}"))?;
+    let row = sqlx::query(
+        "SELECT t.max_sessions, t.max_queued_jobs, t.max_artifact_bytes,
+                (SELECT count(*) FROM jobs j WHERE j.tenant = t.tenant AND j.status IN ('queued', 'running')) AS queued,
+                (SELECT count(*) FROM sessions s WHERE s.tenant = t.tenant AND s.state IN ('starting', 'active')) AS sessions,
+                (SELECT COALESCE(sum(a.size_bytes), 0)::bigint FROM artifacts a WHERE a.tenant = t.tenant AND a.state = 'available') AS stored
+         FROM tenants t WHERE t.tenant = $1",
+    )
+    .bind(tenant)
+    .fetch_one(&mut **tx)
+    .await
+    .with_context(|| format!("reading quotas of tenant {tenant}"))?;
+    let (max_sessions, max_queued, max_bytes): (i32, i32, i64) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+    let (queued, sessions, stored): (i64, i64, i64) = (row.try_get(3)?, row.try_get(4)?, row.try_get(5)?);
+    let refuse = |m: String| Ok(Some(Reason::new(ErrorCode::QuotaExceeded, m)));
+    if queued >= i64::from(max_queued) {
+        return refuse(format!("tenant has {queued} jobs queued or running; its quota is {max_queued}"));
+    }
+    if opens_session && sessions >= i64::from(max_sessions) {
+        return refuse(format!("tenant has {sessions} live sessions; its quota is {max_sessions}"));
+    }
+    if stored >= max_bytes {
+        return refuse(format!("tenant stores {stored} bytes of artifacts; its quota is {max_bytes} (wait for artifacts to expire)"));
+    }
+    Ok(None)
+}
+
+/// A tenant's database login, as `sandcell-admin tenant create` hands it out.
+#[derive(Debug, Clone)]
+pub struct DbLogin {
+    /// Role name (opaque: `sandcell_t_` and 16 hex digits).
+    pub role: String,
+    /// Its password.
+    pub password: String,
+}
+
+/// A random lowercase hex string of `n` (≤ 64) digits, from the OS's CSPRNG (via uuid v4).
+pub fn random_hex(n: usize) -> String {
+    let mut s = String::with_capacity(64);
+    s.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    s.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    s.truncate(n.min(64));
+    s
+}
+
+/// Handle on the tenants table, for administration and the worker's artifact quota.
+#[derive(Clone)]
+pub struct TenantStore {
+    pool: PgPool,
+}
+
+impl TenantStore {
+    /// Wrap a pool (of the service role, which owns the tables).
+    pub fn new(pool: PgPool) -> Self {
+        TenantStore { pool }
+    }
+
+    /// Create `tenant` (or update its quotas) and give it a fresh database login that can read
+    /// only its own rows. An existing login of the tenant keeps working only if `rotate` is
+    /// false; with `rotate` the old role is dropped.
+    pub async fn create(&self, tenant: &str, quotas: &Quotas, rotate: bool) -> Result<DbLogin> {
+        if !sandcell_protocol::submission::is_valid_tenant(tenant) {
+            bail!("tenant must be 1-64 characters of [a-z0-9_-], got {tenant:?}");
+        }
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        ensure(&mut tx, tenant, quotas).await?;
+        self.set_quotas_in(&mut tx, tenant, quotas).await?;
+        let old: Option<String> = sqlx::query_scalar("SELECT db_role FROM tenants WHERE tenant = $1 FOR UPDATE")
+            .bind(tenant)
+            .fetch_one(&mut *tx)
+            .await
+            .context("reading the tenant's role")?;
+        let login = DbLogin { role: format!("sandcell_t_{}", random_hex(16)), password: random_hex(40) };
+        // Role names and passwords are generated hex, so formatting them into DDL is safe
+        // (utility statements take no bind parameters).
+        let ddl = format!("CREATE ROLE {} LOGIN PASSWORD '{}' IN ROLE {TENANT_GROUP_ROLE}", login.role, login.password);
+        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&mut *tx).await.context("creating the tenant's role")?;
+        sqlx::query("UPDATE tenants SET db_role = $2 WHERE tenant = $1")
+            .bind(tenant)
+            .bind(&login.role)
+            .execute(&mut *tx)
+            .await
+            .context("recording the tenant's role")?;
+        if let (Some(old), true) = (old, rotate) {
+            if is_tenant_role(&old) {
+                sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {old}"))).execute(&mut *tx).await.context("dropping the old role")?;
+            }
+        }
+        tx.commit().await.context("committing tenant")?;
+        Ok(login)
+    }
+
+    /// Change a tenant's quotas (registering it if needed).
+    pub async fn set_quotas(&self, tenant: &str, quotas: &Quotas) -> Result<()> {
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        ensure(&mut tx, tenant, quotas).await?;
+        self.set_quotas_in(&mut tx, tenant, quotas).await?;
+        tx.commit().await.context("committing quotas")
+    }
+
+    async fn set_quotas_in(&self, tx: &mut Transaction<'_, Postgres>, tenant: &str, q: &Quotas) -> Result<()> {
+        sqlx::query("UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4 WHERE tenant = $1")
+            .bind(tenant)
+            .bind(i32::try_from(q.max_sessions).unwrap_or(i32::MAX))
+            .bind(i32::try_from(q.max_queued_jobs).unwrap_or(i32::MAX))
+            .bind(i64::try_from(q.max_artifact_bytes).unwrap_or(i64::MAX))
+            .execute(&mut **tx)
+            .await
+            .context("updating quotas")?;
+        Ok(())
+    }
+
+    /// The tenant's quotas, if it is registered.
+    pub async fn quotas(&self, tenant: &str) -> Result<Option<Quotas>> {
+        let row = sqlx::query("SELECT max_sessions, max_queued_jobs, max_artifact_bytes FROM tenants WHERE tenant = $1")
+            .bind(tenant)
+            .fetch_optional(&self.pool)
+            .await
+            .context("reading quotas")?;
+        row.map(|r| {
+            Ok(Quotas {
+                max_sessions: u32::try_from(r.try_get::<i32, _>(0)?).unwrap_or(0),
+                max_queued_jobs: u32::try_from(r.try_get::<i32, _>(1)?).unwrap_or(0),
+                max_artifact_bytes: u64::try_from(r.try_get::<i64, _>(2)?).unwrap_or(0),
+            })
+        })
+        .transpose()
+    }
+
+    /// How many more artifact bytes `tenant` may store now (0 when at or over its quota).
+    /// Concurrent jobs of one tenant may together overshoot by what they store at once.
+    pub async fn artifact_bytes_left(&self, tenant: &str) -> Result<u64> {
+        let left: Option<i64> = sqlx::query_scalar(
+            "SELECT t.max_artifact_bytes - COALESCE((SELECT sum(a.size_bytes) FROM artifacts a
+                                                     WHERE a.tenant = t.tenant AND a.state = 'available'), 0)::bigint
+             FROM tenants t WHERE t.tenant = $1",
+        )
+        .bind(tenant)
+        .fetch_optional(&self.pool)
+        .await
+        .context("reading the tenant's artifact bytes")?;
+        Ok(left.map_or(u64::MAX, |l| u64::try_from(l).unwrap_or(0)))
+    }
+}
+
+/// The secret notification channel of `tenant` (readable by the service role, and by the
+/// tenant's own role through row-level security).
+pub async fn notify_channel(pool: &PgPool, tenant: &str) -> Result<Option<String>> {
+    sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1")
+        .bind(tenant)
+        .fetch_optional(pool)
+        .await
+        .context("reading the tenant's notification channel")
+}
+
+fn is_tenant_role(role: &str) -> bool {
+    role.strip_prefix("sandcell_t_").is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_roles_are_recognised_and_nothing_else_is() {
+        assert!(is_tenant_role(&format!("sandcell_t_{}", random_hex(16))));
+        assert!(!is_tenant_role("sandcell"));
+        assert!(!is_tenant_role("sandcell_t_x; DROP TABLE jobs"));
+        assert!(!is_tenant_role("postgres"));
+    }
+
+    #[test]
+    fn random_hex_has_the_asked_length_and_alphabet() {
+        let h = random_hex(40);
+        assert_eq!(h.len(), 40);
+        assert!(h.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert_ne!(random_hex(40), random_hex(40));
+    }
+}

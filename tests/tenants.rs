@@ -1,0 +1,278 @@
+//! Tenant isolation end to end: two tenants created as an operator creates them (own broker
+//! user, own database role), and everything the second could try to learn of the first through
+//! Postgres, the object store and the queue. Also the quotas and the identity the broker vouches for.
+
+use std::time::Duration;
+
+use sandcell_core::tenants::Quotas;
+use sandcell_protocol::{ErrorCode, JobStatus, LimitHit, SessionRequest};
+use sandcell_tests::*;
+use sqlx::Row;
+
+/// A job of `t` that writes a file and draws a figure, in a new session.
+async fn busy_tenant(t: &TestTenant) -> (sandcell_client::Client, sandcell_protocol::JobResult) {
+    let c = t.client().await;
+    let code = "open('secret.txt', 'w').write('the secret of ' + 'A')\n\
+                import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\n'value of A'";
+    let r = run(&c, &open_session(&t.name, code, Some(60))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.tenant, t.name);
+    assert_eq!(r.artifacts.len(), 2, "the file and the figure: {r:?}");
+    (c, r)
+}
+
+#[tokio::test]
+async fn a_tenant_submits_as_its_broker_user_and_reads_its_results_through_its_own_role() {
+    let a = TestTenant::create(None).await;
+    let (c, r) = busy_tenant(&a).await;
+    assert_eq!(value(&r).as_deref(), Some("'value of A'"));
+    // The session is readable by its owner through the owner's role.
+    let s = c.session(&a.name, &session_id(&r)).await.expect("reading the session").expect("own session visible");
+    assert_eq!(s.tenant, a.name);
+    // And the notification channel works through the role (wait used it).
+    let next = run(&c, &in_session(&a.name, &session_id(&r), "open('secret.txt').read()")).await;
+    assert_eq!(value(&next).as_deref(), Some("'the secret of A'"));
+}
+
+#[tokio::test]
+async fn a_second_tenant_reads_nothing_of_the_first_through_postgres() {
+    let a = TestTenant::create(None).await;
+    let b = TestTenant::create(None).await;
+    let (_, ra) = busy_tenant(&a).await;
+    let b_client = b.client().await;
+    let rb = run(&b_client, &python(&b.name, "print('b')")).await;
+    assert_eq!(rb.status, JobStatus::Succeeded);
+
+    let db = b.db().await;
+    // Every table and view a tenant may read shows only its own rows, even when asked for A's.
+    for (sql, own) in [
+        ("SELECT count(*) FROM jobs", 1i64),
+        ("SELECT count(*) FROM job_results", 1),
+        ("SELECT count(*) FROM sessions", 0),
+        ("SELECT count(*) FROM session_documents", 0),
+        ("SELECT count(*) FROM artifacts", 0),
+        ("SELECT count(*) FROM tenants", 1),
+    ] {
+        let n: i64 = sqlx::query_scalar(sql).fetch_one(&db).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+        assert_eq!(n, own, "{sql} as tenant B");
+    }
+    let job_a: Option<String> = sqlx::query_scalar("SELECT job_id FROM jobs WHERE tenant = $1").bind(&a.name).fetch_optional(&db).await.unwrap();
+    assert_eq!(job_a, None, "B cannot select A's job by naming A");
+    let sess_a: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM sessions WHERE session_id = $1").bind(session_id(&ra)).fetch_one(&db).await.unwrap();
+    assert_eq!(sess_a, 0, "B cannot select A's session by its id");
+    assert_eq!(b_client.result(&a.name, &ra.job_id).await.unwrap(), None);
+    assert_eq!(b_client.session(&a.name, &session_id(&ra)).await.unwrap(), None);
+
+    // The operator's tables are closed to tenants altogether.
+    for table in ["intake_rejections", "workers", "_sqlx_migrations"] {
+        let err = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT * FROM {table}"))).fetch_all(&db).await.expect_err(table);
+        assert!(err.to_string().contains("permission denied"), "{table}: {err}");
+    }
+    // No writes either.
+    let err = sqlx::query("UPDATE jobs SET stdout = 'x'").execute(&db).await.expect_err("update");
+    assert!(err.to_string().contains("permission denied"), "{err}");
+
+    // B's row does not reveal A's notification channel; listening on B's own channel, or on the
+    // old shared channel, B hears nothing of A's jobs.
+    let channels: Vec<String> = sqlx::query("SELECT notify_channel FROM tenants").fetch_all(&db).await.unwrap().iter().map(|r| r.get(0)).collect();
+    let service = service_db().await;
+    let a_channel: String = sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1").bind(&a.name).fetch_one(&service).await.unwrap();
+    assert!(!channels.contains(&a_channel));
+    let mut listener = sqlx::postgres::PgListener::connect(&b.creds.database_url).await.unwrap();
+    listener.listen_all(channels.iter().map(String::as_str).chain(["sandcell_jobs"])).await.unwrap();
+    let a_client = a.client().await;
+    let again = run(&a_client, &in_session(&a.name, &session_id(&ra), "1 + 1")).await;
+    assert_eq!(again.status, JobStatus::Succeeded);
+    let heard = tokio::time::timeout(Duration::from_secs(2), listener.recv()).await;
+    assert!(heard.is_err(), "B heard a notification: {heard:?}");
+}
+
+#[tokio::test]
+async fn a_second_tenant_cannot_fetch_the_firsts_artifacts_from_the_store() {
+    let a = TestTenant::create(None).await;
+    let (c, r) = busy_tenant(&a).await;
+    let file = r.artifacts.iter().find(|x| x.path == "secret.txt").expect("secret.txt stored");
+    assert!(file.s3_key.starts_with(&format!("{}/", a.name)), "object keys carry the tenant prefix: {}", file.s3_key);
+    let url = c.artifact_url(&a.name, &r.job_id, "secret.txt").await.expect("own artifact URL");
+    let (status, body) = http_get(&url).await.expect("GET presigned");
+    assert_eq!((status, body.as_slice()), (200, b"the secret of A".as_slice()));
+
+    // Without a signature: refused.
+    let refused = |(status, body): (u16, Vec<u8>)| (400..500).contains(&status) && !body.windows(15).any(|w| w == b"the secret of A");
+    let bare = url.split('?').next().unwrap().to_string();
+    assert!(refused(http_get(&bare).await.unwrap()), "an unsigned GET is refused");
+    // A signature is for one key: pointing it at the figure fails.
+    let figure = r.artifacts.iter().find(|x| x.path != "secret.txt").unwrap();
+    let forged = url.replacen(&file.s3_key, &figure.s3_key, 1);
+    assert_ne!(forged, url);
+    assert!(refused(http_get(&forged).await.unwrap()), "a signature does not open another key");
+    // A tampered expiry fails too.
+    let stretched = url.replacen("X-Amz-Expires=", "X-Amz-Expires=9", 1);
+    assert!(refused(http_get(&stretched).await.unwrap()), "a stretched expiry is refused");
+}
+
+#[tokio::test]
+async fn the_broker_vouches_for_the_tenant_and_a_claim_to_another_is_refused_and_recorded() {
+    let a = TestTenant::create(None).await;
+    let b = TestTenant::create(None).await;
+    let bc = b.client().await;
+
+    // B's body names A: refused, recorded under B, nothing under A.
+    let sub = python(&a.name, "print('pretending')");
+    bc.submit(&sub).await.expect("publish");
+    let r = bc.wait(&b.name, &sub.job_id, JOB_WAIT).await.expect("refusal recorded under B");
+    assert_eq!(r.status, JobStatus::Rejected);
+    assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::TenantMismatch), "{r:?}");
+    let service = service_db().await;
+    let under_a: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1").bind(&a.name).fetch_one(&service).await.unwrap();
+    assert_eq!(under_a, 0, "nothing was recorded or run for A");
+
+    // B cannot claim to be A on the wire: the broker closes the channel.
+    let body = serde_json::to_vec(&python(&a.name, "print(1)")).unwrap();
+    let err = bc.submit_raw_as(&body, Some("forged"), Some(&a.name)).await;
+    assert!(err.is_err(), "the broker accepted a forged user_id");
+
+    // Without user_id: recorded for operators, dead-lettered, run for nobody.
+    let c2 = b.client().await;
+    let anon = python(&b.name, "print('anonymous')");
+    let message_id = unique("anon");
+    c2.submit_raw_as(&serde_json::to_vec(&anon).unwrap(), Some(&message_id), None).await.expect("publish without user_id");
+    let code = eventually(Duration::from_secs(20), || {
+        let (service, message_id) = (service.clone(), message_id.clone());
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT code FROM intake_rejections WHERE message_id = $1")
+                .bind(&message_id)
+                .fetch_optional(&service)
+                .await
+                .ok()
+                .flatten()
+        }
+    })
+    .await;
+    assert_eq!(code.as_deref(), Some("unauthenticated"));
+    assert_eq!(c2.result(&b.name, &anon.job_id).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn a_tenants_broker_user_can_only_publish_to_the_intake_exchange() {
+    let b = TestTenant::create(None).await;
+    let conn = sandcell_core::broker::connect(&b.creds.amqp_url, "tenant-probe").await.expect("tenant connects");
+    // Straight to the workers' queue: access refused.
+    let ch = sandcell_core::broker::publisher_channel(&conn).await.unwrap();
+    let job = serde_json::to_vec(&python(&b.name, "print(1)")).unwrap();
+    let r = sandcell_core::broker::publish_confirmed(&ch, sandcell_core::broker::JOBS_QUEUE, &job, Default::default()).await;
+    assert!(r.is_err(), "a tenant published to sandcell.jobs");
+    // Reading any queue: access refused.
+    for queue in [sandcell_core::broker::SUBMISSIONS_QUEUE, sandcell_core::broker::JOBS_QUEUE] {
+        let ch = conn.create_channel().await.unwrap();
+        let r = ch.basic_consume(queue.into(), "probe".into(), Default::default(), Default::default()).await;
+        assert!(r.is_err(), "a tenant consumed {queue}");
+    }
+    // Declaring anything: access refused.
+    let ch = conn.create_channel().await.unwrap();
+    assert!(ch.queue_declare("probe".into(), Default::default(), Default::default()).await.is_err());
+}
+
+#[tokio::test]
+async fn a_tenant_naming_another_tenants_session_or_job_id_gets_nothing_of_it() {
+    let a = TestTenant::create(None).await;
+    let b = TestTenant::create(None).await;
+    let (ac, ra) = busy_tenant(&a).await;
+    let bc = b.client().await;
+
+    // A's session id in B's job: unknown to B, exactly like a session that never existed.
+    let rb = run(&bc, &in_session(&b.name, &session_id(&ra), "open('secret.txt').read()")).await;
+    assert_eq!(rb.status, JobStatus::Rejected);
+    assert_eq!(rb.reason.as_ref().map(|x| x.code), Some(ErrorCode::SessionNotFound));
+    let unknown = "ses_00000000000000000000000000000000";
+    let never = run(&bc, &in_session(&b.name, unknown, "1")).await;
+    assert_eq!(never.reason.as_ref().map(|x| x.code), Some(ErrorCode::SessionNotFound));
+    let told = |r: &sandcell_protocol::JobResult, id: &str| r.reason.as_ref().unwrap().message.replace(id, "<id>");
+    assert_eq!(told(&rb, &session_id(&ra)), told(&never, unknown), "A's session is indistinguishable from none");
+
+    // A's job id in B's submission: a separate job of B's; A's result is untouched.
+    let mut sub = python(&b.name, "print('b owns this id too')");
+    sub.job_id = ra.job_id.clone();
+    let rb = run(&bc, &sub).await;
+    assert_eq!((rb.status, rb.stdout.as_str()), (JobStatus::Succeeded, "b owns this id too\n"));
+    let ra2 = ac.result(&a.name, &ra.job_id).await.unwrap().expect("A's job");
+    assert_eq!(ra2.outputs, ra.outputs);
+    assert_eq!(ra2.artifacts.len(), 2);
+}
+
+#[tokio::test]
+async fn jobs_and_sessions_over_quota_are_refused_with_quota_exceeded() {
+    let t = TestTenant::create(Some(Quotas { max_sessions: 1, max_queued_jobs: 2, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let first = run(&c, &open_session(&t.name, "x = 1", Some(30))).await;
+    assert_eq!(first.status, JobStatus::Succeeded, "{first:?}");
+    let second = run(&c, &open_session(&t.name, "x = 2", Some(30))).await;
+    assert_eq!(second.status, JobStatus::Rejected);
+    let reason = second.reason.expect("reason");
+    assert_eq!(reason.code, ErrorCode::QuotaExceeded);
+    assert!(reason.message.contains("sessions"), "{}", reason.message);
+
+    // Three slow jobs at once with a quota of two queued: exactly one is refused.
+    let subs: Vec<_> = (0..3).map(|_| python(&t.name, "import time; time.sleep(4)")).collect();
+    for s in &subs {
+        c.submit(s).await.expect("submit");
+    }
+    let mut statuses = Vec::new();
+    for s in &subs {
+        let r = c.wait(&t.name, &s.job_id, JOB_WAIT).await.expect("result");
+        if r.status == JobStatus::Rejected {
+            assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::QuotaExceeded));
+            assert!(r.reason.as_ref().unwrap().message.contains("queued"));
+        }
+        statuses.push(r.status);
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == JobStatus::Rejected).count(), 1, "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == JobStatus::Succeeded).count(), 2, "{statuses:?}");
+    // Closing the session frees the slot.
+    let mut close = in_session(&t.name, &session_id(&first), "");
+    close.session = Some(SessionRequest { id: Some(session_id(&first)), close: true, ..Default::default() });
+    assert_eq!(run(&c, &close).await.status, JobStatus::Succeeded);
+    assert_eq!(run(&c, &open_session(&t.name, "x = 3", Some(30))).await.status, JobStatus::Succeeded);
+}
+
+#[tokio::test]
+async fn artifact_bytes_over_quota_are_skipped_then_refused() {
+    let t = TestTenant::create(Some(Quotas { max_artifact_bytes: 1000, ..Quotas::default() })).await;
+    let c = t.client().await;
+    // Two files of 600 bytes: the first fits, the second is skipped and reported.
+    let r = run(&c, &python(&t.name, "open('a.txt', 'w').write('a' * 600)\nopen('b.txt', 'w').write('b' * 600)")).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.artifacts.iter().map(|a| a.path.as_str()).collect::<Vec<_>>(), ["a.txt"]);
+    assert_eq!(r.skipped_files.len(), 1, "{r:?}");
+    assert_eq!((r.skipped_files[0].path.as_str(), r.skipped_files[0].reason.as_str()), ("b.txt", "quota_exceeded"));
+    assert!(r.limits_hit.contains(&LimitHit::Artifacts));
+    // 400 bytes left: exactly that fits.
+    let r = run(&c, &python(&t.name, "open('c.txt', 'w').write('c' * 400)")).await;
+    assert_eq!(r.artifacts.len(), 1, "{r:?}");
+    // Now at the quota: the next job is refused before it runs.
+    let r = run(&c, &python(&t.name, "print('never runs')")).await;
+    assert_eq!(r.status, JobStatus::Rejected);
+    assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::QuotaExceeded));
+    assert!(r.reason.unwrap().message.contains("artifacts"));
+}
+
+#[tokio::test]
+async fn the_admin_command_creates_a_tenant_that_can_run_a_job() {
+    let bin = std::env::var("SANDCELL_ADMIN_BIN")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());
+    let name = tenant();
+    let out = std::process::Command::new(&bin)
+        .args(["tenant", "create", &name, "--max-sessions", "3"])
+        .output()
+        .unwrap_or_else(|e| panic!("running {bin}: {e}"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let get = |k: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_else(|| panic!("no {k} in {text}")).to_string();
+    assert_eq!(get("SANDCELL_TENANT"), name);
+    let c = sandcell_client::Client::connect(&get("SANDCELL_AMQP_URL"), &get("SANDCELL_DATABASE_URL")).await.expect("connect as the new tenant");
+    let r = run(&c, &python(&name, "print(sum(range(10)))")).await;
+    assert_eq!((r.status, r.stdout.as_str()), (JobStatus::Succeeded, "45\n"));
+    let show = std::process::Command::new(&bin).args(["tenant", "show", &name]).output().unwrap();
+    assert!(String::from_utf8_lossy(&show.stdout).contains("max_sessions=3"));
+}
