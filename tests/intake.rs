@@ -120,3 +120,47 @@ async fn bad_messages_do_not_stop_the_service() {
     assert_eq!(r.status, JobStatus::Succeeded);
     assert_eq!(r.stdout, "4\n");
 }
+
+/// One submission per validation error the table in docs/protocol.md §4 lists as `rejected`
+/// (the ones needing a session, a tenant or a quota are proven in sessions.rs and tenants.rs).
+#[tokio::test]
+async fn every_validation_error_is_rejected_with_its_documented_code() {
+    use serde_json::json;
+    let big = "A".repeat(12 << 20); // base64 text decoding to 9 MiB
+    let cases: Vec<(ErrorCode, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+        (ErrorCode::UnknownField, Box::new(|b| b["timout_ms"] = json!(5000))),
+        (ErrorCode::WrongType, Box::new(|b| b["files"] = json!({"path": "a"}))),
+        (ErrorCode::MissingField, Box::new(|b| drop(b.as_object_mut().unwrap().remove("language")))),
+        (ErrorCode::UnknownLanguage, Box::new(|b| b["language"] = json!("javascript"))),
+        (ErrorCode::InvalidValue, Box::new(|b| b["code"] = json!("   "))),
+        (ErrorCode::InvalidValue, Box::new(|b| b["session"] = json!({"new": true, "id": "ses_00000000000000000000000000000000"}))),
+        (ErrorCode::OversizeCode, Box::new(|b| b["code"] = json!("#".repeat((1 << 20) + 1)))),
+        (ErrorCode::OversizeFile, Box::new(move |b| b["files"] = json!([{"path": "big.bin", "content_b64": big.clone()}]))),
+        (ErrorCode::TooManyFiles, Box::new(|b| b["files"] = json!((0..33).map(|i| json!({"path": format!("f{i}"), "content_b64": ""})).collect::<Vec<_>>()))),
+        (ErrorCode::InvalidFilePath, Box::new(|b| b["files"] = json!([{"path": "x".repeat(300), "content_b64": ""}]))),
+        (ErrorCode::InvalidFilePath, Box::new(|b| b["files"] = json!([{"path": "a/../../b", "content_b64": ""}]))),
+        (ErrorCode::InvalidFilePath, Box::new(|b| b["get_files"] = json!(["/etc/shadow"]))),
+        (ErrorCode::InvalidFilePath, Box::new(|b| b["files"] = json!([{"path": "in.csv", "s3_key": "someone-else/_uploads/in.csv"}]))),
+        (ErrorCode::DuplicateFilePath, Box::new(|b| b["files"] = json!([{"path": "a", "content_b64": ""}, {"path": "a", "content_b64": ""}]))),
+        (ErrorCode::InvalidBase64, Box::new(|b| b["files"] = json!([{"path": "a", "content_b64": "not base64!"}]))),
+    ];
+    for (expected, mutate) in cases {
+        let mut b = body();
+        mutate(&mut b);
+        let r = rejected_with(b).await;
+        let reason = r.reason.expect("reason");
+        assert_eq!(reason.code, expected, "{}", reason.message);
+        assert!(!reason.message.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn an_oversize_message_is_rejected_when_its_ids_are_readable() {
+    let c = client().await;
+    let mut b = body();
+    b["code"] = serde_json::json!(format!("print(1)\n#{}", "x".repeat(17 << 20)));
+    let (tenant, job_id) = (b["tenant"].as_str().unwrap().to_string(), b["job_id"].as_str().unwrap().to_string());
+    c.submit_raw(b.to_string().as_bytes(), Some(&job_id)).await.unwrap();
+    let r = c.wait(&tenant, &job_id, JOB_WAIT).await.unwrap();
+    assert_eq!((r.status, r.reason.map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::OversizeMessage)));
+}

@@ -3,8 +3,11 @@
 # scheduler and a worker, and run every test against the real services:
 #   - Rust unit tests (pure logic) and end-to-end tests (tests/) with `cargo test --workspace`;
 #   - the in-sandbox driver's tests, inside the real sandbox image.
-# Exits non-zero when anything fails. Logs of the binaries: target/test-logs/.
-# Env: SANDCELL_STATE_DIR (default /var/lib/sandcell); CARGO_TEST_ARGS (extra args, e.g. a filter).
+# Every test runs under runc; the sandbox tests (driver and end-to-end) run again under runsc
+# when gVisor is installed. Exits non-zero when anything fails. Logs of the binaries:
+# target/test-logs/<runtime>/.
+# Env: SANDCELL_STATE_DIR (default /var/lib/sandcell); CARGO_TEST_ARGS (extra args, e.g. a
+# filter); SANDCELL_TEST_RUNTIMES (default: the stack's SANDCELL_DOCKER_RUNTIMES, e.g. runc,runsc).
 set -euo pipefail
 # shellcheck source=deploy/local/services.sh
 . "$(dirname "$0")/services.sh"
@@ -23,15 +26,41 @@ echo "== building"
 cargo build --workspace --bins --tests
 
 trap stop_sandcell EXIT
-start_sandcell "$repo/target/debug" "$repo/target/test-logs"
-echo "== scheduler and worker are up"
+failed=()
 
-echo "== driver tests inside $SANDCELL_SANDBOX_IMAGE"
-docker run --rm -i --network none --read-only --user 1000:1000 \
-    --tmpfs /tmp:rw,exec,size=256m --tmpfs /home/user:rw,exec,size=256m,uid=1000,gid=1000 \
-    -e SANDCELL_DRIVER=/opt/sandcell/driver.py "$SANDCELL_SANDBOX_IMAGE" \
-    python3 - <sandbox/driver/test_driver.py
+# One pass: the worker (and the driver tests) under one OCI runtime. The first pass runs every
+# test of the workspace; later passes only what touches a sandbox (driver and end-to-end tests).
+run_pass() {
+    local runtime=$1 scope=$2
+    export SANDCELL_DOCKER_RUNTIME=$runtime
+    start_sandcell "$repo/target/debug" "$repo/target/test-logs/$runtime"
+    echo "== [$runtime] scheduler and worker are up"
 
-echo "== cargo test"
-# shellcheck disable=SC2086
-cargo test --workspace --no-fail-fast ${CARGO_TEST_ARGS:-}
+    echo "== [$runtime] driver tests inside $SANDCELL_SANDBOX_IMAGE"
+    docker run --rm -i --runtime "$runtime" --network none --read-only --user 1000:1000 \
+        --tmpfs /tmp:rw,exec,size=256m --tmpfs /home/user:rw,exec,size=256m,uid=1000,gid=1000 \
+        -e SANDCELL_DRIVER=/opt/sandcell/driver.py "$SANDCELL_SANDBOX_IMAGE" \
+        python3 - <sandbox/driver/test_driver.py || failed+=("driver tests under $runtime")
+
+    echo "== [$runtime] cargo test ($scope)"
+    local packages=(--workspace)
+    [ "$scope" = all ] || packages=(-p sandcell-tests)
+    # shellcheck disable=SC2086
+    cargo test "${packages[@]}" --no-fail-fast ${CARGO_TEST_ARGS:-} || failed+=("cargo tests under $runtime")
+    stop_sandcell
+}
+
+# SANDCELL_TEST_RUNTIMES: which runtimes to test (default: every one the stack registered, i.e.
+# runc, plus runsc when gVisor is installed).
+runtimes=${SANDCELL_TEST_RUNTIMES:-${SANDCELL_DOCKER_RUNTIMES:-runc}}
+scope=all
+for runtime in ${runtimes//,/ }; do
+    run_pass "$runtime" "$scope"
+    scope=sandbox
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+    printf '== FAILED: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
+echo "== all tests passed under: $runtimes"

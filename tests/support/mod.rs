@@ -206,3 +206,9 @@ pub async fn assert_worker_serves(c: &Client, tenant: &str, worker_id: &Option<S
     assert_eq!(r.stdout, "42\n");
     assert_eq!(&r.worker_id, worker_id, "the same worker runs the next job");
 }
+
+/// Whether the worker under test runs sandboxes under gVisor (`SANDCELL_DOCKER_RUNTIME=runsc`,
+/// exported by `deploy/local/test.sh` to both the worker and the tests).
+pub fn under_gvisor() -> bool {
+    std::env::var("SANDCELL_DOCKER_RUNTIME").is_ok_and(|r| r == "runsc")
+}
