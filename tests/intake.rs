@@ -127,7 +127,8 @@ async fn bad_messages_do_not_stop_the_service() {
 async fn every_validation_error_is_rejected_with_its_documented_code() {
     use serde_json::json;
     let big = "A".repeat(12 << 20); // base64 text decoding to 9 MiB
-    let cases: Vec<(ErrorCode, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    type Mutate = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(ErrorCode, Mutate)> = vec![
         (ErrorCode::UnknownField, Box::new(|b| b["timout_ms"] = json!(5000))),
         (ErrorCode::WrongType, Box::new(|b| b["files"] = json!({"path": "a"}))),
         (ErrorCode::MissingField, Box::new(|b| drop(b.as_object_mut().unwrap().remove("language")))),
