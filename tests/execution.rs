@@ -130,7 +130,7 @@ async fn exceeding_the_memory_limit_is_reported_as_oom_killed() {
     let mut sub = python(&tenant(), "hog = b'x' * (600 << 20)\nprint('survived')");
     sub.memory_mb = Some(192);
     let r = run(&c, &sub).await;
-    assert_eq!(r.status, JobStatus::OomKilled, "{r:?}");
+    assert_oom_killed(&r);
     assert!(!r.stdout.contains("survived"));
     let container = container_of(&sub.tenant, &sub.job_id).await.expect("the worker records the job's container");
     assert!(!container_exists(&container).await, "container {container} must be gone");

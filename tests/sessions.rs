@@ -122,7 +122,7 @@ async fn an_out_of_memory_kernel_is_reported_and_restarted() {
     open.memory_mb = Some(256);
     let id = session_id(&run(&c, &open).await);
     let r = run(&c, &in_session(&t, &id, "b = bytearray(1024 * 1024 * 1024)")).await;
-    assert_eq!(r.status, JobStatus::OomKilled, "{r:?}");
+    assert_oom_killed(&r);
     assert!(r.kernel_restarted);
     let next = run(&c, &in_session(&t, &id, "1 + 1")).await;
     assert_eq!(value(&next).as_deref(), Some("2"), "{next:?}");

@@ -212,3 +212,14 @@ pub async fn assert_worker_serves(c: &Client, tenant: &str, worker_id: &Option<S
 pub fn under_gvisor() -> bool {
     std::env::var("SANDCELL_DOCKER_RUNTIME").is_ok_and(|r| r == "runsc")
 }
+
+/// The job ran out of memory: `oom_killed` (with `limits_hit: ["memory"]`). Under gVisor Docker
+/// does not always flag the OOM kill, and the kernel's death then reads as `failed` with exit
+/// code 137 (SIGKILL) — documented in docs/security.md.
+pub fn assert_oom_killed(r: &JobResult) {
+    if r.status == sandcell_protocol::JobStatus::OomKilled {
+        assert!(r.limits_hit.contains(&sandcell_protocol::LimitHit::Memory), "{r:?}");
+    } else {
+        assert!(under_gvisor() && r.status == sandcell_protocol::JobStatus::Failed && r.exit_code == Some(137), "not an OOM kill: {r:?}");
+    }
+}

@@ -294,6 +294,41 @@ mod tests {
     }
 
     #[test]
+    fn a_failure_after_a_limit_hit_is_explained_by_that_limit() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let failed_with = |hit: LimitHit| {
+            let mut out = Outcome::new(&limits);
+            out.status = JobStatus::Failed;
+            out.limits_hit.insert(hit);
+            out.settle_limits(&limits);
+            out.reason.map(|r| r.code)
+        };
+        assert_eq!(failed_with(LimitHit::Pids), Some(ErrorCode::PidsLimit));
+        assert_eq!(failed_with(LimitHit::Workspace), Some(ErrorCode::WorkspaceFull));
+        // A success keeps no reason, but still lists what it ran into.
+        let mut out = Outcome::new(&limits);
+        out.status = JobStatus::Succeeded;
+        out.stdout.truncated = true;
+        out.limits_hit.insert(LimitHit::Pids);
+        out.settle_limits(&limits);
+        assert!(out.reason.is_none());
+        assert_eq!(out.limits_hit.into_iter().collect::<Vec<_>>(), [LimitHit::Pids, LimitHit::Output]);
+    }
+
+    #[test]
+    fn a_skipped_file_is_reported_and_the_list_is_bounded() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let mut out = Outcome::new(&limits);
+        for n in 0..(MAX_SKIPPED_FILES + 10) {
+            out.skip(format!("f{n}"), "not_regular_file");
+        }
+        assert_eq!(out.skipped_files.len(), MAX_SKIPPED_FILES);
+        assert!(out.limits_hit.is_empty(), "a symlink is not a limit");
+        out.skip("big".into(), "too_large");
+        assert!(out.limits_hit.contains(&LimitHit::Artifacts));
+    }
+
+    #[test]
     fn bash_with_nonzero_exit_is_failed_and_python_ok_is_succeeded() {
         let limits = sandcell_protocol::LimitPolicy::default().default;
         let mut out = Outcome::new(&limits);
