@@ -182,16 +182,17 @@ impl JobStore {
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
         // Quotas are checked under the tenant's row lock; a resubmitted id is not a new job.
         let opens_session = matches!(session, Some(JobSessionRecord::Open(..)));
-        let refusal = tenants::admit(&mut tx, &sub.tenant, &self.tenant_defaults, opens_session).await?;
-        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant = $1 AND job_id = $2)")
-            .bind(&sub.tenant)
-            .bind(&sub.job_id)
-            .fetch_one(&mut *tx)
-            .await
-            .context("looking for the job id")?;
-        if let (Some(reason), false) = (refusal, exists) {
-            tx.rollback().await.context("rolling back refused job")?;
-            return Ok(Recorded::OverQuota(reason));
+        if let Some(reason) = tenants::admit(&mut tx, &sub.tenant, &self.tenant_defaults, opens_session).await? {
+            let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant = $1 AND job_id = $2)")
+                .bind(&sub.tenant)
+                .bind(&sub.job_id)
+                .fetch_one(&mut *tx)
+                .await
+                .context("looking for the job id")?;
+            if !exists {
+                tx.rollback().await.context("rolling back refused job")?;
+                return Ok(Recorded::OverQuota(reason));
+            }
         }
         let session_id = match session {
             Some(JobSessionRecord::Open(id, keep_alive_s)) => {

@@ -15,6 +15,8 @@ use crate::config::parse_or;
 
 /// The group role every tenant's login role belongs to (the policies are written for it).
 pub const TENANT_GROUP_ROLE: &str = "sandcell_tenant";
+/// Prefix of tenants' login roles (followed by 16 hex digits).
+const TENANT_ROLE_PREFIX: &str = "sandcell_t_";
 
 /// A tenant's quotas. Over any of them, a submission is `rejected` with `quota_exceeded`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,7 +149,7 @@ impl TenantStore {
             .fetch_one(&mut *tx)
             .await
             .context("reading the tenant's role")?;
-        let login = DbLogin { role: format!("sandcell_t_{}", random_hex(16)), password: random_hex(40) };
+        let login = DbLogin { role: format!("{TENANT_ROLE_PREFIX}{}", random_hex(16)), password: random_hex(40) };
         // Role names and passwords are generated hex, so formatting them into DDL is safe
         // (utility statements take no bind parameters).
         let ddl = format!("CREATE ROLE {} LOGIN PASSWORD '{}' IN ROLE {TENANT_GROUP_ROLE}", login.role, login.password);
@@ -231,7 +233,7 @@ pub async fn notify_channel(pool: &PgPool, tenant: &str) -> Result<Option<String
 }
 
 fn is_tenant_role(role: &str) -> bool {
-    role.strip_prefix("sandcell_t_").is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+    role.strip_prefix(TENANT_ROLE_PREFIX).is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 #[cfg(test)]
@@ -240,7 +242,7 @@ mod tests {
 
     #[test]
     fn generated_roles_are_recognised_and_nothing_else_is() {
-        assert!(is_tenant_role(&format!("sandcell_t_{}", random_hex(16))));
+        assert!(is_tenant_role(&format!("{TENANT_ROLE_PREFIX}{}", random_hex(16))));
         assert!(!is_tenant_role("sandcell"));
         assert!(!is_tenant_role("sandcell_t_x; DROP TABLE jobs"));
         assert!(!is_tenant_role("postgres"));

@@ -128,6 +128,21 @@ impl Outcome {
         }
     }
 
+    /// Keep the output files that fit in `budget` bytes, in order; skip the rest as
+    /// `quota_exceeded` (the tenant's artifact quota).
+    pub fn keep_files_within(&mut self, mut budget: u64) {
+        let files = std::mem::take(&mut self.files);
+        for (path, bytes, requested) in files {
+            let size = bytes.len() as u64;
+            if size <= budget {
+                budget -= size;
+                self.files.push((path, bytes, requested));
+            } else {
+                self.skip(path, "quota_exceeded");
+            }
+        }
+    }
+
     /// Settle what the limits did: the output caps, and a reason for a failure that a limit
     /// explains (`pids_limit`, `workspace_full`), unless a reason is already set.
     pub fn settle_limits(&mut self, limits: &ExecutionLimits) {
@@ -313,6 +328,17 @@ mod tests {
         out.settle_limits(&limits);
         assert!(out.reason.is_none());
         assert_eq!(out.limits_hit.into_iter().collect::<Vec<_>>(), [LimitHit::Pids, LimitHit::Output]);
+    }
+
+    #[test]
+    fn files_beyond_the_quota_budget_are_skipped_in_order() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let mut out = Outcome::new(&limits);
+        out.files = vec![("a".into(), vec![0; 600], false), ("b".into(), vec![0; 600], false), ("c".into(), vec![0; 400], false)];
+        out.keep_files_within(1000);
+        assert_eq!(out.files.iter().map(|f| f.0.as_str()).collect::<Vec<_>>(), ["a", "c"]);
+        assert_eq!(out.skipped_files, [SkippedFile { path: "b".into(), reason: "quota_exceeded".into() }]);
+        assert!(out.limits_hit.contains(&LimitHit::Artifacts));
     }
 
     #[test]

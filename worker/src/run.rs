@@ -145,7 +145,16 @@ pub struct Extras {
 
 /// Store the outcome's files and commit the result (with retries). An error means nothing was
 /// committed: the delivery must stay unacked.
-pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, o: Outcome, extras: Extras) -> Result<JobStatus> {
+pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, mut o: Outcome, extras: Extras) -> Result<JobStatus> {
+    // The tenant's artifact quota: files beyond what it may still store are skipped and
+    // reported (figures are small and always kept).
+    if !o.files.is_empty() {
+        let left = ctx.tenants.artifact_bytes_left(&job.tenant).await.unwrap_or_else(|e| {
+            tracing::warn!(tenant = %job.tenant, error = format!("{e:#}"), "cannot read the tenant's artifact quota; storing anyway");
+            u64::MAX
+        });
+        o.keep_files_within(left);
+    }
     let mut fin = Finished {
         status: o.status,
         stdout: o.stdout.text,
@@ -161,33 +170,11 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
         files: o.listing,
         container_id: extras.container_id,
         session: extras.session,
-        limits_hit: Vec::new(),
-        skipped_files: Vec::new(),
+        limits_hit: o.limits_hit.into_iter().collect(),
+        skipped_files: o.skipped_files,
         processes_killed: o.processes_killed,
     };
-    let (mut limits_hit, mut skipped) = (o.limits_hit, o.skipped_files);
-    // The tenant's artifact quota: files beyond what it may still store are skipped, not lost
-    // silently (figures are small and always kept).
-    let mut files = o.files;
-    if !files.is_empty() {
-        let mut left = ctx.tenants.artifact_bytes_left(&job.tenant).await.unwrap_or_else(|e| {
-            tracing::warn!(tenant = %job.tenant, error = format!("{e:#}"), "cannot read the tenant's artifact quota; storing anyway");
-            u64::MAX
-        });
-        files.retain(|(path, bytes, _)| {
-            let fits = bytes.len() as u64 <= left;
-            if fits {
-                left -= bytes.len() as u64;
-            } else {
-                limits_hit.insert(sandcell_protocol::LimitHit::Artifacts);
-                skipped.push(sandcell_protocol::SkippedFile { path: path.clone(), reason: "quota_exceeded".into() });
-            }
-            fits
-        });
-    }
-    fin.limits_hit = limits_hit.into_iter().collect();
-    fin.skipped_files = skipped;
-    match crate::artifacts::store_all(&ctx.store, &job.tenant, &job.job_id, limits, files, o.outputs).await {
+    match crate::artifacts::store_all(&ctx.store, &job.tenant, &job.job_id, limits, o.files, o.outputs).await {
         Ok(stored) => {
             fin.outputs = stored.outputs;
             fin.artifacts = stored.artifacts;
