@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
+use sandcell_protocol::storable;
 use sandcell_protocol::{ArtifactKind, ExecError, ExecutionLimits, FileListing, JobResult, JobStatus, LimitHit, Output, Reason, SkippedFile, Submission};
 
 use crate::tenants::{self, Quotas};
@@ -125,6 +126,48 @@ pub struct Finished {
     pub processes_killed: u32,
     /// The session to extend or close in the same transaction.
     pub session: Option<SessionTouch>,
+}
+
+impl Finished {
+    /// A result with a status and a reason and nothing else (the fallback when the full result
+    /// cannot be stored).
+    pub fn bare(status: JobStatus, reason: Reason, container_id: Option<String>, session: Option<SessionTouch>) -> Self {
+        Finished {
+            status,
+            stdout: String::new(),
+            stderr: String::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            exit_code: None,
+            error: None,
+            reason: Some(reason),
+            outputs: Vec::new(),
+            artifacts: Vec::new(),
+            kernel_restarted: false,
+            files: None,
+            container_id,
+            limits_hit: Vec::new(),
+            skipped_files: Vec::new(),
+            processes_killed: 0,
+            session,
+        }
+    }
+}
+
+/// Whether a store error is the database refusing the data itself (a data exception, an
+/// integrity or size violation, or a value that cannot be encoded) rather than a failure to
+/// reach it: retrying the same data cannot succeed.
+pub fn is_permanent(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        if let Some(err) = cause.downcast_ref::<sqlx::Error>() {
+            return match err {
+                sqlx::Error::Database(db) => db.code().is_some_and(|c| c.starts_with("22") || c.starts_with("23") || c.starts_with("54")),
+                sqlx::Error::Encode(_) | sqlx::Error::ColumnDecode { .. } | sqlx::Error::TypeNotFound { .. } => true,
+                _ => false,
+            };
+        }
+        cause.downcast_ref::<serde_json::Error>().is_some()
+    })
 }
 
 /// A job a worker has claimed.
@@ -268,7 +311,7 @@ impl JobStore {
         )
         .bind(tenant)
         .bind(job_id)
-        .bind(serde_json::to_value(reason)?)
+        .bind(storable::json(reason)?)
         .execute(&self.pool)
         .await
         .context("refusing job")?
@@ -288,7 +331,7 @@ impl JobStore {
         )
         .bind(tenant)
         .bind(job_id)
-        .bind(serde_json::to_value(reason)?)
+        .bind(storable::json(reason)?)
         .execute(&mut *tx)
         .await
         .context("recording rejection")?
@@ -300,14 +343,14 @@ impl JobStore {
     /// Record a message that named no usable job id.
     /// `publisher` is the broker user that published it, when the broker vouched for one.
     pub async fn record_intake_rejection(&self, message_id: Option<&str>, publisher: Option<&str>, reason: &Reason, body: &[u8]) -> Result<()> {
-        let prefix = String::from_utf8_lossy(&body[..body.len().min(512)]).replace('\0', "\u{FFFD}");
+        let prefix = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
         sqlx::query("INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix, publisher) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(message_id)
+            .bind(message_id.map(storable::text))
             .bind(reason.code.as_str())
-            .bind(&reason.message)
+            .bind(storable::text(&reason.message))
             .bind(i32::try_from(body.len()).unwrap_or(i32::MAX))
-            .bind(prefix)
-            .bind(publisher)
+            .bind(storable::text(&prefix))
+            .bind(publisher.map(storable::text))
             .execute(&self.pool)
             .await
             .context("recording intake rejection")?;
@@ -315,11 +358,13 @@ impl JobStore {
     }
 
     /// Claim a job for running. Returns the claim, or `None` if the job is already finished (a
-    /// redelivery of work that was committed but not acked), unknown, or — unless `takeover` —
-    /// already running. `takeover` is for redelivered messages: the worker that was running the
-    /// job died, so its `running` claim is stale. A fresh delivery never takes over a running job,
-    /// so a job dispatched twice by accident still runs once.
-    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, takeover: bool) -> Result<Option<Claim>> {
+    /// redelivery of work that was committed but not acked), unknown, or running where it may
+    /// still finish. A fresh delivery never takes over a running job, so a job dispatched twice
+    /// by accident still runs once. With `takeover` (a redelivered message) a `running` job is
+    /// taken over only when its worker is this one (an earlier life of it died mid-job) or has
+    /// not beaten for `dead_after`: after a broker restart, a job still running on a live worker
+    /// is left to it.
+    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, takeover: bool, dead_after: Duration) -> Result<Option<Claim>> {
         let mut sources = status_list(JobStatus::Running);
         if !takeover {
             sources.retain(|s| s != JobStatus::Running.as_str());
@@ -327,12 +372,16 @@ impl JobStore {
         let row = sqlx::query(
             "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($4)
+               AND (status <> 'running' OR worker_id IS NULL OR worker_id = $3
+                    OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id
+                                   AND w.last_seen_at > now() - $5 * interval '1 millisecond'))
              RETURNING attempts, queued_at",
         )
         .bind(tenant)
         .bind(job_id)
         .bind(worker_id)
         .bind(sources)
+        .bind(i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX))
         .fetch_optional(&self.pool)
         .await
         .context("claiming job")?;
@@ -353,20 +402,20 @@ impl JobStore {
         .bind(tenant)
         .bind(job_id)
         .bind(fin.status.as_str())
-        .bind(strip_nul(&fin.stdout))
-        .bind(strip_nul(&fin.stderr))
+        .bind(storable::text(&fin.stdout))
+        .bind(storable::text(&fin.stderr))
         .bind(fin.stdout_truncated)
         .bind(fin.stderr_truncated)
         .bind(fin.exit_code)
-        .bind(fin.error.as_ref().map(serde_json::to_value).transpose()?)
-        .bind(fin.reason.as_ref().map(serde_json::to_value).transpose()?)
-        .bind(serde_json::to_value(&fin.outputs)?)
+        .bind(fin.error.as_ref().map(storable::json).transpose()?)
+        .bind(fin.reason.as_ref().map(storable::json).transpose()?)
+        .bind(storable::json(&fin.outputs)?)
         .bind(status_list(fin.status))
         .bind(fin.kernel_restarted)
-        .bind(fin.files.as_ref().map(serde_json::to_value).transpose()?)
+        .bind(fin.files.as_ref().map(storable::json).transpose()?)
         .bind(&fin.container_id)
-        .bind(serde_json::to_value(&fin.limits_hit)?)
-        .bind(serde_json::to_value(&fin.skipped_files)?)
+        .bind(storable::json(&fin.limits_hit)?)
+        .bind(storable::json(&fin.skipped_files)?)
         .bind(i32::try_from(fin.processes_killed).unwrap_or(i32::MAX))
         .execute(&mut *tx)
         .await
@@ -422,7 +471,7 @@ impl JobStore {
         .bind(tenant)
         .bind(job_id)
         .bind(status.as_str())
-        .bind(serde_json::to_value(reason)?)
+        .bind(storable::json(reason)?)
         .bind(status_list(status))
         .execute(&self.pool)
         .await
@@ -491,12 +540,3 @@ impl JobStore {
 pub(crate) const REFUSE_SET: &str = "status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END";
 /// The jobs [`REFUSE_SET`] applies to.
 pub(crate) const REFUSE_WHERE: &str = "status IN ('queued', 'running')";
-
-/// Postgres text cannot hold NUL; the sandbox may print it.
-fn strip_nul(s: &str) -> std::borrow::Cow<'_, str> {
-    if s.contains('\0') {
-        std::borrow::Cow::Owned(s.replace('\0', "\u{FFFD}"))
-    } else {
-        std::borrow::Cow::Borrowed(s)
-    }
-}

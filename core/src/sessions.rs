@@ -117,7 +117,7 @@ impl SessionStore {
         )
         .bind(session_id)
         .bind(state.as_str())
-        .bind(reason.map(serde_json::to_value).transpose()?)
+        .bind(reason.map(sandcell_protocol::storable::json).transpose()?)
         .bind(worker_id)
         .bind(states(state))
         .execute(&self.pool)
@@ -132,7 +132,7 @@ impl SessionStore {
     /// sweeper for a worker whose heartbeat stopped. Returns the number of sessions lost.
     pub async fn lose_worker(&self, worker_id: &str, why: &str) -> Result<u64> {
         let reason = Reason::new(ErrorCode::SessionLost, why.to_string());
-        let reason_json = serde_json::to_value(&reason)?;
+        let reason_json = sandcell_protocol::storable::json(&reason)?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
         let lost: Vec<String> = sqlx::query_scalar(
             "UPDATE sessions SET state = 'lost', ended_at = now(), end_reason = $2
@@ -195,6 +195,47 @@ impl SessionStore {
         .transpose()
     }
 
+}
+
+impl SessionStore {
+    /// End what stayed `queued` (jobs) or `starting` (sessions) longer than `after`: such a job's
+    /// message was lost (dead-lettered, or its queue deleted), and it must not hold its tenant's
+    /// quota forever. Sessions become `failed`, their unfinished jobs end by the rule of
+    /// [`crate::jobs::REFUSE_SET`]; queued jobs become `rejected`. All with reason `stuck`.
+    /// Returns (jobs, sessions) ended.
+    pub async fn end_stuck(&self, after: Duration) -> Result<(u64, u64)> {
+        let millis = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        let why = format!("it stayed queued for more than {} s without reaching a worker", after.as_secs());
+        let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Stuck, why))?;
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let sessions: Vec<String> = sqlx::query_scalar(
+            "UPDATE sessions SET state = 'failed', ended_at = now(), end_reason = $2
+             WHERE state = 'starting' AND state = ANY($3) AND created_at < now() - $1 * interval '1 millisecond'
+             RETURNING session_id",
+        )
+        .bind(millis)
+        .bind(&reason)
+        .bind(states(SessionState::Failed))
+        .fetch_all(&mut *tx)
+        .await
+        .context("failing stuck sessions")?;
+        if !sessions.is_empty() {
+            refuse_session_jobs(&mut tx, &sessions, &reason).await?;
+        }
+        debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected));
+        let jobs = sqlx::query(
+            "UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now()
+             WHERE status = 'queued' AND queued_at < now() - $1 * interval '1 millisecond'",
+        )
+        .bind(millis)
+        .bind(&reason)
+        .execute(&mut *tx)
+        .await
+        .context("ending stuck jobs")?
+        .rows_affected();
+        tx.commit().await.context("committing stuck jobs and sessions")?;
+        Ok((jobs, sessions.len() as u64))
+    }
 }
 
 /// End the unfinished jobs of ended sessions, by the rule of [`crate::jobs::REFUSE_SET`].

@@ -166,10 +166,13 @@ EOF
 rabbit_config() {
     local changed=1
     # AMQP and the management API (sandcell-admin creates tenants' users through it) on
-    # loopback only.
+    # loopback only. The largest message is what the protocol allows: a 16 MiB submission
+    # (SANDCELL_MAX_MESSAGE_BYTES) plus 1 MiB for the execution job's envelope; the broker
+    # refuses anything larger before it reaches the scheduler.
     write_if_changed /etc/rabbitmq/rabbitmq.conf 0644 <<'EOF' && changed=0
 # managed by sandcell deploy/local/up.sh
 listeners.tcp.default = 127.0.0.1:5672
+max_message_size = 17825792
 management.tcp.ip = 127.0.0.1
 management.tcp.port = 15672
 EOF

@@ -73,11 +73,17 @@ pub enum ErrorCode {
     PidsLimit,
     /// The workspace (or `/tmp`) filled up: a write failed for lack of space.
     WorkspaceFull,
+    /// The result could not be stored as produced; only its status and reason were kept.
+    ResultNotStorable,
+    /// No worker had room for a new session in time.
+    Capacity,
+    /// The job stayed queued, or its session starting, past the bound.
+    Stuck,
 }
 
 impl ErrorCode {
     /// Every code, in documentation order.
-    pub const ALL: [ErrorCode; 31] = [
+    pub const ALL: [ErrorCode; 34] = [
         ErrorCode::MalformedJson,
         ErrorCode::WrongType,
         ErrorCode::MissingField,
@@ -109,6 +115,9 @@ impl ErrorCode {
         ErrorCode::QuotaExceeded,
         ErrorCode::PidsLimit,
         ErrorCode::WorkspaceFull,
+        ErrorCode::ResultNotStorable,
+        ErrorCode::Capacity,
+        ErrorCode::Stuck,
     ];
 
     /// The wire name (`snake_case`).
@@ -145,6 +154,9 @@ impl ErrorCode {
             ErrorCode::QuotaExceeded => "quota_exceeded",
             ErrorCode::PidsLimit => "pids_limit",
             ErrorCode::WorkspaceFull => "workspace_full",
+            ErrorCode::ResultNotStorable => "result_not_storable",
+            ErrorCode::Capacity => "capacity",
+            ErrorCode::Stuck => "stuck",
         }
     }
 
@@ -182,6 +194,9 @@ impl ErrorCode {
             ErrorCode::QuotaExceeded => "The tenant is at a quota: live sessions, queued and running jobs, or stored artifact bytes. The message names which; nothing ran.",
             ErrorCode::PidsLimit => "The code hit the sandbox's process limit (`limits.pids`): creating a process or thread failed. The job's status says how it ended.",
             ErrorCode::WorkspaceFull => "The workspace or `/tmp` ran out of space (`limits.workspace_mb`): a write failed. The job's status says how it ended.",
+            ErrorCode::ResultNotStorable => "The database refused the result as produced; the job is `infrastructure_error` and the message says why (outputs are not kept).",
+            ErrorCode::Capacity => "A job opening a session found no worker with room for another session within `SANDCELL_SESSION_START_WAIT_S`; nothing ran, the session is `failed`.",
+            ErrorCode::Stuck => "The job stayed `queued` (or its session `starting`) longer than `SANDCELL_STUCK_AFTER_S`; it was ended and its quota released.",
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod result;
 pub mod schema;
 pub mod session;
 pub mod status;
+pub mod storable;
 pub mod submission;
 
 pub use error::{ErrorCode, Reason};

@@ -165,12 +165,16 @@ pub fn is_valid_tenant(s: &str) -> bool {
 
 /// Judge one intake message.
 pub fn parse_submission(body: &[u8], limits: &IntakeLimits) -> Result<Submission, Rejection> {
+    if body.len() > limits.max_message_bytes {
+        // Not parsed into a tree: only the two ids are picked out, without keeping the rest.
+        let (tenant, job_id) = peek_ids(body);
+        return Err(reject(tenant, job_id, ErrorCode::OversizeMessage, too_big("message", body.len(), limits.max_message_bytes, "")));
+    }
     // Parse as untyped JSON first, so that ids can be recovered from messages that fail later.
-    let value: serde_json::Value = match serde_json::from_slice(body) {
-        Ok(v) => v,
-        Err(e) if body.len() > limits.max_message_bytes => {
-            return Err(reject(None, None, ErrorCode::OversizeMessage, too_big("message", body.len(), limits.max_message_bytes, &e.to_string())));
-        }
+    // A repeated key anywhere makes the message invalid JSON: two readers of it could
+    // otherwise disagree on what it says.
+    let value = match serde_json::from_slice::<StrictValue>(body) {
+        Ok(v) => v.0,
         Err(e) => return Err(reject(None, None, ErrorCode::MalformedJson, format!("message is not valid JSON: {e}"))),
     };
     let (tenant, job_id) = recover_ids(&value);
@@ -178,9 +182,6 @@ pub fn parse_submission(body: &[u8], limits: &IntakeLimits) -> Result<Submission
 
     if !value.is_object() {
         return fail(ErrorCode::MalformedJson, "message must be a JSON object".into());
-    }
-    if body.len() > limits.max_message_bytes {
-        return fail(ErrorCode::OversizeMessage, too_big("message", body.len(), limits.max_message_bytes, ""));
     }
     let sub: Submission = match serde_json::from_value(value) {
         Ok(s) => s,
@@ -205,6 +206,77 @@ fn too_big(what: &str, got: usize, max: usize, detail: &str) -> String {
 
 fn reject(tenant: Option<String>, job_id: Option<String>, code: ErrorCode, message: String) -> Rejection {
     Rejection { reason: Reason::new(code, message), tenant, job_id }
+}
+
+/// `tenant` and `job_id` of a message too large to judge, read without building the rest of it.
+fn peek_ids(body: &[u8]) -> (Option<String>, Option<String>) {
+    #[derive(Deserialize)]
+    struct Ids {
+        tenant: Option<String>,
+        job_id: Option<String>,
+    }
+    match serde_json::from_slice::<Ids>(body) {
+        Ok(ids) => (ids.tenant.filter(|t| is_valid_tenant(t)), ids.job_id.filter(|j| is_valid_job_id(j))),
+        Err(_) => (None, None),
+    }
+}
+
+/// A JSON value parsed with repeated object keys refused (serde_json keeps the last one).
+struct StrictValue(serde_json::Value);
+
+impl<'de> Deserialize<'de> for StrictValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(StrictValue)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(serde_json::Value::Null, serde_json::Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(StrictValue(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(serde_json::Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                return Err(serde::de::Error::custom(format_args!("duplicate key {key:?}")));
+            }
+            let StrictValue(v) = map.next_value()?;
+            object.insert(key, v);
+        }
+        Ok(serde_json::Value::Object(object))
+    }
 }
 
 /// Recover `tenant` and `job_id` from a message that may be invalid elsewhere.
@@ -343,6 +415,42 @@ mod tests {
         let s = parse(valid()).unwrap();
         assert_eq!(s.language, Language::Python);
         assert!(s.files.is_empty());
+    }
+
+    #[test]
+    fn a_repeated_key_anywhere_is_malformed_json_not_resolved() {
+        let limits = IntakeLimits::default();
+        let top = br#"{"job_id":"j-1","tenant":"acme","language":"python","code":"1","code":"2"}"#;
+        let r = parse_submission(top, &limits).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::MalformedJson);
+        assert!(r.reason.message.contains("duplicate key \"code\""), "{}", r.reason.message);
+        let nested = br#"{"job_id":"j-1","tenant":"acme","language":"python","code":"1","session":{"id":"ses_a","id":"ses_b"}}"#;
+        assert_eq!(parse_submission(nested, &limits).unwrap_err().reason.code, ErrorCode::MalformedJson);
+    }
+
+    #[test]
+    fn nul_in_names_and_values_is_judged_like_any_other_character() {
+        let limits = IntakeLimits::default();
+        let r = parse_submission(br#"{"job_id":"j-1","tenant":"acme","language":"py\u0000thon","code":"1"}"#, &limits).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::UnknownLanguage);
+        assert_eq!(r.recoverable_key(), Some(("acme", "j-1")));
+        let r = parse_submission(br#"{"job_id":"j-1","tenant":"acme","language":"python","code":"1","x\u0000":1}"#, &limits).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::UnknownField);
+        let r = parse_submission(b"{\"job_id\":\"j\x00\"}", &limits).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::MalformedJson);
+        // NUL in code is the code's own business: accepted, and stored nowhere but the queue.
+        assert!(parse_submission(br#"{"job_id":"j-1","tenant":"acme","language":"python","code":"'\u0000'"}"#, &limits).is_ok());
+    }
+
+    #[test]
+    fn an_oversize_message_is_refused_without_parsing_it_whole() {
+        let limits = IntakeLimits { max_message_bytes: 64, ..IntakeLimits::default() };
+        let body = format!(r#"{{"tenant":"acme","job_id":"j-1","code":"{}","language":"python"}}"#, "x".repeat(1000));
+        let r = parse_submission(body.as_bytes(), &limits).unwrap_err();
+        assert_eq!(r.reason.code, ErrorCode::OversizeMessage);
+        assert_eq!(r.recoverable_key(), Some(("acme", "j-1")));
+        let r = parse_submission(&vec![b'['; 1000], &limits).unwrap_err();
+        assert_eq!((r.reason.code, r.recoverable_key()), (ErrorCode::OversizeMessage, None));
     }
 
     #[test]

@@ -33,20 +33,27 @@ display_data    {"id", "data": {mime: value}}
                 still open at the end of a cell.
                 Kept mime types: text/plain, text/html, text/markdown,
                 image/png (base64 string), image/svg+xml, application/json
-                (a JSON value, not a string).
+                (a JSON value, not a string).  A text value longer than
+                4 MiB is cut (with a marker); a longer PNG or JSON value is
+                dropped; a frame over 24 MiB encoded becomes a text/plain note.
 error           {"id", "ename", "evalue", "traceback": [lines]}
-                an exception raised by a python cell (plain text, no ANSI).
+                an exception raised by a python cell (plain text, no ANSI);
+                evalue cut at 64 KiB, the traceback at 1 MiB in all.
 file_error      {"id", "path", "message"}   an input file was refused.
-file            {"id", "path", "size", "content_b64"[, "requested": true]}
+file            {"id", "path", "size"[, "requested": true]}
                 a regular file under the workspace that is new or changed,
                 or (with "requested": true) an unchanged one named in
-                get_files.  A get_files path that is also new/changed is
+                get_files.  Its bytes follow at once, in order, as
+                ceil(size / 1 MiB) file_data frames.  A get_files path that is also new/changed is
                 sent once, as a changed file (no "requested").
+file_data       {"id", "content_b64"}
+                the next chunk (at most 1 MiB) of the file announced last.
 file_skipped    {"id", "path", "reason"}
                 a new/changed entry or a get_files path not sent; reason
                 is one of "not_regular_file" (also: a symlink, or a path
                 through a symlink or non-directory), "too_large",
-                "limit_reached", "unreadable"; for get_files paths also
+                "limit_reached", "unreadable", "invalid_name" (the name is
+                not UTF-8; path shows it with U+FFFD); for get_files paths also
                 "not_found" and "invalid_path" (fails the input-file path
                 rules).
 file_list       {"id", "entries": [{"path", "size", "mtime"}], "truncated"}
@@ -146,7 +153,7 @@ import traceback
 # Start of the driver script, for "startup_ms" in the ready frame.
 STARTED_AT = time.monotonic()
 
-DRIVER_VERSION = 1
+DRIVER_VERSION = 2
 WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
 
 DEFAULT_LIMITS = {
@@ -165,6 +172,20 @@ MAX_NAME_BYTES = 255
 MAX_GET_FILES = 64
 # Most entries in a file_list frame.
 MAX_LIST_ENTRIES = 1000
+# Output files travel in chunks of this many bytes (one file_data frame each), so
+# no frame the worker must buffer is larger than a few MiB.
+FILE_CHUNK_BYTES = 1 << 20
+# Longest value of a rich output (a repr, an HTML table, a base64 PNG) sent to the
+# worker; a longer text is cut with TRUNCATION_MARKER, a longer image dropped.
+MAX_DISPLAY_VALUE_BYTES = 4 << 20
+# Longest frame the driver sends (the worker refuses longer ones: MAX_FRAME_BYTES in
+# worker/src/sandbox/frames.rs is 32 MiB).  Only a rich output can come near it (its
+# values JSON-escaped); one that does not fit is replaced by a note.
+MAX_FRAME_BYTES = 24 << 20
+# Longest exception message, and longest traceback (all lines together).
+MAX_EVALUE_BYTES = 64 << 10
+MAX_TRACEBACK_BYTES = 1 << 20
+TRUNCATION_MARKER = "\n\u2026[truncated by sandcell]"
 
 KEPT_MIME_TYPES = (
     "text/plain",
@@ -310,16 +331,24 @@ class Channel:
     def send(self, frame):
         if os.getpid() != self.owner:
             return  # a forked child: it has no voice
-        # ensure_ascii=False keeps frames compact; "replace" turns lone
-        # surrogates (possible in user strings) into "?" so the output is
-        # always valid UTF-8 for the Rust side.
-        payload = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
-        payload = payload.encode("utf-8", "replace")
-        if len(payload) > 0xFFFFFFFF:
+        payload = self._encode(frame)
+        if len(payload) > MAX_FRAME_BYTES and frame.get("type") in ("execute_result", "display_data"):
+            note = "<%s of %d bytes not shown: larger than %d bytes once encoded>" % (
+                frame["type"], len(payload), MAX_FRAME_BYTES)
+            payload = self._encode(dict(frame, data={"text/plain": note}))
+        if len(payload) > MAX_FRAME_BYTES:
             raise ValueError("frame too large (%d bytes)" % len(payload))
         data = struct.pack(">I", len(payload)) + payload
         with GATE.protected(), self._lock:
             _write_all(self.out_fd, data)
+
+    @staticmethod
+    def _encode(frame):
+        # ensure_ascii=False keeps frames compact; "replace" turns lone
+        # surrogates (possible in user strings) into "?" so the output is
+        # always valid UTF-8 for the Rust side.
+        payload = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+        return payload.encode("utf-8", "replace")
 
     def recv(self):
         """Return the next frame's payload, or None on EOF."""
@@ -835,6 +864,19 @@ def read_artifact(fd, size, max_bytes):
     return b"".join(chunks), None
 
 
+def _is_utf8(name):
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _shown_name(name):
+    """A name with its undecodable bytes replaced, for reporting only."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 class FileCollector:
     """Sends workspace files as file/file_skipped frames after a job, under
     the request's max_file_bytes / max_artifact_files / max_artifact_bytes,
@@ -854,7 +896,11 @@ class FileCollector:
 
     def changed(self, before, after):
         for rel in sorted(p for p, key in after.items() if before.get(p) != key):
-            if after[rel][0] != stat.S_IFREG:
+            if not _is_utf8(rel):
+                # Bytes that are not UTF-8 (os.walk keeps them as surrogates): two such names
+                # can look alike once replaced, so neither is sent as a file.
+                self.skip(_shown_name(rel), "invalid_name")
+            elif after[rel][0] != stat.S_IFREG:
                 self.skip(rel, "not_regular_file")  # never opened
             else:
                 self._deliver(rel, requested=False)
@@ -894,11 +940,13 @@ class FileCollector:
         self.count += 1
         self.total += len(data)
         self.reported.add(rel)
-        frame = {"type": "file", "path": rel, "size": len(data),
-                 "content_b64": base64.b64encode(data).decode("ascii")}
+        frame = {"type": "file", "path": rel, "size": len(data)}
         if requested:
             frame["requested"] = True
         self.send(frame)
+        for start in range(0, len(data), FILE_CHUNK_BYTES):
+            chunk = data[start:start + FILE_CHUNK_BYTES]
+            self.send({"type": "file_data", "content_b64": base64.b64encode(chunk).decode("ascii")})
 
 
 def collect_files(root, before, after, limits, get_files, send):
@@ -941,8 +989,40 @@ def clean_mime_bundle(data):
             value = bytes(value).decode("utf-8", "replace")
         elif not isinstance(value, str):
             value = _safe_str(value)
+        if mime == "image/png" and len(value) > MAX_DISPLAY_VALUE_BYTES:
+            continue  # an image cut short is no image
+        if mime == "application/json":
+            if len(json.dumps(value)) > MAX_DISPLAY_VALUE_BYTES:
+                continue
+        else:
+            value = cap_text(value, MAX_DISPLAY_VALUE_BYTES)
         bundle[mime] = value
     return bundle
+
+
+def cap_text(text, max_bytes):
+    """text cut to at most max_bytes of UTF-8 (plus the marker) when longer."""
+    if len(text) <= max_bytes // 4:
+        return text  # short enough whatever its characters
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= max_bytes:
+        return text
+    return raw[:max_bytes].decode("utf-8", "ignore") + TRUNCATION_MARKER
+
+
+def cap_error(frame):
+    """An error frame with its message and traceback bounded."""
+    frame["evalue"] = cap_text(frame.get("evalue", ""), MAX_EVALUE_BYTES)
+    lines, total = [], 0
+    for line in frame.get("traceback", []):
+        line = cap_text(line, MAX_TRACEBACK_BYTES)
+        total += len(line)
+        if total > MAX_TRACEBACK_BYTES:
+            lines.append(TRUNCATION_MARKER.strip())
+            break
+        lines.append(line)
+    frame["traceback"] = lines
+    return frame
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -1014,6 +1094,7 @@ def create_shell():
             if sink is not None:
                 if frame["type"] == "error":
                     self.sandcell_errors_sent += 1
+                    frame = cap_error(frame)
                 sink(frame)
 
         async def run_code(self, code_obj, result=None, *, async_=False):

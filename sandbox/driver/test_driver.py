@@ -15,6 +15,7 @@ Inside the sandbox image (the script can be fed on stdin):
 """
 
 import base64
+import hashlib
 import itertools
 import json
 import os
@@ -139,6 +140,27 @@ def of_type(frames, type_):
     return [f for f in frames if f["type"] == type_]
 
 
+def file_contents(frames):
+    """path -> bytes of every file frame, from the file_data chunks that follow it; checks
+    that each file's chunks add up to its announced size and are at most 1 MiB."""
+    out, current = {}, None
+    for f in frames:
+        if f["type"] == "file_data":
+            assert current is not None, "file_data without a file"
+            chunk = base64.b64decode(f["content_b64"])
+            assert 0 < len(chunk) <= 1 << 20, len(chunk)
+            out[current] += chunk
+            continue
+        if current is not None:
+            assert len(out[current]) == sizes[current], (current, len(out[current]), sizes[current])
+            current = None
+        if f["type"] == "file":
+            current = f["path"]
+            out[current] = b""
+            sizes = {current: f["size"]}
+    return out
+
+
 def stream_text(frames, name):
     return "".join(f["text"] for f in frames if f["type"] == "stream" and f["name"] == name)
 
@@ -178,7 +200,7 @@ class TestLifecycle(unittest.TestCase):
         try:
             ready = driver.ready
             self.assertEqual(ready["type"], "ready")
-            self.assertEqual(ready["driver_version"], 1)
+            self.assertEqual(ready["driver_version"], 2)
             self.assertEqual(ready["python"].split(".")[:2], [str(sys.version_info[0]), str(sys.version_info[1])])
             self.assertTrue(ready["ipython"].startswith("8."), ready)
             self.assertEqual(ready["preloaded"], [])
@@ -535,13 +557,41 @@ class TestFiles(DriverTestCase):
             "open('t_art/sub/result.txt', 'w').write('hello')\n"
             "open('t_art/blob.bin', 'wb').write(bytes(range(256)))")
         files = {f["path"]: f for f in of_type(frames, "file")}
+        content = file_contents(frames)
         self.assertEqual(sorted(files), ["t_art/blob.bin", "t_art/sub/result.txt"])
-        self.assertEqual(base64.b64decode(files["t_art/sub/result.txt"]["content_b64"]), b"hello")
+        self.assertEqual(content["t_art/sub/result.txt"], b"hello")
         self.assertEqual(files["t_art/sub/result.txt"]["size"], 5)
-        self.assertEqual(base64.b64decode(files["t_art/blob.bin"]["content_b64"]), bytes(range(256)))
+        self.assertEqual(content["t_art/blob.bin"], bytes(range(256)))
         # Unchanged on the next request: not sent again; modified: sent again.
         frames = self.run_ok("open('t_art/sub/result.txt', 'a').write('!')")
         self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_art/sub/result.txt"])
+
+    def test_a_large_file_travels_in_chunks_of_at_most_one_mib(self):
+        frames = self.run_ok("head -c 2621440 /dev/urandom > t_chunk.bin && sha256sum t_chunk.bin", language="bash")
+        data = file_contents(frames)["t_chunk.bin"]
+        self.assertEqual(len(of_type(frames, "file_data")), 3)
+        self.assertEqual(hashlib.sha256(data).hexdigest(), stream_text(frames, "stdout").split()[0])
+
+    def test_huge_rich_outputs_and_errors_are_cut_before_they_are_framed(self):
+        frames = self.driver.execute("x = 'a' * (20 << 20)\nraise ValueError(x)")
+        err = of_type(frames, "error")[0]
+        self.assertLess(len(err["evalue"]), (64 << 10) + 100)
+        self.assertTrue(err["evalue"].endswith("[truncated by sandcell]"))
+        self.assertLess(sum(map(len, err["traceback"])), (1 << 20) + 1000)
+        frames = self.run_ok("'b' * (20 << 20)")
+        text = of_type(frames, "execute_result")[0]["data"]["text/plain"]
+        self.assertLess(len(text), (4 << 20) + 100)
+        self.assertTrue(text.endswith("[truncated by sandcell]"))
+
+    def test_names_that_are_not_utf8_are_skipped_never_merged(self):
+        frames = self.run_ok(
+            "import os\nos.makedirs(b't_name', exist_ok=True)\n"
+            "open(b't_name/a\\xff', 'wb').write(b'one')\n"
+            "open(b't_name/a\\xfe', 'wb').write(b'two')\n"
+            "open('t_name/ok.txt', 'w').write('fine')")
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_name/ok.txt"])
+        skipped = [(f["path"], f["reason"]) for f in of_type(frames, "file_skipped")]
+        self.assertEqual(skipped, [("t_name/a\ufffd", "invalid_name")] * 2)
 
     def test_symlink_and_fifo_skipped_never_read(self):
         frames = self.run_ok(
@@ -601,8 +651,9 @@ class TestFiles(DriverTestCase):
                           ("file_skipped", "t_get/./b.txt", "invalid_path"),
                           ("file_skipped", "", "invalid_path")])
         files = {f["path"]: f for f in of_type(frames, "file")}
-        self.assertEqual(base64.b64decode(files["t_get/a.txt"]["content_b64"]), b"one\nmore")
-        self.assertEqual(base64.b64decode(files["t_get/b.txt"]["content_b64"]), b"two\n")
+        content = file_contents(frames)
+        self.assertEqual(content["t_get/a.txt"], b"one\nmore")
+        self.assertEqual(content["t_get/b.txt"], b"two\n")
         self.assertEqual(files["t_get/b.txt"]["size"], 4)
         self.assertNotIn("root:", json.dumps(frames))
         self.assertEqual(of_type(frames, "file_list"), [])

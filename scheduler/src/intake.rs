@@ -78,34 +78,26 @@ async fn consume(cfg: &Config, jobs: &JobStore, metrics: &Metrics, broker_up: &A
     broker_up.store(true, Ordering::Relaxed);
     tracing::info!(queue = broker::SUBMISSIONS_QUEUE, prefetch = cfg.prefetch, "intake consuming");
 
-    // Deliveries are handled concurrently (up to the prefetch); each acks its own message.
-    // Deliveries naming the same session wait for the one before them (their lane).
-    let mut in_flight = tokio::task::JoinSet::new();
+    // Deliveries are handled concurrently (up to the prefetch), each in a task of its own: a
+    // reconnect of this consumer never cancels a submission half-way. Deliveries naming the same
+    // session wait for the one before them (their lane).
     let mut lanes = Lanes::default();
-    loop {
-        tokio::select! {
-            next = consumer.next() => {
-                let Some(delivery) = next else { break };
-                let delivery = delivery.context("receiving a submission")?;
-                let (cfg, jobs, metrics, publisher) = (cfg.clone(), jobs.clone(), metrics.clone(), publisher.clone());
-                let (before, done) = lanes.enter(session_key(&delivery.data));
-                in_flight.spawn(async move {
-                    if let Some(before) = before {
-                        // Err only means the previous handler failed; its message will be redelivered.
-                        let _ = before.await;
-                    }
-                    let r = handle_delivery(&cfg, &jobs, &metrics, &publisher, delivery).await;
-                    if let Some(done) = done {
-                        let _ = done.send(());
-                    }
-                    r
-                });
+    while let Some(delivery) = consumer.next().await {
+        let delivery = delivery.context("receiving a submission")?;
+        // Judged once, here: the lane and the handler read the same verdict.
+        let verdict = parse_submission(&delivery.data, &cfg.intake);
+        let (before, done) = lanes.enter(session_key(&verdict));
+        let (cfg, jobs, metrics, publisher) = (cfg.clone(), jobs.clone(), metrics.clone(), publisher.clone());
+        tokio::spawn(async move {
+            if let Some(before) = before {
+                // Err only means the previous handler's task ended without signalling.
+                let _ = before.await;
             }
-            Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
-                // A failed handler left its message unacked; reconnecting makes the broker redeliver it.
-                done.context("intake handler panicked")??;
+            handle_delivery(&cfg, &jobs, &metrics, &publisher, delivery, verdict).await;
+            if let Some(done) = done {
+                let _ = done.send(());
             }
-        }
+        });
     }
     Ok(())
 }
@@ -130,42 +122,45 @@ impl Lanes {
     }
 }
 
-/// `tenant/session_id` of a submission that names an existing session; read leniently (the
-/// full validation happens in the handler).
-fn session_key(body: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Peek {
-        tenant: Option<String>,
-        session: Option<PeekSession>,
-    }
-    #[derive(serde::Deserialize)]
-    struct PeekSession {
-        id: Option<String>,
-    }
-    let peek: Peek = serde_json::from_slice(body).ok()?;
-    Some(format!("{}/{}", peek.tenant.unwrap_or_default(), peek.session?.id?))
+/// `tenant/session_id` of a valid submission that names an existing session. Invalid ones are
+/// only recorded, never dispatched, so they need no lane.
+fn session_key(verdict: &Result<Submission, Rejection>) -> Option<String> {
+    let sub = verdict.as_ref().ok()?;
+    let id = sub.session.as_ref()?.id.as_ref()?;
+    Some(format!("{}/{id}", sub.tenant))
 }
 
-/// Handle one delivery and ack or dead-letter it. Infrastructure errors are retried a few
-/// times, then returned (the message stays unacked and is redelivered after reconnecting).
-async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: Delivery) -> Result<()> {
+/// How long a submission whose handling failed waits before it goes back to the queue (so that
+/// an outage does not spin it through the broker).
+const FAILED_REQUEUE_DELAY: Duration = Duration::from_secs(1);
+
+/// Handle one delivery and settle it: the one place a submission is acked, requeued or
+/// dead-lettered. Infrastructure errors are retried a few times; then the message goes back to
+/// the queue for a later try — a failing submission never takes the consumer or any other
+/// submission down.
+async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: Delivery, verdict: Result<Submission, Rejection>) {
     let started = Instant::now();
-    let disposition = sandcell_core::retry("handling a submission", 6, |attempt| {
+    let handled = sandcell_core::retry("handling a submission", 6, |attempt| {
         // A retry of this very delivery, or a redelivery, may finish a dispatch it began.
         let may_redispatch = delivery.redelivered || attempt > 1;
-        handle(cfg, jobs, metrics, publisher, &delivery, may_redispatch)
+        handle(cfg, jobs, metrics, publisher, &delivery, &verdict, may_redispatch)
     })
-    .await?;
-    match disposition {
-        Disposition::Ack => {
-            delivery.ack(BasicAckOptions::default()).await.context("acking submission")?;
+    .await;
+    let (settled, what) = match handled {
+        Ok(Disposition::Ack) => (delivery.ack(BasicAckOptions::default()).await, "ack"),
+        Ok(Disposition::DeadLetter) => (delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await, "dead_letter"),
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), message_id = ?delivery.properties.message_id(), "a submission could not be handled; returning it to the queue");
+            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
+            (delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await, "requeue")
         }
-        Disposition::DeadLetter => {
-            delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await.context("dead-lettering submission")?;
-        }
+    };
+    if let Err(e) = settled {
+        // The channel closed: the broker redelivers, and the redelivery finds the job recorded.
+        metrics.ack_failures.with_label_values(&[what]).inc();
+        tracing::warn!(disposition = what, error = %e, "settling a submission failed; the broker will redeliver it");
     }
     metrics.intake_seconds.observe(started.elapsed().as_secs_f64());
-    Ok(())
 }
 
 /// Who published a submission, as the broker vouches (`user_id` is checked by RabbitMQ against
@@ -197,10 +192,18 @@ impl Publisher {
     }
 }
 
-async fn handle(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: &Delivery, may_redispatch: bool) -> Result<Disposition> {
+async fn handle(
+    cfg: &Config,
+    jobs: &JobStore,
+    metrics: &Metrics,
+    publisher: &Channel,
+    delivery: &Delivery,
+    verdict: &Result<Submission, Rejection>,
+    may_redispatch: bool,
+) -> Result<Disposition> {
     let message_id = delivery.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
     let from = Publisher::of(delivery, &cfg.trusted_publishers);
-    match (parse_submission(&delivery.data, &cfg.intake), &from) {
+    match (verdict.clone(), &from) {
         (_, Publisher::Unknown) => {
             let reason = Reason::new(ErrorCode::Unauthenticated, "the message has no user_id property: publish with user_id set to your broker user");
             let rejection = Rejection { reason, tenant: None, job_id: None };

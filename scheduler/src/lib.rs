@@ -44,6 +44,9 @@ pub struct Config {
     pub keep_alive: KeepAlivePolicy,
     /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a worker silent this long has lost its sessions.
     pub worker_dead_after: Duration,
+    /// `SANDCELL_STUCK_AFTER_S`, default 3600: a job still `queued` (or a session `starting`)
+    /// this long after it was recorded is ended with `stuck` and releases its quota.
+    pub stuck_after: Duration,
     /// `SANDCELL_TRUSTED_PUBLISHERS`, default `sandcell`: broker users that may submit for any
     /// tenant (the body's `tenant` is believed). Every other user submits as itself.
     pub trusted_publishers: HashSet<String>,
@@ -63,6 +66,7 @@ impl Config {
             prefetch: config::parse_or("SANDCELL_INTAKE_PREFETCH", 32u16)?.max(1),
             keep_alive: config::keep_alive_policy_from_env()?,
             worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
+            stuck_after: Duration::from_secs_f64(config::parse_or("SANDCELL_STUCK_AFTER_S", 3600.0f64)?.max(1.0)),
             trusted_publishers: config::var_or("SANDCELL_TRUSTED_PUBLISHERS", "sandcell")
                 .split(',')
                 .map(str::trim)
@@ -102,7 +106,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         })
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
-    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, cfg.worker_dead_after));
+    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, cfg.worker_dead_after, cfg.stuck_after));
     let intake = tokio::spawn(intake::run(cfg, jobs, metrics, broker_up));
 
     tokio::select! {

@@ -15,6 +15,12 @@ pub struct Metrics {
     pub jobs: IntGaugeVec,
     /// `sandcell_artifacts_expired_total`.
     pub artifacts_expired: prometheus::IntCounter,
+    /// `sandcell_intake_ack_failures_total{disposition}`: settling a submission failed (its
+    /// channel closed); the broker redelivers it.
+    pub ack_failures: IntCounterVec,
+    /// `sandcell_stuck_ended_total{what}`: jobs (`job`) and sessions (`session`) ended by the
+    /// sweeper after staying `queued`/`starting` past `SANDCELL_STUCK_AFTER_S`.
+    pub stuck_ended: IntCounterVec,
 }
 
 impl Metrics {
@@ -32,6 +38,10 @@ impl Metrics {
         registry.register(Box::new(intake_seconds.clone()))?;
         registry.register(Box::new(jobs.clone()))?;
         registry.register(Box::new(artifacts_expired.clone()))?;
-        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired })
+        let ack_failures = IntCounterVec::new(Opts::new("sandcell_intake_ack_failures_total", "Submissions whose ack/nack failed, by disposition"), &["disposition"])?;
+        let stuck_ended = IntCounterVec::new(Opts::new("sandcell_stuck_ended_total", "Jobs and sessions ended after staying queued/starting too long"), &["what"])?;
+        registry.register(Box::new(ack_failures.clone()))?;
+        registry.register(Box::new(stuck_ended.clone()))?;
+        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired, ack_failures, stuck_ended })
     }
 }

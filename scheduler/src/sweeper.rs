@@ -1,6 +1,7 @@
 //! The artifact TTL sweeper: the real enforcement of `expires_at`.
 //!
-//! Each tick also looks for workers whose heartbeat stopped and declares their sessions lost.
+//! Each tick also looks for workers whose heartbeat stopped and declares their sessions lost,
+//! and ends jobs stuck in `queued` (and sessions in `starting`) past `SANDCELL_STUCK_AFTER_S`.
 //!
 //! Each tick deletes the objects of artifacts whose expiry has passed and then marks them
 //! `expired` (so a client sees `artifact_expired` and no URL). Deleting first and marking second
@@ -17,7 +18,7 @@ use crate::metrics::Metrics;
 const BATCH: i64 = 500;
 
 /// Sweep forever, every `interval`.
-pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration, worker_dead_after: Duration) {
+pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration, worker_dead_after: Duration, stuck_after: Duration) {
     let sessions = SessionStore::new(jobs.pool().clone());
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -28,6 +29,15 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
         }
         if let Err(e) = sweep_silent_workers(&sessions, worker_dead_after).await {
             tracing::warn!(error = format!("{e:#}"), "worker liveness sweep failed; retrying next tick");
+        }
+        match sessions.end_stuck(stuck_after).await {
+            Ok((0, 0)) => {}
+            Ok((jobs, sessions)) => {
+                metrics.stuck_ended.with_label_values(&["job"]).inc_by(jobs);
+                metrics.stuck_ended.with_label_values(&["session"]).inc_by(sessions);
+                tracing::warn!(jobs, sessions, after_s = stuck_after.as_secs(), "ended jobs and sessions stuck in queued/starting");
+            }
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "stuck sweep failed; retrying next tick"),
         }
         match jobs.count_by_status().await {
             Ok(counts) => {

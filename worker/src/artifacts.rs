@@ -15,7 +15,7 @@ use sandcell_protocol::paths::validate_workspace_path;
 use sandcell_protocol::{ArtifactKind, ExecutionLimits, Output};
 use sha2::{Digest, Sha256};
 
-use crate::execute::{OutputKind, RawOutput};
+use crate::execute::{DisplayPart, OutputFile, OutputKind, RawOutput};
 
 /// Stored outputs: the rich outputs with artifact references, and the artifact rows.
 pub struct Stored {
@@ -32,15 +32,15 @@ pub async fn store_all(
     tenant: &str,
     job_id: &str,
     limits: &ExecutionLimits,
-    files: Vec<(String, Vec<u8>, bool)>,
+    files: Vec<OutputFile>,
     raw_outputs: Vec<RawOutput>,
 ) -> Result<Stored> {
     let ttl = Duration::from_secs(limits.artifact_ttl_s);
     let mut artifacts = Vec::new();
-    for (path, bytes, requested) in files {
+    for OutputFile { path, bytes, requested } in files {
+        // Checked when the file arrived (`Outcome::admit_file`); a second look costs nothing.
         if let Err(e) = validate_workspace_path(&path) {
-            tracing::warn!(tenant, job_id, path, error = %e, "sandbox reported an invalid output path; not stored");
-            continue;
+            anyhow::bail!("an output path that fails the path rules reached storage: {path:?}: {e}");
         }
         let content_type = mime_guess::from_path(&path).first_or_octet_stream().essence_str().to_string();
         // A file the job asked for that it also changed is reported as written (`file`).
@@ -48,11 +48,9 @@ pub async fn store_all(
         artifacts.push(upload(store, tenant, job_id, &path, kind, &content_type, bytes, ttl).await?);
     }
     let mut outputs = Vec::with_capacity(raw_outputs.len());
-    for (n, raw) in raw_outputs.into_iter().enumerate() {
+    for raw in raw_outputs {
         let mut refs = BTreeMap::new();
-        for (mime, bytes) in raw.binary {
-            let ext = mime_guess::get_mime_extensions_str(&mime).and_then(|e| e.first()).copied().unwrap_or("bin");
-            let path = format!("_display/{}.{ext}", n + 1);
+        for DisplayPart { mime, path, bytes } in raw.binary {
             let a = upload(store, tenant, job_id, &path, ArtifactKind::Display, &mime, bytes, ttl).await?;
             refs.insert(mime, a.path.clone());
             artifacts.push(a);

@@ -3,16 +3,25 @@
 //! - `sandcell.jobs` (shared by all workers, prefetch = slots): one-off jobs, run here in a
 //!   kernel that is destroyed afterwards, and jobs that open a session, which this worker then
 //!   holds ([`crate::session::open`]). A worker at its session capacity returns an opening job
-//!   to the queue after a pause, for a worker with room.
+//!   to the queue a few times, for a worker with room; the last time it waits for room here
+//!   (`SANDCELL_SESSION_START_WAIT_S`) and then refuses the job with `capacity`.
 //! - `sandcell.worker.<id>` (this worker's own): jobs of sessions it holds, handed to the
 //!   session's task in delivery order; a job for a session it does not hold is refused with
 //!   the session's reason.
 //!
-//! Invariants (as before sessions):
+//! Every delivery enters the [`Ledger`](crate::ledger::Ledger), and every handler ends by
+//! settling its ticket with a [`Disposition`] — the one place messages are acked. Handlers run
+//! as tasks of their own, not of the consumer: a broker reconnect replaces the consumer but
+//! never cancels a running job; the copies the broker then redelivers are absorbed by the
+//! ledger. A handler that fails returns its message to the queue; it never takes the consumer
+//! (or any other job) down.
+//!
+//! Invariants:
 //! - a job is acked only after its result is committed in Postgres; if the worker dies before,
 //!   the broker redelivers it and the next claim runs it again (`attempts` counts the claims);
 //! - a redelivered job that is already finished is acked without running (claim refuses it);
-//! - only a redelivered message may take over a `running` job (its worker died);
+//! - only a redelivered message may take over a `running` job, and only from this worker's
+//!   earlier life or from a worker whose heartbeat stopped;
 //! - a job claimed more than `SANDCELL_MAX_ATTEMPTS` times is failed with `too_many_attempts`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,54 +29,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use bollard::Docker;
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use sandcell_core::broker;
-use sandcell_core::jobs::JobStore;
-use sandcell_core::sessions::SessionStore;
-use sandcell_core::store::ArtifactStore;
-use sandcell_protocol::{ErrorCode, ExecutionJob, Reason};
-use tokio::sync::Semaphore;
+use sandcell_protocol::{ErrorCode, ExecutionJob, Reason, SessionState};
 
+use crate::context::WorkerContext;
 use crate::kernel::OnTimeout;
-use crate::metrics::Metrics;
-use crate::pool::WarmPool;
+use crate::ledger::{self, Disposition, Ticket};
 use crate::run::{self, Extras};
-use crate::session::{Registry, Work};
-use crate::Config;
+use crate::session::Work;
 
 /// How long a worker at its session capacity holds an opening job before returning it.
 const FULL_REQUEUE_DELAY: Duration = Duration::from_secs(1);
-
-/// Everything a job handler needs, cheap to clone.
-#[derive(Clone)]
-pub struct WorkerContext {
-    /// Settings.
-    pub cfg: Arc<Config>,
-    /// Docker client.
-    pub docker: Docker,
-    /// Job store.
-    pub jobs: JobStore,
-    /// Session store.
-    pub sessions: SessionStore,
-    /// Tenants (the artifact quota).
-    pub tenants: sandcell_core::tenants::TenantStore,
-    /// Artifact store.
-    pub store: ArtifactStore,
-    /// Metrics.
-    pub metrics: Metrics,
-    /// Warm kernels.
-    pub pool: WarmPool,
-    /// Sessions held here.
-    pub registry: Registry,
-    /// Cells running at once (`SANDCELL_WORKER_SLOTS`).
-    pub slots: Arc<Semaphore>,
-    /// Sessions held at once (`SANDCELL_WORKER_MAX_SESSIONS`).
-    pub session_capacity: Arc<Semaphore>,
-}
+/// How long a failed handler waits before its message goes back to the queue (so that an
+/// outage does not spin the job through the broker).
+const FAILED_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
 /// Consume forever, reconnecting after broker failures.
 pub async fn run(ctx: WorkerContext, broker_up: Arc<AtomicBool>) {
@@ -76,7 +55,7 @@ pub async fn run(ctx: WorkerContext, broker_up: Arc<AtomicBool>) {
         broker_up.store(false, Ordering::Relaxed);
         match result {
             Ok(()) => tracing::warn!("job consumer ended; reconnecting"),
-            Err(e) => tracing::warn!(error = format!("{e:#}"), "job consumer failed; reconnecting"),
+            Err(e) => tracing::warn!(error = format!("{e:#}"), held = ctx.ledger.len(), "job consumer failed; reconnecting (running jobs go on)"),
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -102,72 +81,120 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
         .with_context(|| format!("consuming {own_queue}"))?;
     broker_up.store(true, Ordering::Relaxed);
     tracing::info!(worker_id = %ctx.cfg.worker_id, slots = ctx.cfg.slots, own_queue, "worker consuming");
-    let mut running = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             next = shared.next() => {
                 let Some(delivery) = next else { break };
                 let delivery = delivery.context("receiving a job")?;
-                let ctx = ctx.clone();
-                running.spawn(async move { handle_shared(&ctx, delivery).await });
+                if let Some((job, ticket)) = admit(ctx, delivery).await {
+                    // A task of its own: a reconnect of this consumer never cancels it.
+                    tokio::spawn(handle_shared(ctx.clone(), job, ticket));
+                }
             }
             next = own.next() => {
                 let Some(delivery) = next else { break };
                 let delivery = delivery.context("receiving a session job")?;
-                // Handed to the session synchronously, so delivery order is mailbox order.
-                handle_own(ctx, delivery).await?;
-            }
-            Some(done) = running.join_next(), if !running.is_empty() => {
-                done.context("job handler panicked")??;
+                if let Some((job, ticket)) = admit(ctx, delivery).await {
+                    // Handed to the session synchronously, so delivery order is mailbox order.
+                    route_to_session(ctx, Work { job, ticket, claim: None }).await;
+                }
             }
         }
     }
     Ok(())
 }
 
-/// Decode an execution job; a message the scheduler did not write is dead-lettered.
-async fn decode(delivery: &Delivery) -> Result<Option<ExecutionJob>> {
-    match serde_json::from_slice(&delivery.data) {
-        Ok(j) => Ok(Some(j)),
+/// Decode a delivery and enter it in the ledger. `None` when there is nothing to run: the
+/// message was not a job (dead-lettered) or is a copy of a job in flight here (absorbed).
+async fn admit(ctx: &WorkerContext, delivery: Delivery) -> Option<(ExecutionJob, Ticket)> {
+    match serde_json::from_slice::<ExecutionJob>(&delivery.data) {
+        Ok(job) => ctx.ledger.enter(&job, delivery).await.map(|ticket| (job, ticket)),
         Err(e) => {
             tracing::error!(error = %e, bytes = delivery.data.len(), "undecodable execution job; dead-lettering");
-            delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await.context("dead-lettering job")?;
-            Ok(None)
+            ledger::settle_undecodable(&delivery, &ctx.metrics).await;
+            None
         }
     }
 }
 
-async fn handle_shared(ctx: &WorkerContext, delivery: Delivery) -> Result<()> {
-    let Some(job) = decode(&delivery).await? else { return Ok(()) };
+async fn handle_shared(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
     match &job.session {
-        None => one_off(ctx, job, delivery).await,
-        Some(s) if s.new => {
-            let Ok(permit) = ctx.session_capacity.clone().try_acquire_owned() else {
-                tracing::info!(job_id = %job.job_id, held = ctx.registry.len(), "at session capacity; returning an opening job to the queue");
-                tokio::time::sleep(FULL_REQUEUE_DELAY).await;
-                delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.context("requeueing job")?;
-                return Ok(());
-            };
-            let Some(claim) = run::claim(ctx, &job, delivery.redelivered).await? else {
-                delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
-                return Ok(());
-            };
-            crate::session::open(ctx.clone(), Work { job, delivery, claim: Some(claim) }, permit).await
+        None => {
+            let disposition = settle_failure(&job, one_off(&ctx, &job, ticket.redelivered).await).await;
+            ticket.settle(disposition).await;
         }
+        Some(s) if s.new => open_session(ctx, job, ticket).await,
         // Jobs of existing sessions travel on workers' own queues; accept one here all the same.
-        Some(_) => route_to_session(ctx, Work { job, delivery, claim: None }).await,
+        Some(_) => route_to_session(&ctx, Work { job, ticket, claim: None }).await,
     }
 }
 
-async fn handle_own(ctx: &WorkerContext, delivery: Delivery) -> Result<()> {
-    let Some(job) = decode(&delivery).await? else { return Ok(()) };
-    route_to_session(ctx, Work { job, delivery, claim: None }).await
+/// The disposition of a handler's result: a failed handler committed nothing, so its message
+/// goes back to the queue after a pause.
+async fn settle_failure(job: &ExecutionJob, result: Result<Disposition>) -> Disposition {
+    match result {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "job handler failed; returning the job to the queue");
+            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
+            Disposition::Requeue
+        }
+    }
+}
+
+/// Open the session a job asks for, when this worker has room for it.
+async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
+    let permit = match ctx.session_capacity.clone().try_acquire_owned() {
+        Ok(p) => p,
+        // Returned a few times so that a worker with room can take it; then waited for here.
+        Err(_) if ticket.returns + 1 < broker::DELIVERY_LIMIT => {
+            tracing::info!(job_id = %job.job_id, held = ctx.registry.len(), returns = ticket.returns, "at session capacity; returning an opening job to the queue");
+            tokio::time::sleep(FULL_REQUEUE_DELAY).await;
+            ticket.settle(Disposition::Requeue).await;
+            return;
+        }
+        Err(_) => {
+            let wait = ctx.cfg.session_start_wait;
+            match tokio::time::timeout(wait, ctx.session_capacity.clone().acquire_owned()).await {
+                Ok(Ok(p)) => p,
+                _ => {
+                    let reason = Reason::new(ErrorCode::Capacity, format!("no worker had room for another session within {} s", wait.as_secs()));
+                    let disposition = settle_failure(&job, refuse_opening(&ctx, &job, &reason).await).await;
+                    ticket.settle(disposition).await;
+                    return;
+                }
+            }
+        }
+    };
+    match run::claim(&ctx, &job, ticket.redelivered).await {
+        Ok(Some(claim)) => crate::session::open(ctx, Work { job, ticket, claim: Some(claim) }, permit).await,
+        Ok(None) => ticket.settle(Disposition::Ack).await,
+        Err(e) => {
+            let disposition = settle_failure(&job, Err(e)).await;
+            ticket.settle(disposition).await;
+        }
+    }
+}
+
+/// Refuse a job that opens a session, and fail the session it would have opened.
+async fn refuse_opening(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason) -> Result<Disposition> {
+    if let Some(s) = &job.session {
+        ctx.sessions.end(&s.id, None, SessionState::Failed, Some(reason)).await?;
+    }
+    run::refuse(ctx, job, reason).await?;
+    Ok(Disposition::Ack)
 }
 
 /// Give a job to the session it names, or refuse it with the session's reason.
-async fn route_to_session(ctx: &WorkerContext, work: Work) -> Result<()> {
-    let Err(work) = ctx.registry.deliver(work) else { return Ok(()) };
-    let job = &work.job;
+async fn route_to_session(ctx: &WorkerContext, work: Work) {
+    let Err(work) = ctx.registry.deliver(work) else { return };
+    let Work { job, ticket, .. } = *work;
+    let disposition = settle_failure(&job, refuse_unheld(ctx, &job).await).await;
+    ticket.settle(disposition).await;
+}
+
+/// Refuse a job of a session this worker does not hold, with the session's own reason.
+async fn refuse_unheld(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Disposition> {
     let id = job.session.as_ref().map(|s| s.id.as_str()).unwrap_or_default();
     let reason = match ctx.sessions.state(&job.tenant, id).await? {
         None => Reason::new(ErrorCode::SessionNotFound, format!("tenant {} has no session {id}", job.tenant)),
@@ -176,35 +203,30 @@ async fn route_to_session(ctx: &WorkerContext, work: Work) -> Result<()> {
             .unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, format!("session {id} is not held by worker {}", ctx.cfg.worker_id))),
     };
     run::refuse(ctx, job, &reason).await?;
-    work.delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
-    Ok(())
+    Ok(Disposition::Ack)
 }
 
 /// Run a job without a session in its own kernel, destroyed afterwards.
-async fn one_off(ctx: &WorkerContext, job: ExecutionJob, delivery: Delivery) -> Result<()> {
-    let Some((files, claim)) = run::prepare(ctx, &job, &delivery, None).await? else { return Ok(()) };
+async fn one_off(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> Result<Disposition> {
+    let Some((files, claim)) = run::prepare(ctx, job, redelivered, None).await? else { return Ok(Disposition::Ack) };
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, attempt = claim.attempt, "running job");
     let (outcome, container) = {
-        let _slot = ctx.slots.acquire().await.context("slots closed")?;
-        ctx.metrics.busy_slots.inc();
-        let spec = run::spec_for(ctx, &job, &limits);
-        let result = match run::kernel_for(ctx, &spec).await {
+        let _slot = ctx.slot().await?;
+        let spec = run::spec_for(ctx, job, &limits);
+        match run::kernel_for(ctx, &spec).await {
             Ok(mut kernel) => {
-                let cell = kernel.run(&job, &files, &limits, OnTimeout::Kill).await;
+                let cell = kernel.run(job, &files, &limits, OnTimeout::Kill).await;
                 let id = kernel.id().to_string();
                 kernel.destroy().await;
                 (cell.outcome, Some(id))
             }
             Err(e) => (crate::execute::Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), None),
-        };
-        ctx.metrics.busy_slots.dec();
-        result
+        }
     };
-    let status = run::commit(ctx, &job, &limits, outcome, Extras { container_id: container, ..Default::default() }).await?;
-    delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
+    let status = run::commit(ctx, job, &limits, outcome, Extras { container_id: container, ..Default::default() }).await?;
     ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "job finished");
-    Ok(())
+    Ok(Disposition::Ack)
 }

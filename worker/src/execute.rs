@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use base64::Engine as _;
+use sandcell_protocol::paths::validate_workspace_path;
 use sandcell_protocol::{ErrorCode, ExecError, ExecutionLimits, JobStatus, Language, LimitHit, Reason, SkippedFile};
 
 use crate::sandbox::protocol::DriverEvent;
@@ -65,8 +66,39 @@ pub struct RawOutput {
     pub kind: OutputKind,
     /// Text representations.
     pub text: BTreeMap<String, String>,
-    /// Binary representations (decoded), by MIME type.
-    pub binary: Vec<(String, Vec<u8>)>,
+    /// Binary representations (decoded) to store as artifacts.
+    pub binary: Vec<DisplayPart>,
+}
+
+/// One binary (or oversize text) representation of a rich output, stored as an artifact.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DisplayPart {
+    /// MIME type.
+    pub mime: String,
+    /// Artifact path: `_display/<n>.<ext>`, unique within the job.
+    pub path: String,
+    /// The bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// An output file arriving in chunks.
+#[derive(Debug)]
+struct Incoming {
+    file: OutputFile,
+    size: u64,
+    /// Fits the job's artifact limits (room was reserved); otherwise its chunks are dropped.
+    admitted: bool,
+}
+
+/// An output file before it is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputFile {
+    /// Workspace-relative path (checked by the path rules).
+    pub path: String,
+    /// The bytes.
+    pub bytes: Vec<u8>,
+    /// Sent because the job named it in `get_files`.
+    pub requested: bool,
 }
 
 /// Everything a job produced, before storage.
@@ -86,8 +118,16 @@ pub struct Outcome {
     pub reason: Option<Reason>,
     /// Rich outputs.
     pub outputs: Vec<RawOutput>,
-    /// Output files (path, bytes, asked for by `get_files`).
-    pub files: Vec<(String, Vec<u8>, bool)>,
+    /// Output files.
+    pub files: Vec<OutputFile>,
+    /// Artifacts (files and display parts) kept so far, and their bytes: both count against
+    /// the job's `artifact_files` and `artifact_bytes`.
+    artifacts_kept: (u32, u64),
+    /// Display parts named so far (for unique `_display/<n>` paths).
+    display_parts: u32,
+    /// The file whose chunks are arriving: announced, with its expected size; `None` bytes
+    /// when it does not fit the job's limits (its chunks are read and dropped).
+    incoming: Option<Incoming>,
     /// Workspace listing, when asked for.
     pub listing: Option<sandcell_protocol::FileListing>,
     /// Sandbox limits the job ran into.
@@ -110,6 +150,9 @@ impl Outcome {
             reason: None,
             outputs: Vec::new(),
             files: Vec::new(),
+            artifacts_kept: (0, 0),
+            display_parts: 0,
+            incoming: None,
             listing: None,
             limits_hit: BTreeSet::new(),
             skipped_files: Vec::new(),
@@ -128,18 +171,125 @@ impl Outcome {
         }
     }
 
-    /// Keep the output files that fit in `budget` bytes, in order; skip the rest as
-    /// `quota_exceeded` (the tenant's artifact quota).
-    pub fn keep_files_within(&mut self, mut budget: u64) {
+    /// Whether one more artifact of `size` bytes fits the job's limits; counts it if so.
+    fn admit_artifact(&mut self, size: u64, limits: &ExecutionLimits) -> bool {
+        let (count, bytes) = self.artifacts_kept;
+        if count >= limits.artifact_files || bytes.saturating_add(size) > limits.artifact_bytes {
+            return false;
+        }
+        self.artifacts_kept = (count + 1, bytes + size);
+        true
+    }
+
+    /// An output file is announced: its path must pass the path rules and be new in this job,
+    /// and its size must fit the job's artifact limits; otherwise it is skipped, with why, and
+    /// its chunks are dropped as they come.
+    fn begin_file(&mut self, path: String, size: u64, requested: bool, limits: &ExecutionLimits) {
+        self.end_file();
+        let refusal = if validate_workspace_path(&path).is_err() {
+            Some("invalid_path")
+        } else if self.files.iter().any(|f| f.path == path) {
+            // Two names the sandbox could not tell apart (e.g. undecodable bytes): neither
+            // may stand for the other.
+            Some("duplicate_path")
+        } else if !self.admit_artifact(size, limits) {
+            Some("limit_reached")
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            self.skip(path.clone(), reason);
+        }
+        let bytes = if refusal.is_none() { Vec::with_capacity(usize::try_from(size.min(1 << 20)).unwrap_or(0)) } else { Vec::new() };
+        self.incoming = Some(Incoming { file: OutputFile { path, bytes, requested }, size, admitted: refusal.is_none() });
+    }
+
+    /// The next chunk of the announced file. More bytes than announced (or a chunk without a
+    /// file) is the sandbox breaking the protocol.
+    fn file_chunk(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let Some(incoming) = self.incoming.as_mut() else { return Err("a file_data frame without a file".into()) };
+        if incoming.admitted {
+            if incoming.file.bytes.len() as u64 + bytes.len() as u64 > incoming.size {
+                return Err(format!("file {:?} sent more than its announced {} bytes", incoming.file.path, incoming.size));
+            }
+            incoming.file.bytes.extend_from_slice(bytes);
+        }
+        Ok(())
+    }
+
+    /// The announced file is complete (another frame came): keep it if all its bytes arrived.
+    fn end_file(&mut self) {
+        let Some(incoming) = self.incoming.take() else { return };
+        if !incoming.admitted {
+            return;
+        }
+        if incoming.file.bytes.len() as u64 == incoming.size {
+            self.files.push(incoming.file);
+        } else {
+            let (count, bytes) = self.artifacts_kept;
+            self.artifacts_kept = (count.saturating_sub(1), bytes.saturating_sub(incoming.size));
+            self.skip(incoming.file.path, "unreadable");
+        }
+    }
+
+    /// Take a whole output file (files the worker itself assembles, and tests).
+    pub fn admit_file(&mut self, file: OutputFile, limits: &ExecutionLimits) {
+        let OutputFile { path, bytes, requested } = file;
+        self.begin_file(path, bytes.len() as u64, requested, limits);
+        // The size was announced by us: the chunk cannot overflow it.
+        let _ = self.file_chunk(&bytes);
+        self.end_file();
+    }
+
+    /// Keep the artifacts that fit in `budget` bytes (the tenant's artifact quota), figures
+    /// first (they are what an agent usually asked for), then files, in order; skip the rest as
+    /// `quota_exceeded`.
+    pub fn keep_within_quota(&mut self, mut budget: u64) {
+        let mut skipped = Vec::new();
+        for output in &mut self.outputs {
+            output.binary.retain(|part| {
+                let size = part.bytes.len() as u64;
+                let keep = size <= budget;
+                if keep {
+                    budget -= size;
+                } else {
+                    skipped.push(part.path.clone());
+                }
+                keep
+            });
+        }
         let files = std::mem::take(&mut self.files);
-        for (path, bytes, requested) in files {
-            let size = bytes.len() as u64;
+        for f in files {
+            let size = f.bytes.len() as u64;
             if size <= budget {
                 budget -= size;
-                self.files.push((path, bytes, requested));
+                self.files.push(f);
             } else {
-                self.skip(path, "quota_exceeded");
+                skipped.push(f.path);
             }
+        }
+        for path in skipped {
+            self.skip(path, "quota_exceeded");
+        }
+    }
+
+    /// Bytes of all artifacts the outcome holds (files and display parts).
+    pub fn artifact_bytes(&self) -> u64 {
+        let display: u64 = self.outputs.iter().flat_map(|o| &o.binary).map(|p| p.bytes.len() as u64).sum();
+        display + self.files.iter().map(|f| f.bytes.len() as u64).sum::<u64>()
+    }
+
+    /// Give every display part a path no output file of the job has: a job may write
+    /// `_display/1.png` itself, and its file must not be overwritten by a figure (nor the other
+    /// way round).
+    pub fn settle_display_paths(&mut self) {
+        let taken: std::collections::HashSet<String> = self.files.iter().map(|f| f.path.clone()).collect();
+        for part in self.outputs.iter_mut().flat_map(|o| o.binary.iter_mut()) {
+            if !taken.contains(&part.path) {
+                continue;
+            }
+            let (stem, ext) = part.path.rsplit_once('.').map(|(s, e)| (s.to_string(), format!(".{e}"))).unwrap_or((part.path.clone(), String::new()));
+            part.path = (2..).map(|k| format!("{stem}~{k}{ext}")).find(|p| !taken.contains(p)).unwrap_or_default();
         }
     }
 
@@ -182,8 +332,25 @@ impl Outcome {
     }
 }
 
-/// Fold one driver event into the outcome. Returns true on `done`.
-pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &ExecutionLimits, file_bytes: &mut u64) -> bool {
+/// Most bytes of an exception's name kept; its message and traceback are capped like stderr.
+const MAX_ENAME_BYTES: u64 = 1024;
+
+/// What the kernel does after an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Read the next event.
+    More,
+    /// The request is over (`done`, or the driver's own `protocol_error`).
+    Done,
+    /// The sandbox broke the protocol: the outcome says how; the kernel must not be reused.
+    Violation,
+}
+
+/// Fold one driver event into the outcome.
+pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: &ExecutionLimits) -> Step {
+    if !matches!(event, DriverEvent::FileData { .. }) {
+        out.end_file();
+    }
     match event {
         DriverEvent::Stream { name, text } => match name.as_str() {
             "stderr" => out.stderr.push(&text),
@@ -191,18 +358,34 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
         },
         DriverEvent::ExecuteResult { data } => push_output(out, OutputKind::ExecuteResult, data, limits),
         DriverEvent::DisplayData { data } => push_output(out, OutputKind::DisplayData, data, limits),
-        DriverEvent::Error { ename, evalue, traceback } => out.error = Some(ExecError { ename, evalue, traceback }),
-        DriverEvent::File { path, content_b64, requested } => {
-            match base64::engine::general_purpose::STANDARD.decode(content_b64.as_bytes()) {
-                Ok(bytes) if out.files.len() < limits.artifact_files as usize && *file_bytes + bytes.len() as u64 <= limits.artifact_bytes => {
-                    *file_bytes += bytes.len() as u64;
-                    out.files.push((path, bytes, requested));
+        DriverEvent::Error { ename, evalue, traceback } => {
+            // The driver caps these too; the worker trusts no sandbox to have done so.
+            let mut budget = limits.stderr_bytes;
+            let mut kept = Vec::new();
+            for line in traceback {
+                if line.len() as u64 > budget {
+                    kept.push(cap_text(line, budget));
+                    break;
                 }
-                Ok(_) => out.skip(path, "limit_reached"),
-                Err(e) => {
-                    tracing::warn!(path, error = %e, "driver sent a file with invalid base64");
-                    out.skip(path, "unreadable");
-                }
+                budget -= line.len() as u64;
+                kept.push(line);
+            }
+            out.error = Some(ExecError {
+                ename: cap_text(ename, MAX_ENAME_BYTES),
+                evalue: cap_text(evalue, limits.stderr_bytes.min(INLINE_OUTPUT_BYTES)),
+                traceback: kept,
+            });
+        }
+        DriverEvent::File { path, size, requested } => out.begin_file(path, size, requested, limits),
+        DriverEvent::FileData { content_b64 } => {
+            let chunk = match base64::engine::general_purpose::STANDARD.decode(content_b64.as_bytes()) {
+                Ok(bytes) => out.file_chunk(&bytes),
+                Err(e) => Err(format!("a file chunk is not base64: {e}")),
+            };
+            if let Err(message) = chunk {
+                out.status = JobStatus::InfrastructureError;
+                out.reason = Some(Reason::new(ErrorCode::DriverProtocol, format!("the sandbox broke the file protocol: {message}")));
+                return Step::Violation;
             }
         }
         DriverEvent::FileSkipped { path, reason } => {
@@ -221,7 +404,7 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             tracing::warn!(message, "driver reported a protocol error");
             out.status = JobStatus::InfrastructureError;
             out.reason = Some(Reason::new(ErrorCode::DriverProtocol, format!("the sandbox driver failed: {message}")));
-            return true;
+            return Step::Done;
         }
         DriverEvent::Ready { .. } | DriverEvent::Unknown => {}
         DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full } => {
@@ -240,10 +423,10 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             if status == "input_error" && out.reason.is_none() {
                 out.reason = Some(Reason::new(ErrorCode::InputFileRejected, "the sandbox refused an input file"));
             }
-            return true;
+            return Step::Done;
         }
     }
-    false
+    Step::More
 }
 
 /// Marker appended to a text representation cut at the cap.
@@ -266,7 +449,7 @@ fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde
         let is_binary = mime.starts_with("image/") && mime != "image/svg+xml";
         match (is_binary, value) {
             (true, serde_json::Value::String(b64)) => match base64::engine::general_purpose::STANDARD.decode(b64.trim().as_bytes()) {
-                Ok(bytes) => raw.binary.push((mime, bytes)),
+                Ok(bytes) => push_part(out, &mut raw, mime, bytes, limits),
                 Err(e) => tracing::warn!(mime, error = %e, "driver sent undecodable binary output"),
             },
             (_, value) => {
@@ -277,13 +460,26 @@ fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde
                 if s.len() as u64 > INLINE_OUTPUT_BYTES {
                     let mut full = s.clone().into_bytes();
                     full.truncate(usize::try_from(limits.artifact_bytes).unwrap_or(usize::MAX));
-                    raw.binary.push((mime.clone(), full));
+                    push_part(out, &mut raw, mime.clone(), full, limits);
                 }
                 raw.text.insert(mime, cap_text(s, text_cap));
             }
         }
     }
     out.outputs.push(raw);
+}
+
+/// Name a display part `_display/<n>.<ext>` and keep it if it fits the job's artifact limits
+/// (display parts and files share them); otherwise skip it, with why.
+fn push_part(out: &mut Outcome, raw: &mut RawOutput, mime: String, bytes: Vec<u8>, limits: &ExecutionLimits) {
+    out.display_parts += 1;
+    let ext = mime_guess::get_mime_extensions_str(&mime).and_then(|e| e.first()).copied().unwrap_or("bin");
+    let path = format!("_display/{}.{ext}", out.display_parts);
+    if out.admit_artifact(bytes.len() as u64, limits) {
+        raw.binary.push(DisplayPart { mime, path, bytes });
+    } else {
+        out.skip(path, "limit_reached");
+    }
 }
 
 fn cap_text(s: String, cap: u64) -> String {
@@ -334,11 +530,87 @@ mod tests {
     fn files_beyond_the_quota_budget_are_skipped_in_order() {
         let limits = sandcell_protocol::LimitPolicy::default().default;
         let mut out = Outcome::new(&limits);
-        out.files = vec![("a".into(), vec![0; 600], false), ("b".into(), vec![0; 600], false), ("c".into(), vec![0; 400], false)];
-        out.keep_files_within(1000);
-        assert_eq!(out.files.iter().map(|f| f.0.as_str()).collect::<Vec<_>>(), ["a", "c"]);
+        let file = |p: &str, n: usize| OutputFile { path: p.into(), bytes: vec![0; n], requested: false };
+        out.files = vec![file("a", 600), file("b", 600), file("c", 400)];
+        out.keep_within_quota(1000);
+        assert_eq!(out.files.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["a", "c"]);
         assert_eq!(out.skipped_files, [SkippedFile { path: "b".into(), reason: "quota_exceeded".into() }]);
         assert!(out.limits_hit.contains(&LimitHit::Artifacts));
+    }
+
+    #[test]
+    fn display_outputs_and_files_share_the_jobs_artifact_limits() {
+        let mut limits = sandcell_protocol::LimitPolicy::default().default;
+        limits.artifact_files = 2;
+        limits.artifact_bytes = 1000;
+        let mut out = Outcome::new(&limits);
+        let png = |n: usize| serde_json::json!(base64::engine::general_purpose::STANDARD.encode(vec![7u8; n]));
+        for n in [400, 400, 10] {
+            let data = BTreeMap::from([("image/png".to_string(), png(n))]);
+            apply(&mut out, DriverEvent::DisplayData { data }, Language::Python, &limits);
+        }
+        apply(&mut out, DriverEvent::File { path: "out.csv".into(), size: 10, requested: false }, Language::Python, &limits);
+        let chunk = DriverEvent::FileData { content_b64: base64::engine::general_purpose::STANDARD.encode([1u8; 10]) };
+        apply(&mut out, chunk, Language::Python, &limits);
+        assert_eq!(out.outputs.iter().map(|o| o.binary.len()).collect::<Vec<_>>(), [1, 1, 0]);
+        let skipped: Vec<_> = out.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+        assert_eq!(skipped, [("_display/3.png", "limit_reached"), ("out.csv", "limit_reached")]);
+        assert!(out.limits_hit.contains(&LimitHit::Artifacts));
+        // The tenant's quota counts them too: figures first.
+        out.keep_within_quota(500);
+        assert_eq!(out.artifact_bytes(), 400);
+        assert_eq!(out.skipped_files.last().map(|s| s.path.as_str()), Some("_display/2.png"));
+    }
+
+    #[test]
+    fn files_with_one_name_or_a_bad_name_are_skipped_not_merged() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let mut out = Outcome::new(&limits);
+        let f = |p: &str, b: u8| OutputFile { path: p.into(), bytes: vec![b; 3], requested: false };
+        out.admit_file(f("a\u{FFFD}", 1), &limits);
+        out.admit_file(f("a\u{FFFD}", 2), &limits);
+        out.admit_file(f("../etc/passwd", 3), &limits);
+        out.admit_file(f("_display/1.png", 4), &limits);
+        assert_eq!(out.files.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["a\u{FFFD}", "_display/1.png"]);
+        let skipped: Vec<_> = out.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+        assert_eq!(skipped, [("a\u{FFFD}", "duplicate_path"), ("../etc/passwd", "invalid_path")]);
+        // A figure never takes the path of a file the job wrote.
+        let data = BTreeMap::from([("image/png".to_string(), serde_json::json!("iVBORw0KGgo="))]);
+        apply(&mut out, DriverEvent::DisplayData { data }, Language::Python, &limits);
+        out.settle_display_paths();
+        assert_eq!(out.outputs[0].binary[0].path, "_display/1~2.png");
+    }
+
+    #[test]
+    fn a_file_arrives_in_chunks_and_more_bytes_than_announced_is_a_violation() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let mut out = Outcome::new(&limits);
+        let b64 = |b: &[u8]| DriverEvent::FileData { content_b64: base64::engine::general_purpose::STANDARD.encode(b) };
+        apply(&mut out, DriverEvent::File { path: "a.txt".into(), size: 6, requested: false }, Language::Python, &limits);
+        assert_eq!(apply(&mut out, b64(b"abc"), Language::Python, &limits), Step::More);
+        assert_eq!(apply(&mut out, b64(b"def"), Language::Python, &limits), Step::More);
+        // A file cut short is not stored as if complete.
+        apply(&mut out, DriverEvent::File { path: "short.txt".into(), size: 6, requested: false }, Language::Python, &limits);
+        apply(&mut out, b64(b"abc"), Language::Python, &limits);
+        apply(&mut out, DriverEvent::File { path: "long.txt".into(), size: 2, requested: false }, Language::Python, &limits);
+        assert_eq!(apply(&mut out, b64(b"abc"), Language::Python, &limits), Step::Violation);
+        assert_eq!(out.files, [OutputFile { path: "a.txt".into(), bytes: b"abcdef".to_vec(), requested: false }]);
+        assert_eq!(out.skipped_files, [SkippedFile { path: "short.txt".into(), reason: "unreadable".into() }]);
+        assert_eq!(out.reason.map(|r| r.code), Some(ErrorCode::DriverProtocol));
+    }
+
+    #[test]
+    fn an_exceptions_message_and_traceback_are_capped() {
+        let mut limits = sandcell_protocol::LimitPolicy::default().default;
+        limits.stderr_bytes = 100;
+        let mut out = Outcome::new(&limits);
+        let error = DriverEvent::Error { ename: "E".repeat(5000), evalue: "v".repeat(5000), traceback: vec!["t".repeat(60); 5] };
+        apply(&mut out, error, Language::Python, &limits);
+        let e = out.error.unwrap();
+        assert_eq!(e.ename.len(), MAX_ENAME_BYTES as usize + TRUNCATION_MARKER.len());
+        assert_eq!(e.evalue.len(), 100 + TRUNCATION_MARKER.len());
+        assert_eq!(e.traceback.len(), 2);
+        assert_eq!(e.traceback[1], format!("{}{TRUNCATION_MARKER}", "t".repeat(40)));
     }
 
     #[test]
@@ -359,10 +631,10 @@ mod tests {
         let limits = sandcell_protocol::LimitPolicy::default().default;
         let mut out = Outcome::new(&limits);
         let done = DriverEvent::Done { status: "ok".into(), exit_code: Some(3), stdout_truncated: false, stderr_truncated: false, processes_killed: 0, workspace_full: false };
-        assert!(apply(&mut out, done.clone(), Language::Bash, &limits, &mut 0));
+        assert_eq!(apply(&mut out, done.clone(), Language::Bash, &limits), Step::Done);
         assert_eq!(out.status, JobStatus::Failed);
         let mut out = Outcome::new(&limits);
-        apply(&mut out, done, Language::Python, &limits, &mut 0);
+        apply(&mut out, done, Language::Python, &limits);
         assert_eq!(out.status, JobStatus::Succeeded);
     }
 
@@ -372,7 +644,7 @@ mod tests {
         limits.stdout_bytes = 10;
         let mut out = Outcome::new(&limits);
         let data = BTreeMap::from([("text/plain".to_string(), serde_json::json!("x".repeat(1000)))]);
-        apply(&mut out, DriverEvent::ExecuteResult { data }, Language::Python, &limits, &mut 0);
+        apply(&mut out, DriverEvent::ExecuteResult { data }, Language::Python, &limits);
         assert_eq!(out.outputs[0].text["text/plain"], format!("{}{TRUNCATION_MARKER}", "x".repeat(10)));
     }
 
@@ -382,9 +654,9 @@ mod tests {
         let mut out = Outcome::new(&limits);
         let html = format!("<table>{}</table>", "<tr><td>1</td></tr>".repeat(10_000));
         let data = BTreeMap::from([("text/html".to_string(), serde_json::json!(html.clone()))]);
-        apply(&mut out, DriverEvent::ExecuteResult { data }, Language::Python, &limits, &mut 0);
+        apply(&mut out, DriverEvent::ExecuteResult { data }, Language::Python, &limits);
         let o = &out.outputs[0];
-        assert_eq!(o.binary, vec![("text/html".to_string(), html.clone().into_bytes())]);
+        assert_eq!(o.binary, vec![DisplayPart { mime: "text/html".into(), path: "_display/1.htm".into(), bytes: html.clone().into_bytes() }]);
         assert_eq!(o.text["text/html"].len(), INLINE_OUTPUT_BYTES as usize + TRUNCATION_MARKER.len());
     }
 
@@ -396,8 +668,8 @@ mod tests {
             ("image/png".to_string(), serde_json::json!("iVBORw0KGgo=")),
             ("text/plain".to_string(), serde_json::json!("<Figure>")),
         ]);
-        apply(&mut out, DriverEvent::DisplayData { data }, Language::Python, &limits, &mut 0);
-        assert_eq!(out.outputs[0].binary[0].1[..4], [0x89, b'P', b'N', b'G']);
+        apply(&mut out, DriverEvent::DisplayData { data }, Language::Python, &limits);
+        assert_eq!(out.outputs[0].binary[0].bytes[..4], [0x89, b'P', b'N', b'G']);
         assert_eq!(out.outputs[0].text["text/plain"], "<Figure>");
     }
 }

@@ -14,10 +14,10 @@ use anyhow::{anyhow, Result};
 use bollard::Docker;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason};
 
-use crate::execute::{apply, Outcome};
+use crate::execute::{apply, Outcome, Step};
 use crate::sandbox::cgroup::Cgroup;
 use crate::sandbox::container::{ContainerShape, SandboxSpec};
-use crate::sandbox::protocol::{DriverEvent, ExecuteRequest};
+use crate::sandbox::protocol::{DriverEvent, ExecuteRequest, DRIVER_PROTOCOL_VERSION};
 use crate::sandbox::Sandbox;
 
 /// Worker-side settings for starting kernels.
@@ -33,8 +33,7 @@ pub struct KernelSettings {
     pub preload: Vec<String>,
     /// `SANDCELL_INTERRUPT_GRACE_MS`: how long an interrupted session cell may take to stop.
     pub interrupt_grace: Duration,
-    /// Largest single driver frame (one file or figure, base64), from the operator's maximum
-    /// artifact size, so any job fits any kernel.
+    /// Largest single driver frame ([`crate::sandbox::frames::MAX_FRAME_BYTES`]).
     pub max_frame: usize,
     /// `SANDCELL_CGROUP_ROOT`: the host's cgroup filesystem, for the containers' pids counters.
     pub cgroup_root: std::path::PathBuf,
@@ -73,7 +72,7 @@ impl Kernel {
         let t0 = Instant::now();
         let mut sandbox = Sandbox::start(docker, spec, settings.max_frame).await?;
         match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
-            Ok(Ok(Some(DriverEvent::Ready { .. }))) => {
+            Ok(Ok(Some(DriverEvent::Ready { driver_version }))) if driver_version == DRIVER_PROTOCOL_VERSION => {
                 let cgroup = Cgroup::locate(&settings.cgroup_root, sandbox.id());
                 Ok(Kernel { sandbox, shape: spec.shape(), cgroup, start_time: t0.elapsed() })
             }
@@ -81,6 +80,10 @@ impl Kernel {
                 let what = match other {
                     Err(_) => format!("the sandbox did not become ready within {:?}", settings.start_timeout),
                     Ok(Ok(None)) => "the sandbox exited before it was ready".to_string(),
+                    Ok(Ok(Some(DriverEvent::Ready { driver_version }))) => format!(
+                        "the sandbox image {} speaks driver protocol {driver_version}, this worker {DRIVER_PROTOCOL_VERSION}: build the image that matches the worker",
+                        spec.image
+                    ),
                     Ok(Ok(Some(ev))) => format!("the sandbox sent {ev:?} before ready"),
                     Ok(Err(e)) => format!("{e:#}"),
                 };
@@ -120,7 +123,6 @@ impl Kernel {
         let mut refusals_after = None;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
         let mut grace_deadline = None;
-        let mut file_bytes: u64 = 0;
         let mut alive = true;
         loop {
             match tokio::time::timeout_at(grace_deadline.unwrap_or(deadline), self.sandbox.next_event()).await {
@@ -161,11 +163,15 @@ impl Kernel {
                     alive = false;
                     break;
                 }
-                Ok(Ok(Some(event))) => {
-                    if apply(&mut out, event, job.language, limits, &mut file_bytes) {
+                Ok(Ok(Some(event))) => match apply(&mut out, event, job.language, limits) {
+                    Step::More => {}
+                    Step::Done => break,
+                    Step::Violation => {
+                        self.sandbox.kill().await;
+                        alive = false;
                         break;
                     }
-                }
+                },
             }
         }
         if grace_deadline.is_some() && alive {

@@ -10,8 +10,10 @@
 
 pub mod artifacts;
 pub mod consumer;
+pub mod context;
 pub mod execute;
 pub mod kernel;
+pub mod ledger;
 pub mod metrics;
 pub mod pool;
 pub mod run;
@@ -66,6 +68,15 @@ pub struct Config {
     pub egress_network: Option<String>,
     /// `SANDCELL_HEARTBEAT_S`, default 5: how often the worker tells Postgres it is alive.
     pub heartbeat: Duration,
+    /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a redelivered job still `running` on another
+    /// worker is taken over only when that worker has been silent this long.
+    pub worker_dead_after: Duration,
+    /// `SANDCELL_SESSION_START_WAIT_S`, default 60: how long a job opening a session waits for
+    /// room on a full worker (after being offered to the others) before `capacity`.
+    pub session_start_wait: Duration,
+    /// `SANDCELL_SANDBOX_START_TRIES`, default 3: fresh sandboxes tried before
+    /// `sandbox_unavailable` is final.
+    pub sandbox_start_tries: u32,
     /// `SANDCELL_WORKER_METRICS_ADDR`, default `127.0.0.1:9465`.
     pub metrics_addr: SocketAddr,
 }
@@ -83,7 +94,6 @@ impl Config {
         let worker_id = config::var_or("SANDCELL_WORKER_ID", &default_id);
         anyhow::ensure!(is_valid_worker_id(&worker_id), "SANDCELL_WORKER_ID must be 1-64 characters of [A-Za-z0-9._-]");
         let policy = config::limit_policy_from_env()?;
-        let max_frame = usize::try_from(policy.max.artifact_bytes.saturating_mul(4) / 3 + (4 << 20)).unwrap_or(usize::MAX);
         let list = |name: &str, default: &str| -> Vec<String> {
             config::var_or(name, default).split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
         };
@@ -103,7 +113,7 @@ impl Config {
                 start_timeout: Duration::from_millis(config::parse_or("SANDCELL_SANDBOX_START_TIMEOUT_MS", 30_000u64)?),
                 preload: list("SANDCELL_PRELOAD", "numpy,pandas,matplotlib.pyplot"),
                 interrupt_grace: Duration::from_millis(config::parse_or("SANDCELL_INTERRUPT_GRACE_MS", 3_000u64)?),
-                max_frame,
+                max_frame: sandbox::frames::MAX_FRAME_BYTES,
                 cgroup_root: config::var_or("SANDCELL_CGROUP_ROOT", "/sys/fs/cgroup").into(),
             },
             max_attempts: config::parse_or("SANDCELL_MAX_ATTEMPTS", 3i32)?.max(1),
@@ -111,6 +121,9 @@ impl Config {
             egress_tenants,
             egress_network,
             heartbeat: Duration::from_secs_f64(config::parse_or("SANDCELL_HEARTBEAT_S", 5.0f64)?.max(0.1)),
+            worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
+            session_start_wait: Duration::from_secs_f64(config::parse_or("SANDCELL_SESSION_START_WAIT_S", 60.0f64)?.max(0.0)),
+            sandbox_start_tries: config::parse_or("SANDCELL_SANDBOX_START_TRIES", 3u32)?.max(1),
             metrics_addr: config::parse_or("SANDCELL_WORKER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9465)))?,
             policy,
         })
@@ -163,7 +176,8 @@ pub async fn run(cfg: Config) -> Result<()> {
         })
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
-    let ctx = consumer::WorkerContext {
+    let ctx = context::WorkerContext {
+        ledger: ledger::Ledger::new(metrics.clone()),
         slots: Arc::new(Semaphore::new(usize::from(cfg.slots))),
         session_capacity: Arc::new(Semaphore::new(usize::from(cfg.max_sessions))),
         cfg: Arc::new(cfg),

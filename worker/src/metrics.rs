@@ -28,6 +28,15 @@ pub struct Metrics {
     pub pool_takes: IntCounterVec,
     /// `sandcell_kernel_restarts_total`: session kernels replaced after dying or being killed.
     pub kernel_restarts: IntCounter,
+    /// `sandcell_worker_ack_failures_total{disposition}`: settling a job's message failed (its
+    /// channel closed); the broker redelivers it.
+    pub ack_failures: IntCounterVec,
+    /// `sandcell_worker_redeliveries_absorbed_total`: copies of a job already in flight here
+    /// that arrived (after a broker reconnect) and were not run again.
+    pub redeliveries_absorbed: IntCounter,
+    /// `sandcell_worker_sandbox_start_retries_total`: sandboxes that failed to start and were
+    /// tried again.
+    pub sandbox_start_retries: IntCounter,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -59,6 +68,12 @@ impl Metrics {
         registry.register(Box::new(pool_size.clone()))?;
         registry.register(Box::new(pool_takes.clone()))?;
         registry.register(Box::new(kernel_restarts.clone()))?;
+        let ack_failures = IntCounterVec::new(Opts::new("sandcell_worker_ack_failures_total", "Job messages whose ack/nack failed, by disposition"), &["disposition"])?;
+        let redeliveries_absorbed = IntCounter::new("sandcell_worker_redeliveries_absorbed_total", "Copies of jobs already in flight here that were not run again")?;
+        let sandbox_start_retries = IntCounter::new("sandcell_worker_sandbox_start_retries_total", "Sandboxes that failed to start and were tried again")?;
+        registry.register(Box::new(ack_failures.clone()))?;
+        registry.register(Box::new(redeliveries_absorbed.clone()))?;
+        registry.register(Box::new(sandbox_start_retries.clone()))?;
         Ok(Metrics {
             registry,
             jobs,
@@ -71,6 +86,9 @@ impl Metrics {
             pool_size,
             pool_takes,
             kernel_restarts,
+            ack_failures,
+            redeliveries_absorbed,
+            sandbox_start_retries,
         })
     }
 }

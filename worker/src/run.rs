@@ -7,15 +7,13 @@
 
 use std::collections::HashMap;
 
-use anyhow::{Context, Result};
-use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
+use anyhow::Result;
 use sandcell_core::jobs::{Claim, Finished, SessionTouch};
 use sandcell_core::store::Fetched;
 use sandcell_protocol::submission::is_valid_upload_key;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
 
-use crate::consumer::WorkerContext;
+use crate::context::WorkerContext;
 use crate::execute::Outcome;
 use crate::kernel::Kernel;
 use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
@@ -50,34 +48,27 @@ pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<V
 
 /// Inputs first, then the claim (unless `claimed` already): the files to run with and the
 /// claim, or `None` when the job must not run — it was refused (missing upload) or is not
-/// claimable — in which case its delivery is already acked.
-pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, delivery: &Delivery, claimed: Option<Claim>) -> Result<Option<(Vec<InputFile>, Claim)>> {
+/// claimable — and its message is to be acked.
+pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool, claimed: Option<Claim>) -> Result<Option<(Vec<InputFile>, Claim)>> {
     let files = match resolve_inputs(ctx, job).await {
         Ok(f) => f,
         Err(reason) => {
             refuse(ctx, job, &reason).await?;
-            delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
             return Ok(None);
         }
     };
     let claim = match claimed {
         Some(c) => Some(c),
-        None => claim(ctx, job, delivery.redelivered).await?,
+        None => claim(ctx, job, redelivered).await?,
     };
-    match claim {
-        Some(c) => Ok(Some((files, c))),
-        None => {
-            delivery.ack(BasicAckOptions::default()).await.context("acking job")?;
-            Ok(None)
-        }
-    }
+    Ok(claim.map(|c| (files, c)))
 }
 
 /// Claim a job; `None` when it must not run (finished, running elsewhere, unknown, or claimed
 /// too often — the last is failed with `too_many_attempts` here).
 pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> Result<Option<Claim>> {
     let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
-    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, redelivered).await? else {
+    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, redelivered, ctx.cfg.worker_dead_after).await? else {
         tracing::info!(tenant, job_id, redelivered, "job already running, finished or unknown; not run again");
         return Ok(None);
     };
@@ -122,14 +113,29 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
     }
 }
 
-/// A kernel for `spec`: a warm one when the pool has one of that shape, else a fresh one.
+/// A kernel for `spec`: a warm one when the pool has one of that shape, else a fresh one. A
+/// sandbox that fails to start (it died, or never became ready) is replaced by a fresh one up
+/// to `SANDCELL_SANDBOX_START_TRIES` times before the error is final (`sandbox_unavailable`).
 pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec) -> Result<Kernel> {
     if let Some(k) = ctx.pool.take(&spec.shape()) {
         return Ok(k);
     }
-    let k = Kernel::start(&ctx.docker, &ctx.cfg.kernel, spec).await?;
-    ctx.metrics.container_start_seconds.observe(k.start_time.as_secs_f64());
-    Ok(k)
+    let tries = ctx.cfg.sandbox_start_tries;
+    let mut attempt = 1;
+    loop {
+        match Kernel::start(&ctx.docker, &ctx.cfg.kernel, spec).await {
+            Ok(k) => {
+                ctx.metrics.container_start_seconds.observe(k.start_time.as_secs_f64());
+                return Ok(k);
+            }
+            Err(e) if attempt < tries => {
+                tracing::warn!(attempt, tries, error = format!("{e:#}"), "a sandbox failed to start; starting a fresh one");
+                ctx.metrics.sandbox_start_retries.inc();
+                attempt += 1;
+            }
+            Err(e) => return Err(e.context(format!("the sandbox failed to start {tries} times"))),
+        }
+    }
 }
 
 /// What a job's commit carries besides the cell's outcome.
@@ -146,15 +152,16 @@ pub struct Extras {
 /// Store the outcome's files and commit the result (with retries). An error means nothing was
 /// committed: the delivery must stay unacked.
 pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, mut o: Outcome, extras: Extras) -> Result<JobStatus> {
-    // The tenant's artifact quota: files beyond what it may still store are skipped and
-    // reported (figures are small and always kept).
-    if !o.files.is_empty() {
+    // The tenant's artifact quota: figures and files beyond what it may still store are
+    // skipped and reported.
+    if o.artifact_bytes() > 0 {
         let left = ctx.tenants.artifact_bytes_left(&job.tenant).await.unwrap_or_else(|e| {
             tracing::warn!(tenant = %job.tenant, error = format!("{e:#}"), "cannot read the tenant's artifact quota; storing anyway");
             u64::MAX
         });
-        o.keep_files_within(left);
+        o.keep_within_quota(left);
     }
+    o.settle_display_paths();
     let mut fin = Finished {
         status: o.status,
         stdout: o.stdout.text,
@@ -186,10 +193,45 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
         }
     }
     let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
-    let committed = sandcell_core::retry("committing a result", 6, |_| ctx.jobs.finish(tenant, job_id, &fin)).await?;
+    let mut status = fin.status;
+    let committed = match commit_with_retries(ctx, tenant, job_id, &fin).await {
+        Ok(c) => c,
+        Err(e) if sandcell_core::jobs::is_permanent(&e) => {
+            // The database refused this result as it is (it was never meant to): record the
+            // job's end with its own error rather than rerun it or stall the worker.
+            tracing::error!(tenant, job_id, error = format!("{e:#}"), "the database refused a result; recording result_not_storable");
+            let reason = Reason::new(ErrorCode::ResultNotStorable, format!("the result could not be stored ({status} as run): {e:#}"));
+            let fallback = Finished::bare(JobStatus::InfrastructureError, reason, fin.container_id.clone(), fin.session.clone());
+            status = fallback.status;
+            commit_with_retries(ctx, tenant, job_id, &fallback).await?
+        }
+        Err(e) => return Err(e),
+    };
     if !committed {
         tracing::warn!(tenant, job_id, "job was finished elsewhere; this result is discarded");
     }
-    ctx.metrics.jobs.with_label_values(&[fin.status.as_str()]).inc();
-    Ok(fin.status)
+    ctx.metrics.jobs.with_label_values(&[status.as_str()]).inc();
+    Ok(status)
 }
+
+/// Commit a result, retrying transient failures (the database restarting) for about two
+/// minutes; a permanent refusal is returned at once.
+async fn commit_with_retries(ctx: &WorkerContext, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
+    let mut delay = std::time::Duration::from_millis(200);
+    let mut attempt = 1;
+    loop {
+        match ctx.jobs.finish(tenant, job_id, fin).await {
+            Ok(c) => return Ok(c),
+            Err(e) if sandcell_core::jobs::is_permanent(&e) || attempt >= COMMIT_TRIES => return Err(e),
+            Err(e) => {
+                tracing::warn!(tenant, job_id, attempt, error = format!("{e:#}"), "committing a result failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                attempt += 1;
+            }
+        }
+    }
+}
+
+/// Tries of a commit before the job's message goes back to the queue (~2 minutes of backoff).
+const COMMIT_TRIES: u32 = 30;

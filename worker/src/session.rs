@@ -16,24 +16,23 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
 use sandcell_core::jobs::{Claim, SessionTouch};
 use sandcell_protocol::{ErrorCode, ExecutionJob, JobStatus, Reason, SessionState};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use crate::consumer::WorkerContext;
+use crate::context::WorkerContext;
 use crate::execute::Outcome;
+use crate::ledger::{Disposition, Ticket};
 use crate::kernel::{Kernel, OnTimeout};
 use crate::run::{self, Extras};
 use crate::sandbox::container::SandboxSpec;
 
-/// A job on its way to a session, with the delivery to ack once it is committed.
+/// A job on its way to a session, with the ticket to settle once it is committed.
 pub struct Work {
     /// The job.
     pub job: ExecutionJob,
-    /// Its delivery.
-    pub delivery: Delivery,
+    /// Its message's place in the ledger.
+    pub ticket: Ticket,
     /// Set when the job was claimed before it reached the session (the opening job).
     pub claim: Option<Claim>,
 }
@@ -93,19 +92,42 @@ enum End {
 
 /// Open the session `work.job` asks for and run the job in it. `work` is already claimed;
 /// `permit` is the session's place in this worker's capacity, released when it ends.
-pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) -> Result<()> {
-    let job = &work.job;
+pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) {
+    let Work { job, ticket, claim } = work;
+    let disposition = match bind_new(&ctx, &job, permit).await {
+        Ok(Opened::Task(task, rx)) => {
+            tokio::spawn(task.run(Work { job, ticket, claim }, rx));
+            return;
+        }
+        Ok(Opened::Refused) => Disposition::Ack,
+        Err(e) => {
+            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "opening a session failed; returning the job to the queue");
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            Disposition::Requeue
+        }
+    };
+    ticket.settle(disposition).await;
+}
+
+enum Opened {
+    /// The session is bound here; its task runs the opening job.
+    Task(SessionTask, mpsc::UnboundedReceiver<Work>),
+    /// The job was refused (no sandbox, or the session ended meanwhile) and that is recorded.
+    Refused,
+}
+
+/// Start the session's kernel and bind the session to this worker.
+async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphorePermit) -> Result<Opened> {
     let Some(session) = job.session.clone() else { anyhow::bail!("open called for a job without a session") };
     let limits = ctx.cfg.policy.cap(&job.limits);
-    let spec = run::spec_for(&ctx, job, &limits);
-    let kernel = match run::kernel_for(&ctx, &spec).await {
+    let spec = run::spec_for(ctx, job, &limits);
+    let kernel = match run::kernel_for(ctx, &spec).await {
         Ok(k) => k,
         Err(e) => {
             let reason = Reason::new(ErrorCode::SandboxUnavailable, format!("{e:#}"));
             ctx.sessions.end(&session.id, None, SessionState::Failed, Some(&reason)).await?;
-            run::commit(&ctx, job, &limits, Outcome::new(&limits).infra(reason.code, reason.message.clone()), Extras::default()).await?;
-            work.delivery.ack(BasicAckOptions::default()).await?;
-            return Ok(());
+            run::commit(ctx, job, &limits, Outcome::new(&limits).infra(reason.code, reason.message.clone()), Extras::default()).await?;
+            return Ok(Opened::Refused);
         }
     };
     // In the registry before it is active in Postgres: a job routed here finds it.
@@ -118,9 +140,8 @@ pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) 
             kernel.destroy().await;
             let state = ctx.sessions.state(&job.tenant, &session.id).await.ok().flatten();
             let reason = state.and_then(|s| s.refusal(&session.id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "the session could not be bound to this worker"));
-            run::refuse(&ctx, job, &reason).await?;
-            work.delivery.ack(BasicAckOptions::default()).await?;
-            return Ok(());
+            run::refuse(ctx, job, &reason).await?;
+            return Ok(Opened::Refused);
         }
     }
     ctx.metrics.sessions.inc();
@@ -134,8 +155,7 @@ pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) 
         ctx: ctx.clone(),
         _permit: permit,
     };
-    tokio::spawn(task.run(work, rx));
-    Ok(())
+    Ok(Opened::Task(task, rx))
 }
 
 struct SessionTask {
@@ -169,33 +189,35 @@ impl SessionTask {
         self.finish(end, mailbox).await;
     }
 
-    /// Run one job; log instead of failing (a job must never take the session down).
+    /// Run one job and settle its message; a failure is logged and the message returned to the
+    /// queue (a job must never take the session down).
     async fn step(&mut self, work: Work) -> Option<End> {
-        match self.process(work).await {
-            Ok(end) => end,
+        let Work { job, ticket, claim } = work;
+        match self.process(&job, ticket.redelivered, claim).await {
+            Ok(end) => {
+                ticket.settle(Disposition::Ack).await;
+                end
+            }
             Err(e) => {
-                // Nothing was committed; the delivery stays unacked and is redelivered when
-                // the worker's channel closes.
-                tracing::error!(session_id = %self.id, error = format!("{e:#}"), "session job failed");
+                tracing::error!(session_id = %self.id, job_id = %job.job_id, error = format!("{e:#}"), "session job failed; returning it to the queue");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                ticket.settle(Disposition::Requeue).await;
                 None
             }
         }
     }
 
-    async fn process(&mut self, work: Work) -> Result<Option<End>> {
+    /// Run one job to its commit (or its refusal). `Ok` means the message may be acked.
+    async fn process(&mut self, job: &ExecutionJob, redelivered: bool, claim: Option<Claim>) -> Result<Option<End>> {
         let ctx = self.ctx.clone();
-        let job = &work.job;
         let close = job.session.as_ref().is_some_and(|s| s.close);
-        let Some((files, _claim)) = run::prepare(&ctx, job, &work.delivery, work.claim).await? else { return Ok(None) };
+        let Some((files, _claim)) = run::prepare(&ctx, job, redelivered, claim).await? else { return Ok(None) };
         let limits = ctx.cfg.policy.cap(&job.limits);
         let Some(kernel) = self.kernel.as_mut() else { anyhow::bail!("session {} has no kernel", self.id) };
         let started = std::time::Instant::now();
         let cell = {
-            let _slot = ctx.slots.acquire().await?;
-            ctx.metrics.busy_slots.inc();
-            let cell = kernel.run(job, &files, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)).await;
-            ctx.metrics.busy_slots.dec();
-            cell
+            let _slot = ctx.slot().await?;
+            kernel.run(job, &files, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)).await
         };
         let mut outcome = cell.outcome;
         let mut extras = Extras {
@@ -234,7 +256,6 @@ impl SessionTask {
             }
         }
         let status = run::commit(&ctx, job, &limits, outcome, extras).await?;
-        work.delivery.ack(BasicAckOptions::default()).await?;
         ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
         tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id = %self.id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "session job finished");
         Ok(end)
@@ -274,11 +295,15 @@ impl SessionTask {
         mailbox.close();
         let refusal = reason.clone().or_else(|| state.refusal(&self.id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "session ended"));
         while let Ok(work) = mailbox.try_recv() {
-            if let Err(e) = run::refuse(&ctx, &work.job, &refusal).await {
-                tracing::error!(job_id = %work.job.job_id, error = format!("{e:#}"), "could not refuse a job of an ended session");
-                continue;
-            }
-            let _ = work.delivery.ack(BasicAckOptions::default()).await;
+            let disposition = match run::refuse(&ctx, &work.job, &refusal).await {
+                Ok(()) => Disposition::Ack,
+                Err(e) => {
+                    // Redelivered, it finds the session gone and is refused again.
+                    tracing::error!(job_id = %work.job.job_id, error = format!("{e:#}"), "could not refuse a job of an ended session");
+                    Disposition::Requeue
+                }
+            };
+            work.ticket.settle(disposition).await;
         }
         if let Some(k) = self.kernel.take() {
             k.destroy().await;

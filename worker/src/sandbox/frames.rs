@@ -8,6 +8,13 @@
 
 use thiserror::Error;
 
+/// The largest frame a worker accepts from a sandbox. The driver sends files in 1 MiB chunks
+/// and caps every rich-output value at 4 MiB and every frame at 24 MiB, so no honest frame
+/// comes near; a sandbox that announces more fails its job (`driver_protocol`) before the
+/// worker buffers it. This, not the job's limits, bounds what one sandbox can make the worker
+/// hold at once.
+pub const MAX_FRAME_BYTES: usize = 32 << 20;
+
 /// A framing violation by the sandbox.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum FrameError {

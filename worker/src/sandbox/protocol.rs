@@ -10,7 +10,7 @@ use sandcell_protocol::{ExecutionLimits, InputFile, Language};
 use serde::{Deserialize, Serialize};
 
 /// Version of the driver protocol this worker speaks.
-pub const DRIVER_PROTOCOL_VERSION: u32 = 1;
+pub const DRIVER_PROTOCOL_VERSION: u32 = 2;
 
 /// Run one cell.
 #[derive(Debug, Serialize)]
@@ -100,15 +100,20 @@ pub enum DriverEvent {
         /// Traceback lines.
         traceback: Vec<String>,
     },
-    /// An output file.
+    /// An output file; its bytes follow as [`DriverEvent::FileData`] chunks.
     File {
         /// Workspace-relative path.
         path: String,
-        /// The bytes, base64.
-        content_b64: String,
+        /// Its size in bytes (what the chunks must add up to).
+        size: u64,
         /// Sent because the job named it in `get_files` (it may be unchanged).
         #[serde(default)]
         requested: bool,
+    },
+    /// The next chunk (at most 1 MiB) of the file announced last.
+    FileData {
+        /// The bytes, base64.
+        content_b64: String,
     },
     /// The workspace listing asked for with `list_files`.
     FileList {

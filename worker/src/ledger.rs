@@ -1,0 +1,184 @@
+//! Who acks a job's message: handlers decide a [`Disposition`]; the [`Ledger`] acts on it.
+//!
+//! Every delivery of an execution job enters the ledger when it arrives and leaves it through
+//! [`Ticket::settle`] — the one place this worker acks, requeues or dead-letters a job. That
+//! place upholds the worker's delivery invariants:
+//! - **ack only after the commit**: handlers settle with [`Disposition::Ack`] once the job's
+//!   outcome is durable in Postgres (or the job must not run);
+//! - **a redelivered copy of a job in flight here is absorbed, not run again**: after a broker
+//!   reconnect the broker redelivers every unacked message; a copy of a job this worker is
+//!   still running (or holds in a session's mailbox) takes the place of the dead delivery, and
+//!   the running handler settles it when the job is committed;
+//! - **nothing is left unsettled**: a ticket dropped on an unexpected path (a panic, a bug)
+//!   requeues its message, so the job is redelivered rather than stranded;
+//! - **ack failures are named, logged and counted** (`sandcell_worker_ack_failures_total`): the
+//!   job's outcome is already durable, and its redelivery is acked without running (the claim
+//!   refuses a finished job).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use sandcell_protocol::ExecutionJob;
+
+use crate::metrics::Metrics;
+
+/// What to do with a job's message once its handler is done with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// The outcome is durable (or the job must not run): remove the message.
+    Ack,
+    /// Nothing durable happened and the job should run again: return the message to its queue.
+    Requeue,
+    /// The message is not a job this worker can read: park it in the dead-letter queue.
+    DeadLetter,
+}
+
+impl Disposition {
+    fn as_str(self) -> &'static str {
+        match self {
+            Disposition::Ack => "ack",
+            Disposition::Requeue => "requeue",
+            Disposition::DeadLetter => "dead_letter",
+        }
+    }
+}
+
+/// `(tenant, job_id)`: a job's identity.
+type Key = (String, String);
+
+/// The deliveries this worker holds, by job. Cheap to clone.
+#[derive(Clone)]
+pub struct Ledger {
+    held: Arc<Mutex<HashMap<Key, Delivery>>>,
+    metrics: Metrics,
+}
+
+/// A job's place in the ledger: whoever holds it must settle it.
+pub struct Ticket {
+    key: Option<Key>,
+    ledger: Ledger,
+    /// The first delivery of this job to reach this worker was a redelivery (the broker gave
+    /// it to a consumer before, which may have died mid-job).
+    pub redelivered: bool,
+    /// How often the broker had this message returned before (`x-delivery-count` of quorum
+    /// queues); a message returned more than [`sandcell_core::broker::DELIVERY_LIMIT`] times is
+    /// dead-lettered.
+    pub returns: i64,
+}
+
+impl Ledger {
+    /// An empty ledger.
+    pub fn new(metrics: Metrics) -> Self {
+        Ledger { held: Arc::new(Mutex::new(HashMap::new())), metrics }
+    }
+
+    /// Enter a delivery of `job`. `None` when this worker already holds the job: the new
+    /// delivery replaces the old one (whose channel is gone after a reconnect, or which is
+    /// acked here when it is a second copy on a live channel), and the handler already running
+    /// the job will settle it.
+    pub async fn enter(&self, job: &ExecutionJob, delivery: Delivery) -> Option<Ticket> {
+        let key = (job.tenant.clone(), job.job_id.clone());
+        let redelivered = delivery.redelivered;
+        let returns = delivery_count(&delivery);
+        let replaced = {
+            let Ok(mut held) = self.held.lock() else {
+                // A poisoned lock means a panic elsewhere; run the job rather than lose it.
+                return Some(Ticket { key: None, ledger: self.clone(), redelivered, returns });
+            };
+            match held.get_mut(&key) {
+                Some(current) => Some(std::mem::replace(current, delivery)),
+                None => {
+                    held.insert(key.clone(), delivery);
+                    None
+                }
+            }
+        };
+        match replaced {
+            None => Some(Ticket { key: Some(key), ledger: self.clone(), redelivered, returns }),
+            Some(old) => {
+                tracing::info!(tenant = %key.0, job_id = %key.1, "a copy of a job in flight here arrived; it will be settled with the running one");
+                self.metrics.redeliveries_absorbed.inc();
+                // On a closed channel this fails harmlessly; on a live one it retires the copy.
+                apply(&old, Disposition::Ack, &self.metrics).await;
+                None
+            }
+        }
+    }
+
+    /// Jobs held now (running, waiting for a slot, or in a session's mailbox).
+    pub fn len(&self) -> usize {
+        self.held.lock().map(|h| h.len()).unwrap_or(0)
+    }
+
+    /// Whether no job is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn take(&self, key: &Key) -> Option<Delivery> {
+        self.held.lock().ok().and_then(|mut h| h.remove(key))
+    }
+}
+
+impl Ticket {
+    /// Settle the job's current delivery: the one place a job's message is acked, requeued or
+    /// dead-lettered.
+    pub async fn settle(mut self, disposition: Disposition) {
+        let Some(key) = self.key.take() else { return };
+        match self.ledger.take(&key) {
+            Some(delivery) => apply(&delivery, disposition, &self.ledger.metrics).await,
+            None => tracing::warn!(tenant = %key.0, job_id = %key.1, "a job left the ledger before it was settled"),
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let Some(key) = self.key.take() else { return };
+        tracing::error!(tenant = %key.0, job_id = %key.1, "a job's ticket was dropped unsettled; requeueing its message");
+        let ledger = self.ledger.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Some(delivery) = ledger.take(&key) {
+                    apply(&delivery, Disposition::Requeue, &ledger.metrics).await;
+                }
+            });
+        }
+    }
+}
+
+/// The `x-delivery-count` header of a delivery (0 when absent: a first delivery).
+fn delivery_count(delivery: &Delivery) -> i64 {
+    use lapin::types::AMQPValue;
+    let headers = delivery.properties.headers().as_ref();
+    match headers.and_then(|h| h.inner().get("x-delivery-count")) {
+        Some(AMQPValue::LongLongInt(n)) => *n,
+        Some(AMQPValue::LongInt(n)) => i64::from(*n),
+        Some(AMQPValue::LongUInt(n)) => i64::from(*n),
+        Some(AMQPValue::ShortInt(n)) => i64::from(*n),
+        Some(AMQPValue::ShortUInt(n)) => i64::from(*n),
+        Some(AMQPValue::Timestamp(n)) => i64::try_from(*n).unwrap_or(i64::MAX),
+        _ => 0,
+    }
+}
+
+/// Settle a message that never became a ticket (it could not be decoded).
+pub async fn settle_undecodable(delivery: &Delivery, metrics: &Metrics) {
+    apply(delivery, Disposition::DeadLetter, metrics).await;
+}
+
+async fn apply(delivery: &Delivery, disposition: Disposition, metrics: &Metrics) {
+    let result = match disposition {
+        Disposition::Ack => delivery.ack(BasicAckOptions::default()).await,
+        Disposition::Requeue => delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await,
+        Disposition::DeadLetter => delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await,
+    };
+    if let Err(e) = result {
+        // The channel closed (a broker restart): the broker redelivers the message, and the
+        // redelivery finds the job finished (ack) or in flight here (absorbed).
+        metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
+        tracing::warn!(disposition = disposition.as_str(), delivery_tag = delivery.delivery_tag, error = %e, "settling a job's message failed; the broker will redeliver it");
+    }
+}
