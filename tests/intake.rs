@@ -159,9 +159,23 @@ async fn every_validation_error_is_rejected_with_its_documented_code() {
 async fn an_oversize_message_is_rejected_when_its_ids_are_readable() {
     let c = client().await;
     let mut b = body();
-    b["code"] = serde_json::json!(format!("print(1)\n#{}", "x".repeat(17 << 20)));
+    // Over the protocol's 16 MiB, under the broker's limit (16 MiB + 1 MiB for the envelope).
+    b["code"] = serde_json::json!(format!("print(1)\n#{}", "x".repeat((16 << 20) + 4096)));
     let (tenant, job_id) = (b["tenant"].as_str().unwrap().to_string(), b["job_id"].as_str().unwrap().to_string());
     c.submit_raw(b.to_string().as_bytes(), Some(&job_id)).await.unwrap();
     let r = c.wait(&tenant, &job_id, JOB_WAIT).await.unwrap();
     assert_eq!((r.status, r.reason.map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::OversizeMessage)));
+}
+
+#[tokio::test]
+async fn the_broker_refuses_a_message_over_its_limit_before_it_reaches_the_scheduler() {
+    let c = client().await;
+    let mut b = body();
+    b["code"] = serde_json::json!("x".repeat(18 << 20));
+    let err = c.submit_raw(b.to_string().as_bytes(), None).await.expect_err("the broker takes no 18 MiB message");
+    assert!(format!("{err:#}").contains("larger than configured max size"), "{err:#}");
+    // The client reconnects; the service goes on.
+    let c = client().await;
+    let next = run(&c, &python(&tenant(), "print('still serving')")).await;
+    assert_eq!(next.stdout, "still serving\n");
 }

@@ -39,6 +39,68 @@ async fn jobs_run_after_a_broker_restart() {
     assert_eq!(r.stdout, "after broker restart\n");
 }
 
+/// The worker's metric `name` (no labels), scraped from its `/metrics`.
+async fn worker_metric(name: &str) -> Option<f64> {
+    let (_, body) = http_get("http://127.0.0.1:9465/metrics").await.ok()?;
+    String::from_utf8_lossy(&body).lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Jobs that sleep `secs` and print their own id, submitted at once; returns them once all run.
+async fn running_sleepers(c: &sandcell_client::Client, n: usize, secs: u32) -> Vec<sandcell_protocol::Submission> {
+    let t = tenant();
+    let subs: Vec<_> = (0..n).map(|i| python(&t, &format!("import time\ntime.sleep({secs})\nprint('sleeper {i}')"))).collect();
+    for s in &subs {
+        c.submit(s).await.unwrap();
+    }
+    let pool = service_db().await;
+    let ids: Vec<String> = subs.iter().map(|s| s.job_id.clone()).collect();
+    let all_running = eventually(Duration::from_secs(60), || async {
+        let n_running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND job_id = ANY($2) AND status = 'running'")
+            .bind(&t)
+            .bind(&ids)
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+        (n_running == ids.len() as i64).then_some(())
+    })
+    .await;
+    assert!(all_running.is_some(), "the sleepers did not all start");
+    subs
+}
+
+#[tokio::test]
+async fn a_broker_restart_does_not_rerun_jobs_running_on_a_healthy_worker() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let absorbed_before = worker_metric("sandcell_worker_redeliveries_absorbed_total").await.unwrap_or(0.0);
+    // All four slots busy while the broker goes away and comes back.
+    let subs = running_sleepers(&c, 4, 20).await;
+    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+    both_healthy_again().await;
+    for (i, s) in subs.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("sleeper {i}\n"), 1), "run once: {r:?}");
+    }
+    let absorbed = worker_metric("sandcell_worker_redeliveries_absorbed_total").await.unwrap_or(0.0) - absorbed_before;
+    eprintln!("redelivered copies absorbed by the worker: {absorbed}");
+    // The slot gauge follows the slots: back to idle.
+    let idle = eventually(Duration::from_secs(10), || async { (worker_metric("sandcell_worker_busy_slots").await == Some(0.0)).then_some(()) }).await;
+    assert!(idle.is_some(), "busy slots stayed at {:?} on an idle worker", worker_metric("sandcell_worker_busy_slots").await);
+}
+
+#[tokio::test]
+async fn a_database_restart_mid_run_loses_no_result() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let subs = running_sleepers(&c, 2, 6).await;
+    sh("pg_ctlcluster 15 main restart");
+    both_healthy_again().await;
+    for (i, s) in subs.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("sleeper {i}\n"), 1), "{r:?}");
+    }
+}
+
 #[tokio::test]
 async fn jobs_run_after_a_database_restart() {
     let _serial = SERIAL.lock().await;

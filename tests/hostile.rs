@@ -1,0 +1,253 @@
+//! Hostile input that once harmed other tenants: text Postgres cannot store, bodies the intake
+//! could not record, names that collided, frames that grew the worker, jobs that got stuck.
+//! Each case proves its own clear, recorded outcome and that another tenant's job, running at
+//! the same time, is not touched (it runs once and succeeds).
+
+use std::time::Duration;
+
+use sandcell_protocol::{ErrorCode, JobResult, JobStatus};
+use sandcell_tests::*;
+use sqlx::Row;
+
+/// A job of another tenant, started before the hostile one and still running while it ends.
+struct Bystander {
+    tenant: String,
+    job_id: String,
+}
+
+impl Bystander {
+    async fn start(c: &sandcell_client::Client) -> Bystander {
+        let sub = python(&tenant(), "import time\ntime.sleep(3)\nprint('bystander done')");
+        c.submit(&sub).await.expect("submit");
+        Bystander { tenant: sub.tenant, job_id: sub.job_id }
+    }
+
+    /// It ran exactly once and succeeded.
+    async fn assert_unharmed(&self, c: &sandcell_client::Client) {
+        let r = c.wait(&self.tenant, &self.job_id, JOB_WAIT).await.expect("bystander result");
+        assert_eq!((r.status, r.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "bystander done\n", 1), "the other tenant's job was harmed: {r:?}");
+    }
+}
+
+fn code_of(r: &JobResult) -> Option<ErrorCode> {
+    r.reason.as_ref().map(|x| x.code)
+}
+
+const NUL_EVERYWHERE: &str = r#"
+import sys
+from IPython.display import display, HTML
+print('out\x00put')
+print('err\x00', file=sys.stderr)
+display(HTML('<b>\x00\x01\x1b</b>'))
+display({'text/plain': 'p\x00', 'application/json': {'k\x00': ['v\x00']}}, raw=True)
+class X:
+    def __repr__(self):
+        return 'r\x00\ud800'
+display(X())
+raise ValueError('bad\x00value \ud800')
+"#;
+
+#[tokio::test]
+async fn nul_and_control_characters_in_every_output_kind_are_stored() {
+    let c = client().await;
+    let by = Bystander::start(&c).await;
+    let t = tenant();
+    let r = run(&c, &python(&t, NUL_EVERYWHERE)).await;
+    assert_eq!(r.status, JobStatus::Failed, "{r:?}");
+    assert_eq!(code_of(&r), None, "the job's own exception, not an infrastructure failure: {r:?}");
+    assert_eq!(r.attempts, 1, "run once, never again: {r:?}");
+    assert_eq!(r.stdout, "out\u{FFFD}put\n");
+    assert_eq!(r.stderr, "err\u{FFFD}\n");
+    let err = r.error.as_ref().expect("the exception");
+    assert_eq!(err.ename, "ValueError");
+    assert!(err.evalue.contains("bad\u{FFFD}value"), "{err:?}");
+    let dump = serde_json::to_string(&r.outputs).unwrap();
+    assert!(!dump.contains("\\u0000"), "{dump}");
+    assert_eq!(r.outputs.len(), 3, "{dump}");
+    assert!(dump.contains("k\u{FFFD}") && dump.contains("r\u{FFFD}"), "{dump}");
+
+    // In a session the job ends too (it used to stay `running`), and the session goes on.
+    let open = run(&c, &open_session(&t, "kept = 7", Some(60))).await;
+    let sid = session_id(&open);
+    let r = run(&c, &in_session(&t, &sid, NUL_EVERYWHERE)).await;
+    assert_eq!((r.status, r.attempts), (JobStatus::Failed, 1), "{r:?}");
+    let r = run(&c, &in_session(&t, &sid, "kept * 6")).await;
+    assert_eq!(value(&r).as_deref(), Some("42"), "{r:?}");
+    by.assert_unharmed(&c).await;
+}
+
+/// The rows a body left: the job row under `(tenant, job_id)` if any, and the
+/// `intake_rejections` rows carrying `message_id`.
+async fn outcomes(pool: &sqlx::PgPool, tenant: &str, job_id: &str, message_id: &str) -> (Option<(String, Option<String>)>, i64) {
+    let job = sqlx::query("SELECT status, reason->>'code' AS code FROM jobs WHERE tenant = $1 AND job_id = $2")
+        .bind(tenant)
+        .bind(job_id)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .map(|r| (r.get::<String, _>("status"), r.get::<Option<String>, _>("code")));
+    let rejections: i64 = sqlx::query_scalar("SELECT count(*) FROM intake_rejections WHERE message_id = $1")
+        .bind(sandcell_protocol::storable::text(message_id).as_ref())
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    (job, rejections)
+}
+
+#[tokio::test]
+async fn every_hostile_body_gets_exactly_one_recorded_outcome() {
+    let c = client().await;
+    let by = Bystander::start(&c).await;
+    let pool = service_db().await;
+    let t = tenant();
+    let id = |n: &str| unique(n);
+    // (what, body, message id, the job id it names, expected job row code or None = intake_rejections)
+    let nul_lang = id("nul-lang");
+    let nul_field = id("nul-field");
+    let dup = id("dup");
+    let big = id("big");
+    let big_body = format!(r#"{{"tenant":"{t}","job_id":"{big}","language":"python","code":"{}"}}"#, "x".repeat((16 << 20) + 1024));
+    let cases: Vec<(&str, Vec<u8>, String, String, Option<&str>)> = vec![
+        ("NUL in a value", format!(r#"{{"tenant":"{t}","job_id":"{nul_lang}","language":"py\u0000thon","code":"1"}}"#).into_bytes(), id("m"), nul_lang.clone(), Some("unknown_language")),
+        ("NUL in a field name", format!(r#"{{"tenant":"{t}","job_id":"{nul_field}","language":"python","code":"1","x\u0000y":1}}"#).into_bytes(), id("m"), nul_field.clone(), Some("unknown_field")),
+        ("a repeated key", format!(r#"{{"tenant":"{t}","job_id":"{dup}","language":"python","code":"1","code":"2"}}"#).into_bytes(), id("m"), dup.clone(), None),
+        ("invalid UTF-8", b"\xff\xfe{\"job_id\": 1}".to_vec(), id("m"), id("none"), None),
+        ("NUL in the message id", b"not json".to_vec(), format!("{}\0x", id("m")), id("none"), None),
+        ("a body over the protocol's size", big_body.into_bytes(), id("m"), big.clone(), Some("oversize_message")),
+    ];
+    for (what, body, message_id, _, _) in &cases {
+        c.submit_raw(body, Some(message_id)).await.unwrap_or_else(|e| panic!("{what}: the broker refused it: {e}"));
+    }
+    for (what, _, message_id, job_id, expected) in &cases {
+        let seen = eventually(Duration::from_secs(30), || async {
+            let (job, rejections) = outcomes(&pool, &t, job_id, message_id).await;
+            (job.is_some() || rejections > 0).then_some((job, rejections))
+        })
+        .await;
+        let (job, rejections) = seen.unwrap_or_else(|| panic!("{what}: no recorded outcome"));
+        match expected {
+            Some(code) => assert_eq!((job, rejections), (Some(("rejected".to_string(), Some(code.to_string()))), 0), "{what}"),
+            None => assert_eq!((job, rejections), (None, 1), "{what}: one intake_rejections row"),
+        }
+    }
+    // Recorded on the first delivery: a redelivery loop would have added rows by now.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for (what, _, message_id, job_id, expected) in &cases {
+        if expected.is_none() {
+            assert_eq!(outcomes(&pool, &t, job_id, message_id).await.1, 1, "{what}: recorded once");
+        }
+    }
+    by.assert_unharmed(&c).await;
+}
+
+#[tokio::test]
+async fn names_that_cannot_be_told_apart_are_skipped_and_figures_never_overwrite_files() {
+    let c = client().await;
+    let code = r#"
+import os
+import matplotlib.pyplot as plt
+open(b'a\xff', 'wb').write(b'one')
+open(b'a\xfe', 'wb').write(b'two')
+os.makedirs('_display', exist_ok=True)
+open('_display/1.png', 'wb').write(b'mine')
+plt.plot([1, 2, 3])
+"#;
+    let r = run(&c, &python(&tenant(), code)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let skipped: Vec<_> = r.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+    assert_eq!(skipped, [("a\u{FFFD}", "invalid_name"), ("a\u{FFFD}", "invalid_name")], "{r:?}");
+    let file = r.artifacts.iter().find(|a| a.path == "_display/1.png").expect("the job's own file");
+    assert_eq!(file.size_bytes, 4, "the job's file keeps its own bytes: {r:?}");
+    let figure = displayed_png(&r).expect("the figure");
+    assert_ne!(figure, "_display/1.png", "{r:?}");
+    let fig = r.artifacts.iter().find(|a| a.path == figure).expect("figure artifact");
+    assert!(fig.size_bytes > 1000, "{fig:?}");
+}
+
+#[tokio::test]
+async fn figures_count_against_the_tenants_stored_bytes() {
+    let quotas = sandcell_core::tenants::Quotas { max_artifact_bytes: 1000, ..Default::default() };
+    let tenant = TestTenant::create(Some(quotas)).await;
+    let c = tenant.client().await;
+    let r = run(&c, &python(&tenant.name, "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])")).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert!(displayed_png(&r).is_none(), "a figure beyond the quota is not stored: {r:?}");
+    let skipped: Vec<_> = r.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+    assert_eq!(skipped, [("_display/1.png", "quota_exceeded")], "{r:?}");
+    let stored: i64 = sqlx::query_scalar("SELECT COALESCE(sum(size_bytes), 0)::bigint FROM artifacts WHERE tenant = $1")
+        .bind(&tenant.name)
+        .fetch_one(&service_db().await)
+        .await
+        .unwrap();
+    assert_eq!(stored, 0);
+}
+
+/// The worker's resident memory, from /proc (the worker started by deploy/local/test.sh).
+fn worker_rss_kb() -> Option<u64> {
+    let out = std::process::Command::new("pgrep").args(["-f", "target/debug/sandcell-worker"]).output().ok()?;
+    let pid = String::from_utf8_lossy(&out.stdout).split_whitespace().next()?.to_string();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[tokio::test]
+async fn a_forged_giant_frame_fails_its_job_without_growing_the_worker() {
+    let c = client().await;
+    let by = Bystander::start(&c).await;
+    let t = tenant();
+    // The code finds the driver's channel and announces a 600 MB frame, then streams bytes.
+    let code = r#"
+import gc, os, struct
+ch = next(o for o in gc.get_objects() if type(o).__name__ == 'Channel')
+os.write(ch.out_fd, struct.pack('>I', 600 << 20))
+chunk = b'x' * (1 << 20)
+for _ in range(600):
+    os.write(ch.out_fd, chunk)
+"#;
+    let before = worker_rss_kb();
+    let mut sub = python(&t, code);
+    sub.memory_mb = Some(128);
+    let r = run(&c, &sub).await;
+    let after = worker_rss_kb();
+    assert_eq!(code_of(&r), Some(ErrorCode::DriverProtocol), "{r:?}");
+    assert!(r.reason.as_ref().is_some_and(|x| x.message.contains("exceeds the limit")), "{r:?}");
+    if let (Some(before), Some(after)) = (before, after) {
+        eprintln!("worker RSS before {before} kB, after {after} kB");
+        assert!(after < before + 100 * 1024, "the worker grew from {before} kB to {after} kB");
+    }
+    assert_worker_serves(&c, &t, &r.worker_id).await;
+    by.assert_unharmed(&c).await;
+}
+
+#[tokio::test]
+async fn a_job_stuck_in_queued_is_ended_and_its_quota_released() {
+    let pool = service_db().await;
+    let t = tenant();
+    let (job_id, session) = (unique("stuck"), format!("ses_{}", uuid::Uuid::new_v4().simple()));
+    // What a lost message leaves behind: a job that never reached a worker, two hours ago,
+    // and the session it was to open.
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 20, 1000, 1000000)").bind(&t).execute(&pool).await.unwrap();
+    sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job, created_at) VALUES ($1, $2, 'starting', 60, $3, now() - interval '2 hours')")
+        .bind(&session)
+        .bind(&t)
+        .bind(&job_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO jobs (tenant, job_id, status, language, session_id, queued_at) VALUES ($1, $2, 'queued', 'python', $3, now() - interval '2 hours')")
+        .bind(&t)
+        .bind(&job_id)
+        .bind(&session)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let c = client().await;
+    let r = eventually(Duration::from_secs(30), || async { c.result(&t, &job_id).await.ok().flatten().filter(|r| r.status != JobStatus::Queued) }).await;
+    let r = r.expect("the stuck job was ended");
+    assert_eq!((r.status, code_of(&r)), (JobStatus::Rejected, Some(ErrorCode::Stuck)), "{r:?}");
+    let state: String = sqlx::query_scalar("SELECT state FROM sessions WHERE session_id = $1").bind(&session).fetch_one(&pool).await.unwrap();
+    assert_eq!(state, "failed");
+    // Nothing of the tenant's counts against its quotas any more.
+    let live: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')").bind(&t).fetch_one(&pool).await.unwrap();
+    assert_eq!(live, 0);
+}
