@@ -1,7 +1,7 @@
 //! `sandcell-admin`: operator commands. See `docs/security.md` ("Tenants").
 //!
 //! ```text
-//! sandcell-admin tenant create acme [--max-sessions 20] [--max-queued-jobs 1000] [--max-artifact-bytes N]
+//! sandcell-admin tenant create acme [--max-sessions 20] [--max-queued-jobs 1000] [--max-artifact-bytes N] [--max-jobs-in-flight 4]
 //! sandcell-admin tenant quotas acme --max-sessions 5
 //! sandcell-admin tenant show acme
 //! ```
@@ -61,6 +61,10 @@ struct QuotaArgs {
     /// Bytes of artifacts stored at once.
     #[arg(long)]
     max_artifact_bytes: Option<u64>,
+    /// One-off and session-opening jobs dispatched to workers at once (fair share); more wait
+    /// in Postgres, in order.
+    #[arg(long)]
+    max_jobs_in_flight: Option<u32>,
 }
 
 impl QuotaArgs {
@@ -69,12 +73,16 @@ impl QuotaArgs {
             max_sessions: self.max_sessions.unwrap_or(base.max_sessions),
             max_queued_jobs: self.max_queued_jobs.unwrap_or(base.max_queued_jobs),
             max_artifact_bytes: self.max_artifact_bytes.unwrap_or(base.max_artifact_bytes),
+            max_jobs_in_flight: self.max_jobs_in_flight.unwrap_or(base.max_jobs_in_flight).max(1),
         }
     }
 }
 
 fn print_quotas(name: &str, q: &Quotas) {
-    println!("tenant {name}: max_sessions={} max_queued_jobs={} max_artifact_bytes={}", q.max_sessions, q.max_queued_jobs, q.max_artifact_bytes);
+    println!(
+        "tenant {name}: max_sessions={} max_queued_jobs={} max_artifact_bytes={} max_jobs_in_flight={}",
+        q.max_sessions, q.max_queued_jobs, q.max_artifact_bytes, q.max_jobs_in_flight
+    );
 }
 
 #[tokio::main]

@@ -146,7 +146,7 @@ async fn main() -> Result<()> {
     let tenant = format!("bench{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     // The throughput run queues 1600 jobs at once: more than a default tenant may.
     let pool = sqlx::PgPool::connect(client.database_url()).await.context("connecting to Postgres")?;
-    let quotas = Quotas { max_sessions: 64, max_queued_jobs: 100_000, max_artifact_bytes: 1 << 40 };
+    let quotas = Quotas { max_sessions: 64, max_queued_jobs: 100_000, max_artifact_bytes: 1 << 40, max_jobs_in_flight: 1_000 };
     TenantStore::new(pool).set_quotas(&tenant, &quotas).await?;
     let watcher = Watcher::connect(&client, &tenant).await?;
     let b = Bench { client, watcher, tenant };

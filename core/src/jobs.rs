@@ -35,6 +35,9 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
 pub enum Recorded {
     /// A new job; it must be dispatched.
     New,
+    /// A new job of the shared queue, held: its tenant has `max_jobs_in_flight` jobs out
+    /// already (or older jobs held). The dispatcher publishes it when one of them finishes.
+    Held,
     /// The job id was already used by this tenant.
     Duplicate {
         /// Status of the existing job.
@@ -45,6 +48,8 @@ pub enum Recorded {
         same_payload: bool,
         /// The session the existing job runs in.
         session_id: Option<String>,
+        /// The existing job is held for the dispatcher (which will publish it).
+        held: bool,
     },
     /// The tenant is at a quota; nothing was recorded (the caller records the refusal).
     OverQuota(Reason),
@@ -170,6 +175,37 @@ pub fn is_permanent(e: &anyhow::Error) -> bool {
     })
 }
 
+/// A held job taken for dispatch: publish [`HeldJob::payload`] to the shared queue, then call
+/// [`HeldJob::dispatched`]. Dropped instead (the publish failed), the job stays held.
+pub struct HeldJob {
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    /// Its tenant.
+    pub tenant: String,
+    /// Its id.
+    pub job_id: String,
+    /// The execution job, as recorded at intake.
+    pub payload: Vec<u8>,
+}
+
+impl HeldJob {
+    /// The broker confirmed the publish: the job is in flight, and its tenant goes to the back
+    /// of the round-robin.
+    pub async fn dispatched(mut self) -> Result<()> {
+        sqlx::query("UPDATE jobs SET held_job = NULL, dispatched_at = now() WHERE tenant = $1 AND job_id = $2")
+            .bind(&self.tenant)
+            .bind(&self.job_id)
+            .execute(&mut *self.tx)
+            .await
+            .context("marking a held job dispatched")?;
+        sqlx::query("UPDATE tenants SET last_dispatch_at = clock_timestamp() WHERE tenant = $1")
+            .bind(&self.tenant)
+            .execute(&mut *self.tx)
+            .await
+            .context("moving the tenant to the back of the round-robin")?;
+        self.tx.commit().await.context("committing a dispatch")
+    }
+}
+
 /// A job a worker has claimed.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim {
@@ -220,7 +256,18 @@ impl JobStore {
     /// Record an accepted submission as `queued`, or report the existing job with that id. A job
     /// that opens a session records the session (`starting`) in the same transaction, so a
     /// duplicate submission never creates a second session.
-    pub async fn record_queued(&self, sub: &Submission, limits: &ExecutionLimits, sha256: &str, session: Option<JobSessionRecord<'_>>) -> Result<Recorded> {
+    ///
+    /// `shared` is the execution job of a job that travels on the shared queue (one-off, or
+    /// opening a session): when its tenant already has `max_jobs_in_flight` such jobs out, or
+    /// older ones held, it is recorded held (fair share) and the caller must not publish it.
+    pub async fn record_queued(
+        &self,
+        sub: &Submission,
+        limits: &ExecutionLimits,
+        sha256: &str,
+        session: Option<JobSessionRecord<'_>>,
+        shared: Option<&[u8]>,
+    ) -> Result<Recorded> {
         let limits_json = serde_json::to_value(limits).context("serializing limits")?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
         // Quotas are checked under the tenant's row lock; a resubmitted id is not a new job.
@@ -237,6 +284,25 @@ impl JobStore {
                 return Ok(Recorded::OverQuota(reason));
             }
         }
+        // Fair share, under the tenant's row lock taken by `admit`.
+        let held_job = match shared {
+            Some(payload) => {
+                let row = sqlx::query(
+                    "SELECT t.max_jobs_in_flight,
+                            count(j.job_id) FILTER (WHERE j.held_job IS NULL) AS out,
+                            count(j.job_id) FILTER (WHERE j.held_job IS NOT NULL) AS waiting
+                     FROM tenants t LEFT JOIN jobs j ON j.tenant = t.tenant AND j.shared AND j.status IN ('queued', 'running')
+                     WHERE t.tenant = $1 GROUP BY t.max_jobs_in_flight",
+                )
+                .bind(&sub.tenant)
+                .fetch_one(&mut *tx)
+                .await
+                .context("counting the tenant's jobs in flight")?;
+                let (max, out, waiting): (i32, i64, i64) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+                (waiting > 0 || out >= i64::from(max)).then_some(payload)
+            }
+            None => None,
+        };
         let session_id = match session {
             Some(JobSessionRecord::Open(id, keep_alive_s)) => {
                 sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job) VALUES ($1, $2, 'starting', $3, $4)")
@@ -253,8 +319,8 @@ impl JobStore {
             None => None,
         };
         let inserted = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6)
+            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8)
              ON CONFLICT (tenant, job_id) DO NOTHING",
         )
         .bind(&sub.tenant)
@@ -263,18 +329,21 @@ impl JobStore {
         .bind(sha256)
         .bind(limits_json)
         .bind(session_id)
+        .bind(shared.is_some())
+        .bind(held_job)
         .execute(&mut *tx)
         .await
         .context("inserting job")?
         .rows_affected();
         if inserted == 1 {
             tx.commit().await.context("committing job")?;
-            return Ok(Recorded::New);
+            return Ok(if held_job.is_some() { Recorded::Held } else { Recorded::New });
         }
         // The id is taken: drop the session this copy would have opened.
         tx.rollback().await.context("rolling back duplicate")?;
         let row = sqlx::query(
-            "SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256, session_id FROM jobs WHERE tenant = $1 AND job_id = $2",
+            "SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256, session_id, held_job IS NOT NULL AS held
+             FROM jobs WHERE tenant = $1 AND job_id = $2",
         )
         .bind(&sub.tenant)
         .bind(&sub.job_id)
@@ -288,7 +357,60 @@ impl JobStore {
             dispatched: row.try_get("dispatched")?,
             same_payload: previous.as_deref() == Some(sha256),
             session_id: row.try_get("session_id")?,
+            held: row.try_get("held")?,
         })
+    }
+
+    /// Tenants with held jobs, the one dispatched to longest ago first: the dispatcher's
+    /// round-robin order.
+    pub async fn tenants_with_held_jobs(&self, limit: i64) -> Result<Vec<String>> {
+        sqlx::query_scalar(
+            "SELECT t.tenant FROM tenants t
+             WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = t.tenant AND j.held_job IS NOT NULL AND j.status = 'queued')
+             ORDER BY t.last_dispatch_at NULLS FIRST, t.tenant LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .context("listing tenants with held jobs")
+    }
+
+    /// The oldest held job of `tenant` when the tenant has room for one more job in flight.
+    /// The tenant's row stays locked (no intake of its jobs, no other dispatcher) until the
+    /// [`HeldJob`] is marked dispatched or dropped; `None` also when another scheduler holds
+    /// that lock.
+    pub async fn take_held(&self, tenant: &str) -> Result<Option<HeldJob>> {
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let locked = sqlx::query("SELECT 1 FROM tenants WHERE tenant = $1 FOR UPDATE SKIP LOCKED")
+            .bind(tenant)
+            .fetch_optional(&mut *tx)
+            .await
+            .context("locking tenant")?;
+        if locked.is_none() {
+            return Ok(None);
+        }
+        let room: bool = sqlx::query_scalar(
+            "SELECT count(j.job_id) < t.max_jobs_in_flight
+             FROM tenants t LEFT JOIN jobs j ON j.tenant = t.tenant AND j.shared AND j.status IN ('queued', 'running') AND j.held_job IS NULL
+             WHERE t.tenant = $1 GROUP BY t.max_jobs_in_flight",
+        )
+        .bind(tenant)
+        .fetch_one(&mut *tx)
+        .await
+        .context("counting the tenant's jobs in flight")?;
+        if !room {
+            return Ok(None);
+        }
+        let row = sqlx::query(
+            "SELECT job_id, held_job FROM jobs WHERE tenant = $1 AND held_job IS NOT NULL AND status = 'queued'
+             ORDER BY queued_at, job_id LIMIT 1",
+        )
+        .bind(tenant)
+        .fetch_optional(&mut *tx)
+        .await
+        .context("reading the oldest held job")?;
+        let Some(row) = row else { return Ok(None) };
+        Ok(Some(HeldJob { tx, tenant: tenant.to_string(), job_id: row.try_get("job_id")?, payload: row.try_get("held_job")? }))
     }
 
     /// Note that the job was confirmed on the jobs queue.

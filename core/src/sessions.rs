@@ -198,9 +198,10 @@ impl SessionStore {
 }
 
 impl SessionStore {
-    /// End what stayed `queued` (jobs) or `starting` (sessions) longer than `after`: such a job's
-    /// message was lost (dead-lettered, or its queue deleted), and it must not hold its tenant's
-    /// quota forever. Sessions become `failed`, their unfinished jobs end by the rule of
+    /// End what stayed `queued` (jobs) or `starting` (sessions) longer than `after` since it was
+    /// dispatched: such a job's message was lost (dead-lettered, or its queue deleted), and it
+    /// must not hold its tenant's quota forever. Jobs held for fair share are waiting, not lost,
+    /// and are left alone. Sessions become `failed`, their unfinished jobs end by the rule of
     /// [`crate::jobs::REFUSE_SET`]; queued jobs become `rejected`. All with reason `stuck`.
     /// Returns (jobs, sessions) ended.
     pub async fn end_stuck(&self, after: Duration) -> Result<(u64, u64)> {
@@ -211,6 +212,7 @@ impl SessionStore {
         let sessions: Vec<String> = sqlx::query_scalar(
             "UPDATE sessions SET state = 'failed', ended_at = now(), end_reason = $2
              WHERE state = 'starting' AND state = ANY($3) AND created_at < now() - $1 * interval '1 millisecond'
+               AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.session_id = sessions.session_id AND j.held_job IS NOT NULL)
              RETURNING session_id",
         )
         .bind(millis)
@@ -225,7 +227,8 @@ impl SessionStore {
         debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected));
         let jobs = sqlx::query(
             "UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now()
-             WHERE status = 'queued' AND queued_at < now() - $1 * interval '1 millisecond'",
+             WHERE status = 'queued' AND held_job IS NULL
+               AND COALESCE(dispatched_at, queued_at) < now() - $1 * interval '1 millisecond'",
         )
         .bind(millis)
         .bind(&reason)

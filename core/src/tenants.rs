@@ -27,23 +27,28 @@ pub struct Quotas {
     pub max_queued_jobs: u32,
     /// Bytes of artifacts still available in the store.
     pub max_artifact_bytes: u64,
+    /// Jobs of the shared queue (one-off, or opening a session) dispatched and unfinished at
+    /// once; more are held in Postgres and dispatched as these finish (fair share).
+    pub max_jobs_in_flight: u32,
 }
 
 impl Default for Quotas {
     fn default() -> Self {
-        Quotas { max_sessions: 20, max_queued_jobs: 1000, max_artifact_bytes: 5 * 1024 * 1024 * 1024 }
+        Quotas { max_sessions: 20, max_queued_jobs: 1000, max_artifact_bytes: 5 * 1024 * 1024 * 1024, max_jobs_in_flight: 4 }
     }
 }
 
 impl Quotas {
     /// The operator's defaults for new tenants: `SANDCELL_DEFAULT_MAX_SESSIONS` (20),
-    /// `SANDCELL_DEFAULT_MAX_QUEUED_JOBS` (1000), `SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES` (5 GiB).
+    /// `SANDCELL_DEFAULT_MAX_QUEUED_JOBS` (1000), `SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES` (5 GiB),
+    /// `SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT` (4).
     pub fn from_env() -> Result<Self> {
         let d = Quotas::default();
         Ok(Quotas {
             max_sessions: parse_or("SANDCELL_DEFAULT_MAX_SESSIONS", d.max_sessions)?,
             max_queued_jobs: parse_or("SANDCELL_DEFAULT_MAX_QUEUED_JOBS", d.max_queued_jobs)?,
             max_artifact_bytes: parse_or("SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES", d.max_artifact_bytes)?,
+            max_jobs_in_flight: parse_or("SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT", d.max_jobs_in_flight)?.max(1),
         })
     }
 }
@@ -52,13 +57,14 @@ impl Quotas {
 /// tenant row (its notification channel lives there).
 pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: &Quotas) -> Result<()> {
     sqlx::query(
-        "INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, $2, $3, $4)
+        "INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight) VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT (tenant) DO NOTHING",
     )
     .bind(tenant)
     .bind(i32::try_from(defaults.max_sessions).unwrap_or(i32::MAX))
     .bind(i32::try_from(defaults.max_queued_jobs).unwrap_or(i32::MAX))
     .bind(i64::try_from(defaults.max_artifact_bytes).unwrap_or(i64::MAX))
+    .bind(i32::try_from(defaults.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
     .execute(&mut **tx)
     .await
     .with_context(|| format!("registering tenant {tenant}"))?;
@@ -178,11 +184,12 @@ impl TenantStore {
     }
 
     async fn set_quotas_in(&self, tx: &mut Transaction<'_, Postgres>, tenant: &str, q: &Quotas) -> Result<()> {
-        sqlx::query("UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4 WHERE tenant = $1")
+        sqlx::query("UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4, max_jobs_in_flight = $5 WHERE tenant = $1")
             .bind(tenant)
             .bind(i32::try_from(q.max_sessions).unwrap_or(i32::MAX))
             .bind(i32::try_from(q.max_queued_jobs).unwrap_or(i32::MAX))
             .bind(i64::try_from(q.max_artifact_bytes).unwrap_or(i64::MAX))
+            .bind(i32::try_from(q.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
             .execute(&mut **tx)
             .await
             .context("updating quotas")?;
@@ -191,7 +198,7 @@ impl TenantStore {
 
     /// The tenant's quotas, if it is registered.
     pub async fn quotas(&self, tenant: &str) -> Result<Option<Quotas>> {
-        let row = sqlx::query("SELECT max_sessions, max_queued_jobs, max_artifact_bytes FROM tenants WHERE tenant = $1")
+        let row = sqlx::query("SELECT max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight FROM tenants WHERE tenant = $1")
             .bind(tenant)
             .fetch_optional(&self.pool)
             .await
@@ -201,6 +208,7 @@ impl TenantStore {
                 max_sessions: u32::try_from(r.try_get::<i32, _>(0)?).unwrap_or(0),
                 max_queued_jobs: u32::try_from(r.try_get::<i32, _>(1)?).unwrap_or(0),
                 max_artifact_bytes: u64::try_from(r.try_get::<i64, _>(2)?).unwrap_or(0),
+                max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>(3)?).unwrap_or(1),
             })
         })
         .transpose()

@@ -33,7 +33,9 @@ failed=()
 run_pass() {
     local runtime=$1 scope=$2
     export SANDCELL_DOCKER_RUNTIME=$runtime
-    start_sandcell "$repo/target/debug" "$repo/target/test-logs/$runtime"
+    # The chaos test kills and restarts the binaries: it finds their pid files and logs here.
+    export SANDCELL_RUN_DIR SANDCELL_TEST_LOG_DIR="$repo/target/test-logs/$runtime"
+    start_sandcell "$repo/target/debug" "$SANDCELL_TEST_LOG_DIR"
     echo "== [$runtime] scheduler and worker are up"
 
     echo "== [$runtime] driver tests inside $SANDCELL_SANDBOX_IMAGE"

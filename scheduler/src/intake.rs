@@ -257,15 +257,37 @@ async fn accept(
         }
     };
     let record = session.as_ref().map(|s| if s.new { JobSessionRecord::Open(&s.id, s.keep_alive_s) } else { JobSessionRecord::Existing(&s.id) });
-    match jobs.record_queued(sub, &limits, &digest, record).await? {
+    let mut job = ExecutionJob {
+        tenant: sub.tenant.clone(),
+        job_id: sub.job_id.clone(),
+        language: sub.language,
+        code: sub.code.clone(),
+        files: sub.files.clone(),
+        limits: limits.clone(),
+        session: session.clone(),
+        get_files: sub.get_files.clone(),
+        list_files: sub.list_files,
+    };
+    let mut payload = serde_json::to_vec(&job).context("serializing execution job")?;
+    // Jobs of the shared queue are subject to their tenant's fair share.
+    let shared = (queue == broker::JOBS_QUEUE).then_some(payload.as_slice());
+    match jobs.record_queued(sub, &limits, &digest, record, shared).await? {
         Recorded::New => {}
+        Recorded::Held => {
+            tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "tenant at its jobs in flight; job held for the dispatcher");
+            metrics.submissions.with_label_values(&["held"]).inc();
+            return Ok(Disposition::Ack);
+        }
         // Only the delivery that recorded the job (retried, or redelivered after the scheduler
         // died) finishes its dispatch; a concurrent duplicate must not dispatch it a second time.
-        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, session_id, .. } if may_redispatch => {
+        // A held job is the dispatcher's to publish.
+        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, held: false, session_id, .. } if may_redispatch => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "job recorded earlier but never dispatched; dispatching now");
             // The session the first copy opened, not the one this copy would have.
             if let (Some(s), Some(recorded)) = (session.as_mut(), session_id) {
                 s.id = recorded;
+                job.session = session;
+                payload = serde_json::to_vec(&job).context("serializing execution job")?;
             }
         }
         Recorded::OverQuota(reason) => return refuse(jobs, metrics, sub, &reason).await,
@@ -279,18 +301,6 @@ async fn accept(
             return Ok(Disposition::Ack);
         }
     }
-    let job = ExecutionJob {
-        tenant: sub.tenant.clone(),
-        job_id: sub.job_id.clone(),
-        language: sub.language,
-        code: sub.code.clone(),
-        files: sub.files.clone(),
-        limits,
-        session,
-        get_files: sub.get_files.clone(),
-        list_files: sub.list_files,
-    };
-    let payload = serde_json::to_vec(&job).context("serializing execution job")?;
     let props = broker::json_properties(&format!("{}/{}", sub.tenant, sub.job_id));
     if let Err(e) = broker::publish_confirmed(publisher, &queue, &payload, props).await {
         if e.downcast_ref::<broker::Unroutable>().is_none() {

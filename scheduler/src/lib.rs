@@ -4,10 +4,13 @@
 //!   `user_id`, judges each message with [`sandcell_protocol::parse_submission`], checks the
 //!   tenant's quotas, records the job (or its rejection) in Postgres and publishes the
 //!   execution job to `sandcell.jobs` (or the session's worker queue);
+//! - [`dispatch`] publishes jobs held for fair share as their tenants' jobs finish, round-robin
+//!   across tenants;
 //! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, and
 //!   declares the sessions of workers whose heartbeat stopped `lost`;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 
+pub mod dispatch;
 pub mod intake;
 pub mod metrics;
 pub mod sweeper;
@@ -44,6 +47,9 @@ pub struct Config {
     pub keep_alive: KeepAlivePolicy,
     /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a worker silent this long has lost its sessions.
     pub worker_dead_after: Duration,
+    /// `SANDCELL_DISPATCH_INTERVAL_MS`, default 100: how often the dispatcher looks for held
+    /// jobs whose tenant has room again (the most a held job waits beyond a free place).
+    pub dispatch_interval: Duration,
     /// `SANDCELL_STUCK_AFTER_S`, default 3600: a job still `queued` (or a session `starting`)
     /// this long after it was recorded is ended with `stuck` and releases its quota.
     pub stuck_after: Duration,
@@ -66,6 +72,7 @@ impl Config {
             prefetch: config::parse_or("SANDCELL_INTAKE_PREFETCH", 32u16)?.max(1),
             keep_alive: config::keep_alive_policy_from_env()?,
             worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
+            dispatch_interval: Duration::from_millis(config::parse_or("SANDCELL_DISPATCH_INTERVAL_MS", 100u64)?.max(1)),
             stuck_after: Duration::from_secs_f64(config::parse_or("SANDCELL_STUCK_AFTER_S", 3600.0f64)?.max(1.0)),
             trusted_publishers: config::var_or("SANDCELL_TRUSTED_PUBLISHERS", "sandcell")
                 .split(',')
@@ -107,11 +114,13 @@ pub async fn run(cfg: Config) -> Result<()> {
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
     let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, cfg.worker_dead_after, cfg.stuck_after));
+    let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));
     let intake = tokio::spawn(intake::run(cfg, jobs, metrics, broker_up));
 
     tokio::select! {
         r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
         r = sweeper => r.context("sweeper task panicked"),
+        r = dispatcher => r.context("dispatcher task panicked"),
         r = intake => r.context("intake task panicked"),
         _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted; stopping"); Ok(()) }
     }

@@ -7,7 +7,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Reg
 pub struct Metrics {
     /// The registry served on `/metrics`.
     pub registry: Registry,
-    /// `sandcell_submissions_total{outcome}`: accepted, duplicate, rejected, dead_lettered.
+    /// `sandcell_submissions_total{outcome}`: accepted, held, duplicate, rejected, dead_lettered.
     pub submissions: IntCounterVec,
     /// `sandcell_intake_seconds`: from delivery to ack for accepted submissions.
     pub intake_seconds: Histogram,
@@ -21,6 +21,8 @@ pub struct Metrics {
     /// `sandcell_stuck_ended_total{what}`: jobs (`job`) and sessions (`session`) ended by the
     /// sweeper after staying `queued`/`starting` past `SANDCELL_STUCK_AFTER_S`.
     pub stuck_ended: IntCounterVec,
+    /// `sandcell_held_jobs_dispatched_total`: held jobs (fair share) published by the dispatcher.
+    pub held_dispatched: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -42,6 +44,8 @@ impl Metrics {
         let stuck_ended = IntCounterVec::new(Opts::new("sandcell_stuck_ended_total", "Jobs and sessions ended after staying queued/starting too long"), &["what"])?;
         registry.register(Box::new(ack_failures.clone()))?;
         registry.register(Box::new(stuck_ended.clone()))?;
-        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired, ack_failures, stuck_ended })
+        let held_dispatched = prometheus::IntCounter::new("sandcell_held_jobs_dispatched_total", "Held jobs published by the fair-share dispatcher")?;
+        registry.register(Box::new(held_dispatched.clone()))?;
+        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired, ack_failures, stuck_ended, held_dispatched })
     }
 }

@@ -139,8 +139,12 @@ impl Sandbox {
         d
     }
 
-    /// Kill the container now (wall-clock timeout).
+    /// Kill the container now (a wall-clock timeout, or a protocol violation); nothing more is
+    /// read from it. The attach connection is closed first: a sandbox that wrote more than the
+    /// worker read leaves Docker blocked writing to it, and Docker then holds the kill (and the
+    /// removal) until its own timeout.
     pub async fn kill(&mut self) {
+        self.hang_up();
         if let Err(e) = self.docker.kill_container(&self.id, Some(KillContainerOptions { signal: "KILL".into() })).await {
             tracing::debug!(container = %self.id, error = %e, "kill failed (already stopped?)");
         }
@@ -169,7 +173,14 @@ impl Sandbox {
     /// Remove the container and its workspace.
     pub async fn destroy(mut self) {
         self.guard.id = None;
+        self.hang_up();
         remove(&self.docker, &self.id).await;
+    }
+
+    /// Close the attach connection: from here on the driver can neither be heard nor told.
+    fn hang_up(&mut self) {
+        self.output = Box::pin(futures::stream::empty());
+        self.input = None;
     }
 }
 
@@ -191,12 +202,17 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// Longest wait for Docker to remove a container (a job never waits forever on Docker; a
+/// container left behind is removed by the next start's sweep).
+const REMOVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 async fn remove(docker: &Docker, id: &str) {
     let opts = RemoveContainerOptions { force: true, v: true, link: false };
-    match docker.remove_container(id, Some(opts)).await {
-        Ok(()) => tracing::debug!(container = %id, "sandbox removed"),
-        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
-        Err(e) => tracing::warn!(container = %id, error = %e, "removing sandbox failed"),
+    match tokio::time::timeout(REMOVE_TIMEOUT, docker.remove_container(id, Some(opts))).await {
+        Ok(Ok(())) => tracing::debug!(container = %id, "sandbox removed"),
+        Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => {}
+        Ok(Err(e)) => tracing::warn!(container = %id, error = %e, "removing sandbox failed"),
+        Err(_) => tracing::error!(container = %id, timeout_s = REMOVE_TIMEOUT.as_secs(), "Docker did not remove a sandbox in time; it is left for the sweep"),
     }
 }
 

@@ -1,0 +1,61 @@
+//! Fair share: one tenant's backlog does not delay another tenant's job by more than about one
+//! job's run time. A test binary of its own, so that no other test's jobs share the worker while
+//! it measures.
+
+use std::time::Duration;
+
+use sandcell_protocol::JobStatus;
+use sandcell_tests::*;
+
+/// The run time of one flood job.
+const FLOOD_JOB_S: u64 = 4;
+
+#[tokio::test]
+async fn a_tenants_flood_does_not_delay_another_tenants_job() {
+    let c = client().await;
+    let pool = service_db().await;
+    // 16 four-second jobs of one tenant: four times the worker's slots (and the tenant's
+    // default max_jobs_in_flight).
+    let flooder = tenant();
+    let flood: Vec<_> = (0..16).map(|i| python(&flooder, &format!("import time\ntime.sleep({FLOOD_JOB_S})\nprint({i})"))).collect();
+    for s in &flood {
+        c.submit(s).await.unwrap();
+    }
+    let busy = eventually(Duration::from_secs(60), || async {
+        let running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status = 'running'")
+            .bind(&flooder)
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+        (running >= 4).then_some(())
+    })
+    .await;
+    assert!(busy.is_some(), "the flood never filled the worker");
+    // Held, not queued on the broker: the flooder never has more than its quota out.
+    let out: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running') AND held_job IS NULL")
+        .bind(&flooder)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(out <= 4, "{out} of the flooder's jobs are out at once");
+
+    let other = run(&c, &python(&tenant(), "6 * 7")).await;
+    assert_eq!(value(&other).as_deref(), Some("42"), "{other:?}");
+    let waited = (other.timings.started_at.expect("started") - other.timings.queued_at).to_std().unwrap_or_default();
+    eprintln!("another tenant's 6*7 waited {waited:?} behind a flood of 16 x {FLOOD_JOB_S} s jobs");
+    assert!(waited < Duration::from_secs(FLOOD_JOB_S + 2), "waited {waited:?}: more than one job's run time");
+
+    // The flood itself completes, every job once, in the order it was recorded (the intake
+    // handles one tenant's one-off submissions concurrently, so that is close to, not exactly,
+    // the order they were sent), four side by side.
+    let mut timings = Vec::new();
+    for (i, s) in flood.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{i}\n"), 1), "{r:?}");
+        timings.push((r.timings.queued_at, r.timings.started_at.expect("started")));
+    }
+    timings.sort();
+    for (i, w) in timings.windows(5).enumerate() {
+        assert!(w[0].1 <= w[4].1, "the job recorded {i}th started after the one recorded {}th: {timings:?}", i + 4);
+    }
+}
