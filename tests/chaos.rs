@@ -85,7 +85,7 @@ async fn final_result(sub: &Submission, deadline: Instant) -> Option<JobResult> 
 
 #[tokio::test]
 async fn jobs_survive_kills_and_restarts_none_lost_none_stuck_none_run_twice_without_a_worker_death() {
-    let mut c = client().await;
+    let c = client().await;
     let tenants: Vec<String> = (0..3).map(|_| tenant()).collect();
     // Each tenant: 4 sessions of 8 jobs counting up, and 40 one-off jobs, interleaved.
     let mut sessions = Vec::new();
@@ -123,13 +123,22 @@ async fn jobs_survive_kills_and_restarts_none_lost_none_stuck_none_run_twice_wit
     };
     let mut ran_on_killed_worker = HashSet::new();
 
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    // A sandbox killed mid-cell.
-    let victim = sh("docker ps -q --filter label=sandcell.job --filter label=sandcell.worker=test-worker | head -n 1");
-    if !victim.trim().is_empty() {
-        sh(&format!("docker kill {} >/dev/null", victim.trim()));
-    }
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // A sandbox killed mid-cell: a long cell in a container of its own (a shape the warm pool
+    // does not have, so the container carries the job's label).
+    let mut victim = python(&tenants[0], "import time\ntime.sleep(60)\nprint('not reached')");
+    victim.memory_mb = Some(512);
+    c.submit(&victim).await.unwrap();
+    let container = eventually(Duration::from_secs(60), || async {
+        let id = sh(&format!("docker ps -q --filter label=sandcell.job={}", victim.job_id));
+        Some(id.trim().to_string()).filter(|id| !id.is_empty())
+    })
+    .await
+    .expect("the victim's container");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    sh(&format!("docker kill {container} >/dev/null"));
+    // Its job ends at once, as the code's own failure: the interpreter is gone.
+    let v = final_result(&victim, Instant::now() + Duration::from_secs(20)).await.expect("the victim's result");
+    assert_eq!((v.status, v.reason.as_ref().map(|r| r.code), v.attempts), (JobStatus::Failed, Some(sandcell_protocol::ErrorCode::DriverProtocol), 1), "{v:?}");
     // The worker, SIGKILLed with jobs running.
     ran_on_killed_worker.extend(running_now().await);
     kill_and_restart("worker");

@@ -31,18 +31,19 @@ async fn a_tenants_flood_does_not_delay_another_tenants_job() {
     })
     .await;
     assert!(busy.is_some(), "the flood never filled the worker");
+    let other = python(&tenant(), "6 * 7");
+    c.submit(&other).await.unwrap();
     // Held, not queued on the broker: the flooder never has more than its quota out.
-    let out: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running') AND held_job IS NULL")
+    let out: Result<i64, _> = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running') AND held_job IS NULL")
         .bind(&flooder)
         .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert!(out <= 4, "{out} of the flooder's jobs are out at once");
-
-    let other = run(&c, &python(&tenant(), "6 * 7")).await;
+        .await;
+    let other = c.wait(&other.tenant, &other.job_id, JOB_WAIT).await.unwrap();
     assert_eq!(value(&other).as_deref(), Some("42"), "{other:?}");
     let waited = (other.timings.started_at.expect("started") - other.timings.queued_at).to_std().unwrap_or_default();
     eprintln!("another tenant's 6*7 waited {waited:?} behind a flood of 16 x {FLOOD_JOB_S} s jobs");
+    let out = out.expect("counting the flooder's jobs out");
+    assert!(out <= 4, "{out} of the flooder's jobs are out at once");
     assert!(waited < Duration::from_secs(FLOOD_JOB_S + 2), "waited {waited:?}: more than one job's run time");
 
     // The flood itself completes, every job once, in the order it was recorded (the intake
