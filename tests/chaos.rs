@@ -9,38 +9,10 @@
 //! started (pid files in `$SANDCELL_RUN_DIR`, logs appended to the same files).
 
 use std::collections::{BTreeMap, HashSet};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sandcell_protocol::{JobResult, JobStatus, Submission};
 use sandcell_tests::*;
-
-fn sh(cmd: &str) -> String {
-    let out = Command::new("bash").arg("-c").arg(cmd).output().expect("bash");
-    assert!(out.status.success(), "{cmd} failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn run_dir() -> String {
-    std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into())
-}
-
-/// SIGKILL one of the binaries test.sh started and start it again, as a supervisor would.
-fn kill_and_restart(name: &str) {
-    let (dir, bin) = (run_dir(), std::env::var("SANDCELL_WORKER_BIN").expect("SANDCELL_WORKER_BIN (set by deploy/local/test.sh)"));
-    let bin = bin.replace("sandcell-worker", &format!("sandcell-{name}"));
-    let log = std::env::var("SANDCELL_TEST_LOG_DIR").map(|d| format!("{d}/{name}.log")).unwrap_or_else(|_| "/dev/null".into());
-    sh(&format!("kill -9 $(cat {dir}/{name}.pid); sleep 0.5; nohup {bin} >>{log} 2>&1 & echo $! > {dir}/{name}.pid"));
-}
-
-async fn healthy(addr: &str) -> bool {
-    matches!(http_get(&format!("http://{addr}/healthz")).await, Ok((200, _)))
-}
-
-async fn both_healthy() {
-    let ok = eventually(Duration::from_secs(120), || async { (healthy("127.0.0.1:9464").await && healthy("127.0.0.1:9465").await).then_some(()) }).await;
-    assert!(ok.is_some(), "scheduler and worker did not come back");
-}
 
 /// Job ids running now, read from Postgres (retried: the database may be restarting).
 async fn running_now() -> HashSet<String> {
@@ -124,28 +96,31 @@ async fn jobs_survive_kills_and_restarts_none_lost_none_stuck_none_run_twice_wit
     let mut ran_on_killed_worker = HashSet::new();
 
     // A sandbox killed mid-cell: a long cell in a container of its own (a shape the warm pool
-    // does not have, so the container carries the job's label).
-    let mut victim = python(&tenants[0], "import time\ntime.sleep(60)\nprint('not reached')");
+    // does not have, so the container carries the job's label), killed once its cell runs (the
+    // `sleep` is in the container's process list: a sandbox killed while starting would only be
+    // replaced by a fresh one).
+    let mut victim = Submission::new(&tenants[0], unique("victim"), sandcell_protocol::Language::Bash, "sleep 60; echo not reached");
     victim.memory_mb = Some(512);
     c.submit(&victim).await.unwrap();
-    let container = eventually(Duration::from_secs(60), || async {
+    let container = eventually(Duration::from_secs(90), || async {
         let id = sh(&format!("docker ps -q --filter label=sandcell.job={}", victim.job_id));
-        Some(id.trim().to_string()).filter(|id| !id.is_empty())
+        let id = id.trim().to_string();
+        let top = std::process::Command::new("docker").args(["top", &id]).output().ok()?;
+        String::from_utf8_lossy(&top.stdout).contains("sleep 60").then_some(id)
     })
     .await
-    .expect("the victim's container");
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    .expect("the victim's cell running");
     sh(&format!("docker kill {container} >/dev/null"));
     // Its job ends at once, as the code's own failure: the interpreter is gone.
     let v = final_result(&victim, Instant::now() + Duration::from_secs(20)).await.expect("the victim's result");
     assert_eq!((v.status, v.reason.as_ref().map(|r| r.code), v.attempts), (JobStatus::Failed, Some(sandcell_protocol::ErrorCode::DriverProtocol), 1), "{v:?}");
     // The worker, SIGKILLed with jobs running.
     ran_on_killed_worker.extend(running_now().await);
-    kill_and_restart("worker");
+    restart_service("worker", &[]);
     both_healthy().await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     // The scheduler, SIGKILLed mid-intake.
-    kill_and_restart("scheduler");
+    restart_service("scheduler", &[]);
     both_healthy().await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");

@@ -223,3 +223,29 @@ pub fn assert_oom_killed(r: &JobResult) {
         assert!(under_gvisor() && r.status == sandcell_protocol::JobStatus::Failed && r.exit_code == Some(137), "not an OOM kill: {r:?}");
     }
 }
+
+/// Run a shell command; panics with its stderr when it fails. Returns its stdout.
+pub fn sh(cmd: &str) -> String {
+    let out = std::process::Command::new("bash").arg("-c").arg(cmd).output().expect("bash");
+    assert!(out.status.success(), "{cmd} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// SIGKILL one of the binaries `deploy/local/test.sh` started (`scheduler` or `worker`) and
+/// start it again, as a supervisor would, with `env` added to the test's environment. The pid
+/// file in `$SANDCELL_RUN_DIR` follows, so test.sh stops the new process at the end.
+pub fn restart_service(name: &str, env: &[(&str, &str)]) {
+    let dir = std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into());
+    let worker = std::env::var("SANDCELL_WORKER_BIN").expect("SANDCELL_WORKER_BIN (set by deploy/local/test.sh)");
+    let bin = worker.replace("sandcell-worker", &format!("sandcell-{name}"));
+    let log = std::env::var("SANDCELL_TEST_LOG_DIR").map(|d| format!("{d}/{name}.log")).unwrap_or_else(|_| "/dev/null".into());
+    let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    sh(&format!("kill -9 $(cat {dir}/{name}.pid); sleep 0.5; {vars}nohup {bin} >>{log} 2>&1 & echo $! > {dir}/{name}.pid"));
+}
+
+/// Wait until the scheduler and the worker answer `/healthz` with 200 (panics after 2 min).
+pub async fn both_healthy() {
+    let healthy = |addr: &'static str| async move { matches!(http_get(&format!("http://{addr}/healthz")).await, Ok((200, _))) };
+    let ok = eventually(Duration::from_secs(120), || async { (healthy("127.0.0.1:9464").await && healthy("127.0.0.1:9465").await).then_some(()) }).await;
+    assert!(ok.is_some(), "scheduler and worker did not report healthy");
+}

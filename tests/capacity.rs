@@ -1,0 +1,61 @@
+//! A new session at a full fleet: offered to other workers, then waited for, then refused with
+//! `capacity` — never lost to the dead-letter queue, never `queued`/`starting` forever.
+//!
+//! A test binary of its own: it restarts the worker with room for two sessions (as a supervisor
+//! would), and gives it back its usual settings at the end.
+
+use std::time::Duration;
+
+use sandcell_protocol::{ErrorCode, JobStatus};
+use sandcell_tests::*;
+
+/// Puts the worker back as test.sh started it, whatever the test's outcome.
+struct RestoreWorker;
+
+impl Drop for RestoreWorker {
+    fn drop(&mut self) {
+        restart_service("worker", &[]);
+    }
+}
+
+#[tokio::test]
+async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
+    let _restore = RestoreWorker;
+    restart_service("worker", &[("SANDCELL_WORKER_MAX_SESSIONS", "2"), ("SANDCELL_SESSION_START_WAIT_S", "4")]);
+    both_healthy().await;
+    let c = client().await;
+    let t = tenant();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let r = run(&c, &open_session(&t, "x = 1", Some(120))).await;
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        held.push(session_id(&r));
+    }
+
+    // A third: returned to the queue for a worker with room (there is none), then waited for,
+    // then refused. Its session fails; nothing of it stays live.
+    let third = open_session(&t, "x = 3", Some(120));
+    let r = run(&c, &third).await;
+    assert_eq!((r.status, r.reason.as_ref().map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::Capacity)), "{r:?}");
+    let pool = service_db().await;
+    let states: Vec<String> = sqlx::query_scalar("SELECT state FROM sessions WHERE tenant = $1 AND session_id <> ALL($2)")
+        .bind(&t)
+        .bind(&held)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(states, ["failed"]);
+
+    // A fourth, while a session closes: it gets the room and runs.
+    let fourth = open_session(&t, "x = 4\nx", Some(120));
+    c.submit(&fourth).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut close = in_session(&t, &held[0], "");
+    if let Some(s) = close.session.as_mut() {
+        s.close = true;
+    }
+    let closed = run(&c, &close).await;
+    assert_eq!(closed.status, JobStatus::Succeeded, "{closed:?}");
+    let r = c.wait(&t, &fourth.job_id, JOB_WAIT).await.unwrap();
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
+}
