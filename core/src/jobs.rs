@@ -662,3 +662,21 @@ impl JobStore {
 pub(crate) const REFUSE_SET: &str = "status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END";
 /// The jobs [`REFUSE_SET`] applies to.
 pub(crate) const REFUSE_WHERE: &str = "status IN ('queued', 'running')";
+
+#[cfg(test)]
+mod tests {
+    use super::is_permanent;
+    use anyhow::Context;
+
+    #[test]
+    fn a_data_error_is_permanent_and_a_lost_connection_is_not() {
+        let encode: anyhow::Error = Err::<(), _>(sqlx::Error::Encode("value too large".into())).context("updating job result").unwrap_err();
+        assert!(is_permanent(&encode));
+        let json = serde_json::from_str::<serde_json::Value>("{").unwrap_err();
+        assert!(is_permanent(&anyhow::Error::from(json).context("serializing")));
+        let gone: anyhow::Error = Err::<(), _>(sqlx::Error::PoolTimedOut).context("beginning result transaction").unwrap_err();
+        assert!(!is_permanent(&gone));
+        let io = sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset"));
+        assert!(!is_permanent(&anyhow::Error::from(io)));
+    }
+}

@@ -3,9 +3,9 @@
 # scheduler and a worker, and run every test against the real services:
 #   - Rust unit tests (pure logic) and end-to-end tests (tests/) with `cargo test --workspace`;
 #   - the in-sandbox driver's tests, inside the real sandbox image.
-# Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos and capacity) run
-# again under runsc when gVisor is installed. Exits non-zero when anything fails. Logs of the binaries:
-# target/test-logs/<runtime>/.
+# Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity and
+# fairness) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
+# Logs of the binaries: target/test-logs/<runtime>/.
 # Env: SANDCELL_STATE_DIR (default /var/lib/sandcell); CARGO_TEST_ARGS (extra args, e.g. a
 # filter); SANDCELL_TEST_RUNTIMES (default: the stack's SANDCELL_DOCKER_RUNTIMES, e.g. runc,runsc).
 set -euo pipefail
@@ -47,11 +47,12 @@ run_pass() {
     echo "== [$runtime] cargo test ($scope)"
     local packages=(--workspace) t
     if [ "$scope" != all ]; then
-        # Every end-to-end test again, but the chaos and capacity tests: they prove the fleet's
-        # recovery and placement, which do not depend on the OCI runtime (chaos takes minutes).
+        # Every end-to-end test again, but chaos, capacity and fairness: they prove the fleet's
+        # recovery, placement and dispatch order, which do not depend on the OCI runtime (and
+        # take minutes).
         packages=(-p sandcell-tests)
         for t in tests/*.rs; do
-            case "$(basename "$t" .rs)" in chaos | capacity) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
+            case "$(basename "$t" .rs)" in chaos | capacity | fairness) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
         done
     fi
     # shellcheck disable=SC2086
