@@ -4,8 +4,6 @@
 //! A test binary of its own: it restarts the worker with room for two sessions (as a supervisor
 //! would), and gives it back its usual settings at the end.
 
-use std::time::Duration;
-
 use sandcell_protocol::{ErrorCode, JobStatus};
 use sandcell_tests::*;
 
@@ -21,7 +19,7 @@ impl Drop for RestoreWorker {
 #[tokio::test]
 async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
     let _restore = RestoreWorker;
-    restart_service("worker", &[("SANDCELL_WORKER_MAX_SESSIONS", "2"), ("SANDCELL_SESSION_START_WAIT_S", "4")]);
+    restart_service("worker", &[("SANDCELL_WORKER_MAX_SESSIONS", "2"), ("SANDCELL_SESSION_START_WAIT_S", "6")]);
     both_healthy().await;
     let c = client().await;
     let t = tenant();
@@ -49,7 +47,6 @@ async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
     // A fourth, while a session closes: it gets the room and runs.
     let fourth = open_session(&t, "x = 4\nx", Some(120));
     c.submit(&fourth).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
     let mut close = in_session(&t, &held[0], "");
     if let Some(s) = close.session.as_mut() {
         s.close = true;

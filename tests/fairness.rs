@@ -44,17 +44,23 @@ async fn a_tenants_flood_does_not_delay_another_tenants_job() {
     eprintln!("another tenant's 6*7 waited {waited:?} behind a flood of 16 x {FLOOD_JOB_S} s jobs");
     let out = out.expect("counting the flooder's jobs out");
     assert!(out <= 4, "{out} of the flooder's jobs are out at once");
-    assert!(waited < Duration::from_secs(FLOOD_JOB_S + 2), "waited {waited:?}: more than one job's run time");
 
     // The flood itself completes, every job once, in the order it was recorded (the intake
     // handles one tenant's one-off submissions concurrently, so that is close to, not exactly,
     // the order they were sent), four side by side.
     let mut timings = Vec::new();
+    // "One job's run time": what a flood job took from its claim to its result, its container's
+    // start included (slower on a loaded machine).
+    let mut longest = Duration::ZERO;
     for (i, s) in flood.iter().enumerate() {
         let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
         assert_eq!((r.status, r.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{i}\n"), 1), "{r:?}");
-        timings.push((r.timings.queued_at, r.timings.started_at.expect("started")));
+        let (started, finished) = (r.timings.started_at.expect("started"), r.timings.finished_at.expect("finished"));
+        longest = longest.max((finished - started).to_std().unwrap_or_default());
+        timings.push((r.timings.queued_at, started));
     }
+    eprintln!("longest flood job: {longest:?}");
+    assert!(waited < longest + Duration::from_millis(1500), "waited {waited:?}: more than one job's run time ({longest:?})");
     timings.sort();
     for (i, w) in timings.windows(5).enumerate() {
         assert!(w[0].1 <= w[4].1, "the job recorded {i}th started after the one recorded {}th: {timings:?}", i + 4);
