@@ -253,16 +253,10 @@ async fn a_job_stuck_in_queued_is_ended_and_its_quota_released() {
     assert_eq!(live, 0);
 }
 
-/// The worker's counter `name` (no labels), scraped from its `/metrics`.
-async fn worker_counter(name: &str) -> f64 {
-    let Ok((_, body)) = http_get("http://127.0.0.1:9465/metrics").await else { return 0.0 };
-    String::from_utf8_lossy(&body).lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn a_sandbox_that_dies_while_starting_is_replaced_before_the_job_fails() {
     let c = client().await;
-    let retries_before = worker_counter("sandcell_worker_sandbox_start_retries_total").await;
+    let retries_before = worker_metric("sandcell_worker_sandbox_start_retries_total").await.unwrap_or(0.0);
     // 64 MB cannot hold the preloaded numpy, pandas and matplotlib: every sandbox dies while it
     // starts. It is tried three times, and the job ends with the worker's own error.
     let mut sub = python(&tenant(), "print('never')");
@@ -270,7 +264,7 @@ async fn a_sandbox_that_dies_while_starting_is_replaced_before_the_job_fails() {
     let r = run(&c, &sub).await;
     assert_eq!((r.status, code_of(&r)), (JobStatus::InfrastructureError, Some(ErrorCode::SandboxUnavailable)), "{r:?}");
     assert!(r.reason.as_ref().is_some_and(|x| x.message.contains("failed to start 3 times")), "{r:?}");
-    let retries = worker_counter("sandcell_worker_sandbox_start_retries_total").await - retries_before;
+    let retries = worker_metric("sandcell_worker_sandbox_start_retries_total").await.unwrap_or(0.0) - retries_before;
     assert!(retries >= 2.0, "replaced {retries} times");
     assert_worker_serves(&c, &r.tenant, &r.worker_id).await;
 }

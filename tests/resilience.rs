@@ -39,12 +39,6 @@ async fn jobs_run_after_a_broker_restart() {
     assert_eq!(r.stdout, "after broker restart\n");
 }
 
-/// The worker's metric `name` (no labels), scraped from its `/metrics`.
-async fn worker_metric(name: &str) -> Option<f64> {
-    let (_, body) = http_get("http://127.0.0.1:9465/metrics").await.ok()?;
-    String::from_utf8_lossy(&body).lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 /// Jobs that sleep `secs` and print their own id, submitted at once; returns them once all run.
 async fn running_sleepers(c: &sandcell_client::Client, n: usize, secs: u32) -> Vec<sandcell_protocol::Submission> {
     let t = tenant();

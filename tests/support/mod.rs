@@ -249,3 +249,9 @@ pub async fn both_healthy() {
     let ok = eventually(Duration::from_secs(120), || async { (healthy("127.0.0.1:9464").await && healthy("127.0.0.1:9465").await).then_some(()) }).await;
     assert!(ok.is_some(), "scheduler and worker did not report healthy");
 }
+
+/// The worker's metric `name` (no labels), scraped from its `/metrics`.
+pub async fn worker_metric(name: &str) -> Option<f64> {
+    let (_, body) = http_get("http://127.0.0.1:9465/metrics").await.ok()?;
+    String::from_utf8_lossy(&body).lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
