@@ -45,9 +45,10 @@ async fn a_tenants_flood_does_not_delay_another_tenants_job() {
     let out = out.expect("counting the flooder's jobs out");
     assert!(out <= 4, "{out} of the flooder's jobs are out at once");
 
-    // The flood itself completes, every job once, in the order it was recorded (the intake
-    // handles one tenant's one-off submissions concurrently, so that is close to, not exactly,
-    // the order they were sent), four side by side.
+    // The flood itself completes, every job once, four side by side, in the order it was
+    // recorded: `queued_at` is read under the tenant's row lock, so it is the order of admission
+    // (the intake handles one tenant's one-off submissions concurrently, so that is close to,
+    // not exactly, the order they were sent). Jobs that left together may start in either order.
     let mut timings = Vec::new();
     // "One job's run time": what a flood job took from its claim to its result, its container's
     // start included (slower on a loaded machine).

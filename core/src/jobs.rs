@@ -318,9 +318,12 @@ impl JobStore {
             Some(JobSessionRecord::Existing(id)) => Some(id),
             None => None,
         };
+        // `queued_at` is read now, under the tenant's row lock, not at the transaction's start:
+        // one tenant's jobs are then recorded in the order they were admitted, which is the
+        // order held jobs are dispatched in (`take_held`).
         let inserted = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8)
+            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job, queued_at)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, clock_timestamp())
              ON CONFLICT (tenant, job_id) DO NOTHING",
         )
         .bind(&sub.tenant)
