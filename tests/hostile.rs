@@ -196,7 +196,10 @@ async fn a_forged_giant_frame_fails_its_job_without_growing_the_worker() {
     let c = client().await;
     let by = Bystander::start(&c).await;
     let t = tenant();
-    // The code finds the driver's channel and announces a 600 MB frame, then streams bytes.
+    // The code finds the only channel it can reach, its kernel's to the driver, announces a
+    // 600 MB frame and streams bytes. The driver reads none of it: it ends the kernel and says so.
+    // (Were the driver itself subverted, the worker would still refuse such a frame unbuffered:
+    // unit `frames::an_oversize_length_prefix_is_refused_before_buffering`.)
     let code = r#"
 import gc, os, struct
 ch = next(o for o in gc.get_objects() if type(o).__name__ == 'Channel')
@@ -211,7 +214,7 @@ for _ in range(600):
     let r = run(&c, &sub).await;
     let after = worker_rss_kb();
     assert_eq!(code_of(&r), Some(ErrorCode::DriverProtocol), "{r:?}");
-    assert!(r.reason.as_ref().is_some_and(|x| x.message.contains("exceeds the limit")), "{r:?}");
+    assert!(r.reason.as_ref().is_some_and(|x| x.message.contains("frame too large")), "{r:?}");
     if let (Some(before), Some(after)) = (before, after) {
         eprintln!("worker RSS before {before} kB, after {after} kB");
         assert!(after < before + 100 * 1024, "the worker grew from {before} kB to {after} kB");

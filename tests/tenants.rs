@@ -258,6 +258,32 @@ async fn artifact_bytes_over_quota_are_skipped_then_refused() {
 }
 
 #[tokio::test]
+async fn a_tenants_jobs_committing_at_once_store_no_more_than_its_quota() {
+    // Room for three of four 1 MB files. The four jobs run side by side and write their file at
+    // the same instant, so their commits overlap: each reserves its bytes under the tenant's
+    // lock before it uploads, and exactly one is refused.
+    const FILE: i64 = 1_000_000;
+    let t = TestTenant::create(Some(Quotas { max_artifact_bytes: 3 * FILE as u64, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64() + 10.0;
+    let subs: Vec<_> = (0..4)
+        .map(|i| python(&t.name, &format!("import time\ntime.sleep(max(0, {at} - time.time()))\nopen('f{i}.bin', 'wb').write(b'x' * {FILE})")))
+        .collect();
+    for s in &subs {
+        c.submit(s).await.unwrap();
+    }
+    let mut stored = 0i64;
+    let mut refused = 0;
+    for s in &subs {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        stored += r.artifacts.iter().map(|a| a.size_bytes).sum::<i64>();
+        refused += r.skipped_files.iter().filter(|f| f.reason == "quota_exceeded").count();
+    }
+    assert_eq!((stored, refused), (3 * FILE, 1), "stored {stored} bytes against a quota of {}", 3 * FILE);
+}
+
+#[tokio::test]
 async fn the_admin_command_creates_a_tenant_that_can_run_a_job() {
     let bin = std::env::var("SANDCELL_ADMIN_BIN")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());

@@ -574,6 +574,12 @@ impl JobStore {
             .await
             .context("inserting artifact")?;
         }
+        sqlx::query("DELETE FROM artifact_reservations WHERE tenant = $1 AND job_id = $2")
+            .bind(tenant)
+            .bind(job_id)
+            .execute(&mut *tx)
+            .await
+            .context("releasing the artifact reservation")?;
         if let Some(touch) = &fin.session {
             let sql = if touch.close {
                 "UPDATE sessions SET state = 'closed', ended_at = now(), last_activity_at = now() WHERE session_id = $1 AND state = 'active'"

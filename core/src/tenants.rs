@@ -1,7 +1,7 @@
 //! Tenants: their quotas, their database roles, and the admission check every submission passes.
 //!
 //! The one owner of per-tenant limits. The scheduler calls [`admit`] inside the transaction that
-//! records a job, the worker calls [`TenantStore::artifact_bytes_left`] before it stores files,
+//! records a job, the worker calls [`TenantStore::reserve_artifact_bytes`] before it stores files,
 //! and `sandcell-admin` calls [`TenantStore::create`] to give a tenant its own database role.
 //! Row-level security on the tables (migrations/0003_tenants.sql) is what keeps one tenant's
 //! rows from another's role; this module only creates the roles the policies name.
@@ -214,19 +214,48 @@ impl TenantStore {
         .transpose()
     }
 
-    /// How many more artifact bytes `tenant` may store now (0 when at or over its quota).
-    /// Concurrent jobs of one tenant may together overshoot by what they store at once.
-    pub async fn artifact_bytes_left(&self, tenant: &str) -> Result<u64> {
-        let left: Option<i64> = sqlx::query_scalar(
-            "SELECT t.max_artifact_bytes - COALESCE((SELECT sum(a.size_bytes) FROM artifacts a
-                                                     WHERE a.tenant = t.tenant AND a.state = 'available'), 0)::bigint
-             FROM tenants t WHERE t.tenant = $1",
+    /// Reserve for `job_id` the artifact bytes it may store, at most `wanted`, and return them
+    /// (0 when the tenant is at its quota; `wanted` for a tenant with no row). Under the
+    /// tenant's row lock, what is available plus what its other running jobs reserved never
+    /// exceeds `max_artifact_bytes`, so jobs committing at the same moment cannot together
+    /// overshoot. [`crate::jobs::JobStore::finish`] deletes the reservation when it records the
+    /// artifacts; a reservation of a job that is no longer running counts for nothing. Calling
+    /// it again for the same job (a rerun) replaces the reservation.
+    pub async fn reserve_artifact_bytes(&self, tenant: &str, job_id: &str, wanted: u64) -> Result<u64> {
+        let mut tx = self.pool.begin().await.context("beginning reservation")?;
+        let max: Option<i64> = sqlx::query_scalar("SELECT max_artifact_bytes FROM tenants WHERE tenant = $1 FOR UPDATE")
+            .bind(tenant)
+            .fetch_optional(&mut *tx)
+            .await
+            .context("locking the tenant")?;
+        let Some(max) = max else {
+            return Ok(wanted);
+        };
+        let used: i64 = sqlx::query_scalar(
+            "SELECT (COALESCE((SELECT sum(size_bytes) FROM artifacts WHERE tenant = $1 AND state = 'available'), 0)
+                   + COALESCE((SELECT sum(r.bytes) FROM artifact_reservations r
+                               JOIN jobs j ON j.tenant = r.tenant AND j.job_id = r.job_id
+                               WHERE r.tenant = $1 AND r.job_id <> $2 AND j.status = 'running'), 0))::bigint",
         )
         .bind(tenant)
-        .fetch_optional(&self.pool)
+        .bind(job_id)
+        .fetch_one(&mut *tx)
         .await
-        .context("reading the tenant's artifact bytes")?;
-        Ok(left.map_or(u64::MAX, |l| u64::try_from(l).unwrap_or(0)))
+        .context("summing the tenant's stored and reserved bytes")?;
+        let left = u64::try_from(max.saturating_sub(used)).unwrap_or(0);
+        let granted = wanted.min(left);
+        sqlx::query(
+            "INSERT INTO artifact_reservations (tenant, job_id, bytes) VALUES ($1, $2, $3)
+             ON CONFLICT (tenant, job_id) DO UPDATE SET bytes = EXCLUDED.bytes, reserved_at = now()",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(i64::try_from(granted).unwrap_or(i64::MAX))
+        .execute(&mut *tx)
+        .await
+        .context("recording the reservation")?;
+        tx.commit().await.context("committing the reservation")?;
+        Ok(granted)
     }
 }
 

@@ -3,8 +3,8 @@
 # scheduler and a worker, and run every test against the real services:
 #   - Rust unit tests (pure logic) and end-to-end tests (tests/) with `cargo test --workspace`;
 #   - the in-sandbox driver's tests, inside the real sandbox image.
-# Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity and
-# fairness) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
+# Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity,
+# fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
 # Env: SANDCELL_STATE_DIR (default /var/lib/sandcell); CARGO_TEST_ARGS (extra args, e.g. a
 # filter); SANDCELL_TEST_RUNTIMES (default: the stack's SANDCELL_DOCKER_RUNTIMES, e.g. runc,runsc).
@@ -21,6 +21,14 @@ export SANDCELL_WORKER_ID=test-worker
 export SANDCELL_WORKER_SLOTS=${SANDCELL_WORKER_SLOTS:-4}
 export SANDCELL_WORKER_BIN="$repo/target/debug/sandcell-worker"
 export SANDCELL_LOG=${SANDCELL_LOG:-info,sandcell=debug}
+
+# Egress by allowlist (tests/egress.rs): two tenants granted egress, each on a network of its
+# own, through the proxy, which lets through only the index that test serves.
+export SANDCELL_EGRESS_TEST_TENANTS=egress-a,egress-b
+echo "== egress proxy for $SANDCELL_EGRESS_TEST_TENANTS"
+SANDCELL_EGRESS_TENANTS=$SANDCELL_EGRESS_TEST_TENANTS SANDCELL_EGRESS_ALLOW=sandcell-test-index \
+    bash deploy/local/egress.sh up
+while IFS= read -r line; do export "${line?}"; done < <(SANDCELL_EGRESS_TENANTS=$SANDCELL_EGRESS_TEST_TENANTS bash deploy/local/egress.sh env)
 
 echo "== building"
 cargo build --workspace --bins --tests
@@ -39,8 +47,11 @@ run_pass() {
     echo "== [$runtime] scheduler and worker are up"
 
     echo "== [$runtime] driver tests inside $SANDCELL_SANDBOX_IMAGE"
-    docker run --rm -i --runtime "$runtime" --network none --read-only --user 1000:1000 \
-        --tmpfs /tmp:rw,exec,size=256m --tmpfs /home/user:rw,exec,size=256m,uid=1000,gid=1000 \
+    # As the worker starts a sandbox: root with only CAP_SETUID/CAP_SETGID (the driver's), the
+    # workspace the sandbox user's alone.
+    docker run --rm -i --runtime "$runtime" --network none --read-only --user 0:0 \
+        --cap-drop ALL --cap-add SETUID --cap-add SETGID --security-opt no-new-privileges \
+        --tmpfs /tmp:rw,exec,size=256m,mode=1777 --tmpfs /home/user:rw,exec,size=256m,uid=1000,gid=1000,mode=0700 \
         -e SANDCELL_DRIVER=/opt/sandcell/driver.py "$SANDCELL_SANDBOX_IMAGE" \
         python3 - <sandbox/driver/test_driver.py || failed+=("driver tests under $runtime")
 
@@ -49,10 +60,11 @@ run_pass() {
     if [ "$scope" != all ]; then
         # Every end-to-end test again, but chaos, capacity and fairness: they prove the fleet's
         # recovery, placement and dispatch order, which do not depend on the OCI runtime (and
-        # take minutes).
+        # take minutes); and egress: the local stack registers runsc with --network=none, so a
+        # gVisor sandbox has no network even when its tenant is granted one.
         packages=(-p sandcell-tests)
         for t in tests/*.rs; do
-            case "$(basename "$t" .rs)" in chaos | capacity | fairness) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
+            case "$(basename "$t" .rs)" in chaos | capacity | fairness | egress) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
         done
     fi
     # shellcheck disable=SC2086

@@ -72,7 +72,7 @@ impl Kernel {
         let t0 = Instant::now();
         let mut sandbox = Sandbox::start(docker, spec, settings.max_frame).await?;
         match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
-            Ok(Ok(Some(DriverEvent::Ready { driver_version }))) if driver_version == DRIVER_PROTOCOL_VERSION => {
+            Ok(Ok(Some(DriverEvent::Ready { driver_version, kernel_isolated: true }))) if driver_version == DRIVER_PROTOCOL_VERSION => {
                 let cgroup = Cgroup::locate(&settings.cgroup_root, sandbox.id());
                 Ok(Kernel { sandbox, shape: spec.shape(), cgroup, start_time: t0.elapsed() })
             }
@@ -80,10 +80,13 @@ impl Kernel {
                 let what = match other {
                     Err(_) => format!("the sandbox did not become ready within {:?}", settings.start_timeout),
                     Ok(Ok(None)) => "the sandbox exited before it was ready".to_string(),
-                    Ok(Ok(Some(DriverEvent::Ready { driver_version }))) => format!(
+                    Ok(Ok(Some(DriverEvent::Ready { driver_version, .. }))) if driver_version != DRIVER_PROTOCOL_VERSION => format!(
                         "the sandbox image {} speaks driver protocol {driver_version}, this worker {DRIVER_PROTOCOL_VERSION}: build the image that matches the worker",
                         spec.image
                     ),
+                    Ok(Ok(Some(DriverEvent::Ready { .. }))) => "the sandbox's driver could not run its kernel under another uid \
+                         (was the container started as root with CAP_SETUID and CAP_SETGID?); no job runs there"
+                        .to_string(),
                     Ok(Ok(Some(ev))) => format!("the sandbox sent {ev:?} before ready"),
                     Ok(Err(e)) => format!("{e:#}"),
                 };

@@ -64,8 +64,13 @@ pub struct Config {
     pub max_upload_bytes: u64,
     /// `SANDCELL_EGRESS_TENANTS`, default empty: tenants whose sandboxes get a network.
     pub egress_tenants: HashSet<String>,
-    /// `SANDCELL_EGRESS_NETWORK`, default none: the Docker network those sandboxes join.
+    /// `SANDCELL_EGRESS_NETWORK`, default none: the Docker network those sandboxes join; a
+    /// `{tenant}` in it is replaced by the tenant, so that each tenant's sandboxes have a network
+    /// of their own (sandboxes of two tenants on one network could reach each other).
     pub egress_network: Option<String>,
+    /// `SANDCELL_EGRESS_PROXY`, default none: the filtering proxy those sandboxes are given as
+    /// `HTTP_PROXY`/`HTTPS_PROXY` (e.g. `http://sandcell-egress-proxy:8888`).
+    pub egress_proxy: Option<String>,
     /// `SANDCELL_HEARTBEAT_S`, default 5: how often the worker tells Postgres it is alive.
     pub heartbeat: Duration,
     /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a redelivered job still `running` on another
@@ -99,6 +104,7 @@ impl Config {
         };
         let egress_tenants: HashSet<String> = list("SANDCELL_EGRESS_TENANTS", "").into_iter().collect();
         let egress_network = Some(config::var_or("SANDCELL_EGRESS_NETWORK", "")).filter(|s| !s.is_empty());
+        let egress_proxy = Some(config::var_or("SANDCELL_EGRESS_PROXY", "")).filter(|s| !s.is_empty());
         anyhow::ensure!(egress_tenants.is_empty() || egress_network.is_some(), "SANDCELL_EGRESS_TENANTS needs SANDCELL_EGRESS_NETWORK");
         Ok(Config {
             services: Services::from_env()?,
@@ -120,6 +126,7 @@ impl Config {
             max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
             egress_tenants,
             egress_network,
+            egress_proxy,
             heartbeat: Duration::from_secs_f64(config::parse_or("SANDCELL_HEARTBEAT_S", 5.0f64)?.max(0.1)),
             worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
             session_start_wait: Duration::from_secs_f64(config::parse_or("SANDCELL_SESSION_START_WAIT_S", 60.0f64)?.max(0.0)),
@@ -128,7 +135,14 @@ impl Config {
             policy,
         })
     }
+
+    /// The network and proxy of `tenant`'s sandboxes: `None` (no network at all) unless the
+    /// operator granted the tenant egress.
+    pub fn egress_for(&self, tenant: &str) -> Option<sandbox::container::Egress> {
+        sandbox::container::Egress::granted(&self.egress_tenants, self.egress_network.as_deref(), self.egress_proxy.as_deref(), tenant)
+    }
 }
+
 
 /// Connect to Docker (whatever API version the daemon speaks) and check it answers.
 pub async fn connect_docker() -> Result<bollard::Docker> {

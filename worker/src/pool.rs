@@ -37,7 +37,7 @@ impl WarmPool {
             runtime: settings.runtime.clone(),
             limits,
             labels: HashMap::from([(LABEL_WORKER.to_string(), worker_id.to_string()), (LABEL_POOL.to_string(), "1".to_string())]),
-            network: None,
+            egress: None,
             preload: settings.preload.clone(),
         };
         let shape = spec.shape();

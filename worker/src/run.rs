@@ -102,13 +102,12 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
     if let Some(s) = &job.session {
         labels.insert(LABEL_SESSION.to_string(), s.id.clone());
     }
-    let egress = ctx.cfg.egress_tenants.contains(&job.tenant);
     SandboxSpec {
         image: ctx.cfg.kernel.image.clone(),
         runtime: ctx.cfg.kernel.runtime.clone(),
         limits: limits.clone(),
         labels,
-        network: if egress { ctx.cfg.egress_network.clone() } else { None },
+        egress: ctx.cfg.egress_for(&job.tenant),
         preload: ctx.cfg.kernel.preload.clone(),
     }
 }
@@ -153,13 +152,13 @@ pub struct Extras {
 /// committed: the delivery must stay unacked.
 pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, mut o: Outcome, extras: Extras) -> Result<JobStatus> {
     // The tenant's artifact quota: figures and files beyond what it may still store are
-    // skipped and reported.
-    if o.artifact_bytes() > 0 {
-        let left = ctx.tenants.artifact_bytes_left(&job.tenant).await.unwrap_or_else(|e| {
-            tracing::warn!(tenant = %job.tenant, error = format!("{e:#}"), "cannot read the tenant's artifact quota; storing anyway");
-            u64::MAX
-        });
-        o.keep_within_quota(left);
+    // skipped and reported. The bytes are reserved before the upload, so the tenant's jobs
+    // committing at the same moment cannot together store more than the quota.
+    let wanted = o.artifact_bytes();
+    if wanted > 0 {
+        let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
+        let granted = with_db_retries(tenant, job_id, "reserving the tenant's artifact bytes", || ctx.tenants.reserve_artifact_bytes(tenant, job_id, wanted)).await?;
+        o.keep_within_quota(granted);
     }
     o.settle_display_paths();
     let mut fin = Finished {
@@ -217,14 +216,24 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
 /// Commit a result, retrying transient failures (the database restarting) for about two
 /// minutes; a permanent refusal is returned at once.
 async fn commit_with_retries(ctx: &WorkerContext, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
+    with_db_retries(tenant, job_id, "committing a result", || ctx.jobs.finish(tenant, job_id, fin)).await
+}
+
+/// Run a database step of a job's commit until it succeeds, fails permanently, or has been
+/// tried [`COMMIT_TRIES`] times (a database restart takes seconds).
+async fn with_db_retries<T, F, Fut>(tenant: &str, job_id: &str, what: &str, mut step: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
     let mut delay = std::time::Duration::from_millis(200);
     let mut attempt = 1;
     loop {
-        match ctx.jobs.finish(tenant, job_id, fin).await {
+        match step().await {
             Ok(c) => return Ok(c),
-            Err(e) if sandcell_core::jobs::is_permanent(&e) || attempt >= COMMIT_TRIES => return Err(e),
+            Err(e) if sandcell_core::jobs::is_permanent(&e) || attempt >= COMMIT_TRIES => return Err(e.context(what.to_string())),
             Err(e) => {
-                tracing::warn!(tenant, job_id, attempt, error = format!("{e:#}"), "committing a result failed; retrying");
+                tracing::warn!(tenant, job_id, attempt, error = format!("{e:#}"), "{what} failed; retrying");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(std::time::Duration::from_secs(5));
                 attempt += 1;

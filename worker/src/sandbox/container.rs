@@ -5,7 +5,10 @@
 //! - memory limit with swap disabled (`memory_swap == memory`), CPU quota, pids limit;
 //! - `network_mode: none` and networking disabled — unless the operator granted the tenant
 //!   egress (`SANDCELL_EGRESS_TENANTS`), in which case the operator's network instead;
-//! - uid/gid 1000, `cap_drop: ALL`, `no-new-privileges`, Docker's default seccomp profile;
+//! - the driver as root holding only `CAP_SETUID` and `CAP_SETGID` (`cap_drop: ALL`), so that it
+//!   can run user code in a kernel process as uid/gid 1000 with no capabilities at all, which
+//!   can neither trace, signal nor read the driver; `no-new-privileges`; Docker's default
+//!   seccomp profile;
 //! - read-only root filesystem; writable, size-capped tmpfs at `/home/user` (the workspace)
 //!   and `/tmp`, both `nosuid,nodev`;
 //! - Docker's init (tini) as PID 1, so orphaned processes are reaped;
@@ -25,8 +28,12 @@ pub const LABEL_WORKER: &str = "sandcell.worker";
 pub const LABEL_TENANT: &str = "sandcell.tenant";
 /// Label with the job id.
 pub const LABEL_JOB: &str = "sandcell.job";
-/// The unprivileged user sandboxes run as.
-pub const SANDBOX_USER: &str = "1000:1000";
+/// The user the driver starts as (root without capabilities but [`DRIVER_CAPS`]); the kernel it
+/// starts, and so all user code, runs as uid/gid 1000.
+pub const SANDBOX_USER: &str = "0:0";
+/// The only capabilities a sandbox keeps: the driver's, to start its kernel as uid/gid 1000.
+/// The kernel loses them when it changes uid.
+pub const DRIVER_CAPS: [&str; 2] = ["SETUID", "SETGID"];
 /// Size of `/tmp` in the sandbox (interpreter caches live there, not in the workspace).
 const TMP_MB: u64 = 64;
 
@@ -46,10 +53,41 @@ pub struct SandboxSpec {
     pub limits: ExecutionLimits,
     /// Labels identifying owner and job.
     pub labels: HashMap<String, String>,
-    /// Docker network for tenants the operator allowed egress; `None`: no network at all.
-    pub network: Option<String>,
+    /// The network of a tenant the operator allowed egress; `None`: no network at all.
+    pub egress: Option<Egress>,
     /// Modules the driver imports before it reports ready (`SANDCELL_PRELOAD`).
     pub preload: Vec<String>,
+}
+
+/// Where a sandbox of a tenant granted egress may go: its tenant's network, and the filtering
+/// proxy on it (docs/configuration.md, "Network egress per tenant").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Egress {
+    /// The Docker network the sandbox joins.
+    pub network: String,
+    /// Given to the code as `HTTP_PROXY`/`HTTPS_PROXY` (and lower case), when set.
+    pub proxy: Option<String>,
+}
+
+impl Egress {
+    /// The egress of `tenant`: `None` unless it is one of `tenants` and a `network` is set; a
+    /// `{tenant}` in `network` is replaced by the tenant.
+    pub fn granted(tenants: &std::collections::HashSet<String>, network: Option<&str>, proxy: Option<&str>, tenant: &str) -> Option<Egress> {
+        let network = network.filter(|_| tenants.contains(tenant))?;
+        Some(Egress { network: network.replace("{tenant}", tenant), proxy: proxy.map(str::to_string) })
+    }
+}
+
+impl Egress {
+    /// The proxy's host name, when the proxy is named rather than given by address. The worker
+    /// resolves it to the proxy container's address on the tenant's network and writes it into
+    /// the sandbox's `/etc/hosts`: Docker's embedded DNS does not answer under gVisor.
+    pub fn proxy_name(&self) -> Option<&str> {
+        let url = self.proxy.as_deref()?;
+        let rest = url.split_once("://").map_or(url, |(_, r)| r);
+        let host = rest.split(['/', ':']).next().filter(|h| !h.is_empty())?;
+        host.parse::<std::net::IpAddr>().is_err().then_some(host)
+    }
 }
 
 /// The properties fixed when a container is created. A warm container can serve a job only if
@@ -61,7 +99,7 @@ pub struct ContainerShape {
     pids: u32,
     workspace_mb: u64,
     runtime: String,
-    network: Option<String>,
+    egress: Option<Egress>,
 }
 
 impl SandboxSpec {
@@ -74,7 +112,7 @@ impl SandboxSpec {
             pids: l.pids,
             workspace_mb: l.workspace_mb,
             runtime: self.runtime.clone(),
-            network: self.network.clone(),
+            egress: self.egress.clone(),
         }
     }
 }
@@ -92,10 +130,11 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         memory_swap: Some(memory),
         nano_cpus: Some((l.cpus * 1e9) as i64),
         pids_limit: Some(i64::from(l.pids)),
-        network_mode: Some(spec.network.clone().unwrap_or_else(|| "none".into())),
+        network_mode: Some(spec.egress.as_ref().map_or_else(|| "none".to_string(), |e| e.network.clone())),
         readonly_rootfs: Some(true),
         tmpfs: Some(tmpfs),
         cap_drop: Some(vec!["ALL".into()]),
+        cap_add: Some(DRIVER_CAPS.iter().map(|c| c.to_string()).collect()),
         security_opt: Some(vec!["no-new-privileges".into()]),
         privileged: Some(false),
         ipc_mode: Some("private".into()),
@@ -119,12 +158,27 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         open_stdin: Some(true),
         stdin_once: Some(true),
         tty: Some(false),
-        network_disabled: Some(spec.network.is_none()),
-        env: (!spec.preload.is_empty()).then(|| vec![format!("SANDCELL_PRELOAD={}", spec.preload.join(","))]),
+        network_disabled: Some(spec.egress.is_none()),
+        env: Some(env(spec)).filter(|e| !e.is_empty()),
         labels: Some(spec.labels.clone()),
         host_config: Some(host_config),
         ..Default::default()
     }
+}
+
+/// The environment the worker gives a sandbox: the modules to preload, and a granted tenant's
+/// proxy.
+fn env(spec: &SandboxSpec) -> Vec<String> {
+    let mut env = Vec::new();
+    if !spec.preload.is_empty() {
+        env.push(format!("SANDCELL_PRELOAD={}", spec.preload.join(",")));
+    }
+    if let Some(proxy) = spec.egress.as_ref().and_then(|e| e.proxy.as_ref()) {
+        for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+            env.push(format!("{name}={proxy}"));
+        }
+    }
+    env
 }
 
 #[cfg(test)]
@@ -137,18 +191,42 @@ mod tests {
             runtime: "runc".into(),
             limits: sandcell_protocol::LimitPolicy::default().default,
             labels: HashMap::new(),
-            network: None,
+            egress: None,
             preload: Vec::new(),
         }
     }
 
     #[test]
+    fn egress_is_granted_per_tenant_on_a_network_of_its_own() {
+        let tenants = std::collections::HashSet::from(["a".to_string(), "b".to_string()]);
+        let (net, proxy) = (Some("sandcell-egress-{tenant}"), Some("http://sandcell-egress-proxy:8888"));
+        let a = Egress::granted(&tenants, net, proxy, "a").expect("granted");
+        assert_eq!((a.network.as_str(), a.proxy.as_deref()), ("sandcell-egress-a", proxy));
+        assert_eq!(Egress::granted(&tenants, net, proxy, "b").map(|e| e.network), Some("sandcell-egress-b".into()));
+        assert!(Egress::granted(&tenants, net, proxy, "c").is_none(), "not granted: no network at all");
+        assert!(Egress::granted(&tenants, None, proxy, "a").is_none(), "no network configured");
+    }
+
+    #[test]
+    fn a_named_proxy_is_resolved_an_address_is_not() {
+        let e = |p: &str| Egress { network: "n".into(), proxy: Some(p.into()) };
+        assert_eq!(e("http://sandcell-egress-proxy:8888").proxy_name(), Some("sandcell-egress-proxy"));
+        assert_eq!(e("http://proxy/").proxy_name(), Some("proxy"));
+        assert_eq!(e("http://10.0.0.2:8888").proxy_name(), None);
+        assert_eq!(Egress { network: "n".into(), proxy: None }.proxy_name(), None);
+    }
+
+    #[test]
     fn egress_is_only_the_operators_network_when_granted() {
         let mut s = spec();
-        s.network = Some("sandcell-egress".into());
+        s.egress = Some(Egress { network: "sandcell-egress-a".into(), proxy: Some("http://proxy:8888".into()) });
         let body = create_body(&s);
-        assert_eq!(body.host_config.unwrap().network_mode.as_deref(), Some("sandcell-egress"));
+        assert_eq!(body.host_config.unwrap().network_mode.as_deref(), Some("sandcell-egress-a"));
         assert_eq!(body.network_disabled, Some(false));
+        let env = body.env.unwrap_or_default();
+        for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+            assert!(env.contains(&format!("{name}=http://proxy:8888")), "{env:?}");
+        }
         assert_ne!(spec().shape(), s.shape(), "a granted network never reuses a no-network warm container");
     }
 
@@ -159,10 +237,11 @@ mod tests {
         assert_eq!(hc.network_mode.as_deref(), Some("none"));
         assert_eq!(hc.readonly_rootfs, Some(true));
         assert_eq!(hc.cap_drop, Some(vec!["ALL".to_string()]));
+        assert_eq!(hc.cap_add, Some(vec!["SETUID".to_string(), "SETGID".to_string()]), "the driver's two, nothing else");
         assert_eq!(hc.security_opt, Some(vec!["no-new-privileges".to_string()]));
         assert_eq!(hc.memory, hc.memory_swap, "swap must be disabled");
         assert!(hc.binds.is_none() && hc.mounts.is_none() && hc.devices.is_none(), "no host path or device");
-        assert_eq!(body.user.as_deref(), Some("1000:1000"));
+        assert_eq!(body.user.as_deref(), Some("0:0"));
         assert_eq!(body.network_disabled, Some(true));
     }
 

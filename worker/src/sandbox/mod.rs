@@ -49,11 +49,33 @@ pub struct Sandbox {
     guard: RemoveOnDrop,
 }
 
+/// The address of the egress proxy container `name` on `network`.
+async fn proxy_address(docker: &Docker, name: &str, network: &str) -> Result<String> {
+    let proxy = docker
+        .inspect_container(name, None::<bollard::query_parameters::InspectContainerOptions>)
+        .await
+        .with_context(|| format!("finding the egress proxy {name} (deploy/local/egress.sh up)"))?;
+    proxy
+        .network_settings
+        .and_then(|n| n.networks)
+        .and_then(|mut n| n.remove(network))
+        .and_then(|n| n.ip_address)
+        .filter(|ip| !ip.is_empty())
+        .ok_or_else(|| anyhow!("the egress proxy {name} is not on the network {network} (deploy/local/egress.sh up grants the tenant)"))
+}
+
 impl Sandbox {
     /// Create, attach and start a container. `max_frame` bounds a single driver frame.
     pub async fn start(docker: &Docker, spec: &SandboxSpec, max_frame: usize) -> Result<Sandbox> {
+        let mut body = create_body(spec);
+        if let Some((name, network)) = spec.egress.as_ref().and_then(|e| Some((e.proxy_name()?, e.network.as_str()))) {
+            let address = proxy_address(docker, name, network).await?;
+            if let Some(hc) = body.host_config.as_mut() {
+                hc.extra_hosts = Some(vec![format!("{name}:{address}")]);
+            }
+        }
         let created = docker
-            .create_container(None::<bollard::query_parameters::CreateContainerOptions>, create_body(spec))
+            .create_container(None::<bollard::query_parameters::CreateContainerOptions>, body)
             .await
             .with_context(|| format!("creating a sandbox from image {}", spec.image))?;
         let id = created.id;

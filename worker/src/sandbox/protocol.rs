@@ -10,7 +10,7 @@ use sandcell_protocol::{ExecutionLimits, InputFile, Language};
 use serde::{Deserialize, Serialize};
 
 /// Version of the driver protocol this worker speaks.
-pub const DRIVER_PROTOCOL_VERSION: u32 = 2;
+pub const DRIVER_PROTOCOL_VERSION: u32 = 3;
 
 /// Run one cell.
 #[derive(Debug, Serialize)]
@@ -73,6 +73,11 @@ pub enum DriverEvent {
     Ready {
         /// Protocol version it speaks.
         driver_version: u32,
+        /// User code runs in a kernel process under another uid than the driver. The worker
+        /// runs no job in a sandbox where it does not (an image or container user that does
+        /// not match this worker).
+        #[serde(default)]
+        kernel_isolated: bool,
     },
     /// Output text.
     Stream {

@@ -1,0 +1,532 @@
+"""The kernel: the process that runs user code, under the sandbox user.
+
+Started by the driver (driver.py --kernel REQ_FD REP_FD) as uid 1000 with no
+capabilities.  It reads run requests from REQ_FD and answers on REP_FD with
+frames: execute_result, display_data, error, log, and one cell_done per run.
+Its fds 1 and 2 are the driver's capture pipes; fd 0 is /dev/null.  Nothing
+here is trusted: user code runs in this process and may rewrite any of it.
+The driver checks every frame (type, id, fields, size) and decides itself
+how a request ends, which files it produced and what it left running.
+
+Kernel -> driver frames
+-----------------------
+ready           {"ipython", "preloaded": [module names]}
+execute_result  {"id", "execution_count", "data": {mime: value}}
+display_data    {"id", "data": {mime: value}}
+error           {"id", "ename", "evalue", "traceback": [lines]}
+log             {"message"}   a diagnostic for the driver's log
+cell_done       {"id", "exit_code": int, "execution_count": int,
+                 "errno": int|null}
+                exit_code: python 0/1, bash its exit status (128+N if
+                killed by signal N); execution_count: the last python
+                cell's number; errno: that of the exception a python cell
+                ended with, if any.
+
+Driver -> kernel
+----------------
+run             {"id", "language": "python"|"bash", "code"}
+ack             {}  the rich output or error just sent was forwarded (the
+                kernel waits for it, so output it prints later cannot be
+                framed before that frame)
+SIGINT interrupts a running cell (python: KeyboardInterrupt; bash: SIGINT
+to its process group, SIGKILL after 2 s) and is ignored between cells.
+"""
+
+import contextlib
+import ctypes
+import importlib
+import io
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+from sandcell_frames import (MAX_REQUEST_BYTES, Channel, cap_error, clean_mime_bundle, safe_str,
+                             traceback_lines)
+
+WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
+# Grace period between SIGINT and SIGKILL for an interrupted bash job.
+BASH_INTERRUPT_GRACE_S = 2.0
+
+
+# --------------------------------------------------------------------------
+# SIGINT policy
+# --------------------------------------------------------------------------
+
+
+class InterruptGate:
+    """Decides what SIGINT means at any moment.
+
+    * no cell running: ignored (the driver must survive stray interrupts);
+    * a cell running: KeyboardInterrupt in the main thread, as in plain
+      Python, so the cell is interrupted and IPython reports it;
+    * inside a protected section of driver code (writing a frame, syncing
+      the capture pipes) the interrupt is deferred to the end of the
+      section, so a frame can never be half-written;
+    * while the shell reports an exception (quiet section) it is dropped:
+      the cell is already ending, and a second KeyboardInterrupt there
+      would make IPython lose the error report.
+    Python runs signal handlers only in the main thread, so the state here is
+    only touched by the main thread.
+    """
+
+    def __init__(self):
+        self.armed = False
+        self.pending = False
+        self._depth = 0
+
+    def install(self):
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if not self.armed:
+            return
+        if self._depth:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def cell(self):
+        """Arm for user code; re-entrant (a cell may run nested cells)."""
+        was_armed = self.armed
+        if not was_armed:
+            self.pending = False
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = was_armed
+            if not was_armed:
+                self.pending = False
+
+    @contextlib.contextmanager
+    def protected(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self.pending and self.armed:
+                self.pending = False
+                raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def quiet(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.pending = False
+
+
+GATE = InterruptGate()
+
+
+
+def open_std_stream(fd):
+    """Line-buffered UTF-8 text stream on fd; unencodable text becomes "?"."""
+    return open(fd, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+
+
+
+def create_shell():
+    """Build the (singleton) IPython shell; imported lazily so that IPython's
+    start-up runs after stdio is redirected."""
+    from IPython.core.displayhook import DisplayHook
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets import Type
+    from traitlets.config import Config
+
+    class SandcellDisplayHook(DisplayHook):
+        """Sends the last expression's value as execute_result instead of
+        printing "Out[N]: ..." to stdout."""
+
+        def start_displayhook(self):
+            pass
+
+        def write_output_prompt(self):
+            pass
+
+        def finish_displayhook(self):
+            pass
+
+        def write_format_data(self, format_dict, md_dict=None):
+            bundle = clean_mime_bundle(format_dict)
+            if bundle:
+                self.shell.sandcell_publish({"type": "execute_result",
+                                             "execution_count": self.prompt_count,
+                                             "data": bundle})
+
+    class SandcellDisplayPublisher(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+            bundle = clean_mime_bundle(data)
+            if bundle:
+                self.shell.sandcell_publish({"type": "display_data", "data": bundle})
+
+        def clear_output(self, wait=False):
+            pass  # nothing to clear in a batch transcript
+
+    class SandcellShell(InteractiveShell):
+        displayhook_class = Type(SandcellDisplayHook)
+        display_pub_class = Type(SandcellDisplayPublisher)
+        # `!cmd` via subprocess on the captured fds; the default piped
+        # variant needs a pty and re-prints the output itself.
+        system = InteractiveShell.system_raw
+
+        # Set by the driver for the duration of a request: callable(frame).
+        sandcell_sink = None
+        # Error frames sent by the current cell.
+        sandcell_errors_sent = 0
+
+        def sandcell_publish(self, frame):
+            sink = self.sandcell_sink
+            if sink is not None:
+                if frame["type"] == "error":
+                    self.sandcell_errors_sent += 1
+                    frame = cap_error(frame)
+                sink(frame)
+
+        async def run_code(self, code_obj, result=None, *, async_=False):
+            # SIGINT interrupts user code only, not IPython's own
+            # bookkeeping around it (history, counters, events).
+            with GATE.cell():
+                return await super().run_code(code_obj, result, async_=async_)
+
+        def showtraceback(self, exc_tuple=None, *args, **kwargs):
+            with GATE.quiet():
+                sent_before = self.sandcell_errors_sent
+                try:
+                    return super().showtraceback(exc_tuple, *args, **kwargs)
+                finally:
+                    if self.sandcell_errors_sent == sent_before:
+                        # IPython's formatter itself failed (it then prints
+                        # its own failure and gives up): report it plainly.
+                        self._sandcell_fallback_error(exc_tuple)
+
+        def _sandcell_fallback_error(self, exc_tuple):
+            try:
+                etype, evalue, tb = self._get_exc_info(exc_tuple)
+            except ValueError:
+                return  # no exception to report
+            stb = traceback.format_exception(etype, evalue, tb)
+            self._showtraceback(etype, evalue, stb)
+
+        def showsyntaxerror(self, *args, **kwargs):
+            with GATE.quiet():
+                return super().showsyntaxerror(*args, **kwargs)
+
+        def _showtraceback(self, etype, evalue, stb):
+            # Replaces printing the traceback to stdout.
+            self.sandcell_last_exc = evalue
+            self.sandcell_publish({
+                "type": "error",
+                "ename": getattr(etype, "__name__", safe_str(etype)),
+                "evalue": safe_str(evalue),
+                "traceback": traceback_lines(stb),
+            })
+
+        def show_usage_error(self, exc):
+            message = safe_str(exc)
+            self.sandcell_publish({"type": "error", "ename": "UsageError", "evalue": message,
+                                   "traceback": ["UsageError: " + message]})
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"  # no sqlite file, no saver thread
+    return SandcellShell.instance(config=config, colors="NoColor")
+
+
+def flush_figures(sink):
+    """Emit every open matplotlib figure as PNG display_data and close it.
+
+    Only if the cell imported pyplot: importing it here would cost every
+    plain cell a second or so.
+    """
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    try:
+        numbers = list(plt.get_fignums())
+    except Exception:
+        return
+    for number in numbers:
+        try:
+            figure = plt.figure(number)
+            buf = io.BytesIO()
+            figure.savefig(buf, format="png", bbox_inches="tight", dpi=100)
+            sink({"type": "display_data",
+                  "data": {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
+                           "text/plain": safe_str(figure)}})
+        except Exception as exc:
+            print("sandcell: could not render figure %s: %r" % (number, exc), file=sys.stderr)
+        finally:
+            try:
+                plt.close(number)
+            except Exception:
+                pass
+
+
+# --------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------
+
+
+class Kernel:
+    def __init__(self, channel, shell):
+        self.channel = channel
+        self.shell = shell
+        self._libc = _load_libc()
+        # Private copies of the capture pipes, to point fds 1/2 back at them.
+        self._private_w = {1: os.dup(1), 2: os.dup(2)}
+
+    def serve(self):
+        while True:
+            payload = self.channel.recv()
+            if payload is None:
+                return
+            req = json.loads(payload)  # built by the driver
+            if req.get("type") != "run":
+                continue  # an ack of a frame the code forged itself
+            # The processes the driver killed after the last cell were children of this
+            # process: reap them (as a notebook's kernel would never need to).
+            _reap_children()
+            self.reassert()
+            if req["language"] == "python":
+                self.shell.sandcell_last_exc = None
+                exit_code = self.run_python(req["id"], req["code"])
+            else:
+                exit_code = self.run_bash(req["code"])
+            self.flush()
+            self.channel.send({"type": "cell_done", "id": req["id"], "exit_code": exit_code,
+                               "execution_count": self.execution_count, "errno": self.last_error_errno})
+
+    def await_ack(self):
+        """Block until the driver has forwarded the frame just sent."""
+        if os.getpid() != self.channel.owner:
+            return  # a forked child: its frames went nowhere
+        payload = self.channel.recv()
+        if payload is None:
+            os._exit(0)  # the driver is gone
+
+    def reassert(self):
+        """Undo what a previous cell may have done to stdio: point fds 1/2
+        back at the pipes, and replace closed or missing sys.stdout/stderr."""
+        for fd, write_fd in self._private_w.items():
+            os.dup2(write_fd, fd)
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            stream = getattr(sys, name, None)
+            if stream is None or getattr(stream, "closed", False) is True:
+                setattr(sys, name, open_std_stream(fd))
+
+    def flush(self):
+        """Push buffered output into the pipes (the driver frames it in order
+        before the frame the kernel sends next)."""
+        with GATE.protected():
+            # A list, not a set: user stream objects need not be hashable.
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                try:
+                    stream.flush()
+                except BaseException:
+                    pass
+            if self._libc is not None:
+                try:
+                    self._libc.fflush(None)  # C stdio buffers of extensions
+                except Exception:
+                    pass
+
+    @property
+    def execution_count(self):
+        # IPython's counter names the *next* cell.
+        return max(self.shell.execution_count - 1, 0)
+
+    @property
+    def last_error_errno(self):
+        # The errno of the exception the last python cell ended with, if any.
+        value = getattr(getattr(self.shell, "sandcell_last_exc", None), "errno", None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def run_python(self, req_id, code):
+        shell = self.shell
+
+        def sink(frame):
+            # Flush output first, and wait until the driver has forwarded the
+            # frame, so frames keep the order in which the cell produced them
+            # (the driver frames what is in the pipes before it forwards).
+            with GATE.protected():
+                self.flush()
+                self.channel.send(dict(frame, id=req_id))
+                self.await_ack()
+
+        shell.sandcell_sink = sink
+        shell.sandcell_errors_sent = 0
+        try:
+            try:
+                result = shell.run_cell(code, store_history=True)
+                failed = not result.success
+            except KeyboardInterrupt:
+                # Escaped the user code proper (a SIGINT in the instant
+                # around it), so IPython did not report it: we do, unless
+                # the cell already ended with an error.
+                if not shell.sandcell_errors_sent:
+                    shell.sandcell_publish({"type": "error", "ename": "KeyboardInterrupt", "evalue": "",
+                                            "traceback": ["KeyboardInterrupt"]})
+                failed = True
+            # exit()/quit() only set this flag; the driver keeps serving.
+            shell.exit_now = False
+            flush_figures(sink)
+        finally:
+            shell.sandcell_sink = None
+        return 1 if failed else 0
+
+    def run_bash(self, code):
+        # stdout/stderr are inherited: fds 1/2 are the capture pipes.
+        proc = subprocess.Popen(["bash", "-c", code], cwd=WORKSPACE, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            with GATE.cell():
+                returncode = proc.wait()
+        except KeyboardInterrupt:
+            returncode = self.interrupt_bash(proc)
+        # Whatever the script left running (in its process group or not) is killed,
+        # and counted, by the driver.
+        return 128 - returncode if returncode < 0 else returncode
+
+    @staticmethod
+    def interrupt_bash(proc):
+        _killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(BASH_INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+
+def _killpg(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+
+def preload(spec, log):
+    """Import the comma-separated modules in spec (SANDCELL_PRELOAD) into
+    sys.modules, binding no names in the user namespace; return the names
+    that imported.  A failure is logged, never fatal."""
+    loaded = []
+    for name in spec.split(","):
+        name = name.strip()
+        if not name or name in loaded:
+            continue
+        started = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # SystemExit too: a module must not stop the driver
+            log("preload of %r failed: %r" % (name, exc))
+            continue
+        loaded.append(name)
+        log("preloaded %s in %.0f ms" % (name, (time.monotonic() - started) * 1000.0))
+    if "matplotlib" in sys.modules:
+        warm_up_matplotlib(log)
+    return loaded
+
+
+def warm_up_matplotlib(log):
+    """Render a throwaway figure so a cell's first figure doesn't pay for
+    loading the Agg backend and the font.  Uses Figure directly: pyplot's
+    figure numbering and state are left untouched."""
+    started = time.monotonic()
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(2, 2))
+        FigureCanvasAgg(figure)
+        axes = figure.add_subplot()
+        axes.plot([0, 1], [0, 1])
+        axes.set_title("warm-up")
+        figure.savefig(io.BytesIO(), format="png", bbox_inches="tight", dpi=100)
+    except Exception as exc:
+        log("matplotlib warm-up failed: %r" % (exc,))
+        return
+    log("matplotlib warm-up took %.0f ms" % ((time.monotonic() - started) * 1000.0))
+
+
+
+
+def _reap_children():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _load_libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def main(req_fd, rep_fd):
+    channel = Channel(req_fd, rep_fd, None, max_in=MAX_REQUEST_BYTES, guard=GATE.protected)
+
+    def log(message):
+        try:
+            channel.send({"type": "log", "message": message})
+        except Exception:
+            pass
+
+    channel.log = log
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open_std_stream(1)
+    sys.stderr = open_std_stream(2)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    threading.excepthook = lambda args: log("exception in thread %s: %r" % (args.thread, args.exc_value))
+    GATE.install()
+    # Defaults for running outside the image; the image sets these itself.
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ.setdefault("MPLCONFIGDIR", "/tmp/.mpl")
+    os.environ.setdefault("IPYTHONDIR", "/tmp/.ipython")
+    os.chdir(WORKSPACE)
+    # Like Jupyter: modules the job writes to the workspace are importable.
+    sys.path[0] = ""
+    # And so are packages a cell installs with pip (into the user's site, in the workspace):
+    # the directory must exist for site to put it on the path.
+    try:
+        import site
+
+        os.makedirs(site.getusersitepackages(), exist_ok=True)
+        site.addsitedir(site.getusersitepackages())
+    except (OSError, AttributeError) as exc:
+        log("no user site: %r" % (exc,))
+    import warnings
+
+    # plt.show() on Agg is expected here: figures are captured after the
+    # cell, so the "non-GUI backend" warning is just noise.
+    warnings.filterwarnings("ignore", message=".*non-GUI backend.*")
+    warnings.filterwarnings("ignore", message=".*is non-interactive, and thus cannot be shown.*")
+    shell = create_shell()
+    import IPython
+
+    # After the shell exists, so a preloaded pyplot hooks into IPython
+    # exactly as if a cell had imported it.
+    preloaded = preload(os.environ.get("SANDCELL_PRELOAD", ""), log)
+    channel.send({"type": "ready", "ipython": IPython.__version__, "preloaded": preloaded})
+    Kernel(channel, shell).serve()
+    # os._exit: don't wait for threads a job may have left running.
+    os._exit(0)

@@ -1,0 +1,348 @@
+"""The workspace, as the driver sees it: input files written, snapshots
+taken before and after the code, changed files collected as artifacts.
+
+Every function here runs with the sandbox user's rights (the driver switches
+its effective uid for the duration, see driver.sandbox_user), so the driver
+can never be made to read or write anything the code itself could not; and
+none follows a symlink.
+"""
+
+import base64
+import errno
+import heapq
+import os
+import stat
+
+from sandcell_frames import FILE_CHUNK_BYTES, safe_str, write_all
+
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+# Most entries in a file_list frame.
+MAX_LIST_ENTRIES = 1000
+# Tool/cache directories that are never job artifacts.  Top-level dot-dirs
+# only appear if HOME-relative defaults are used (the image points
+# MPLCONFIGDIR/IPYTHONDIR at /tmp); __pycache__ appears when a cell imports a
+# module the job wrote into the workspace.
+SKIPPED_TOP_DIRS = {".ipython", ".jupyter", ".cache", ".config", ".local", ".matplotlib"}
+SKIPPED_DIRS = {"__pycache__"}
+
+
+class InputFileError(Exception):
+    pass
+
+
+def validate_rel_path(path):
+    """Return the path's components, or raise InputFileError."""
+    if not isinstance(path, str) or not path:
+        raise InputFileError("path must be a non-empty string")
+    if "\x00" in path:
+        raise InputFileError("path contains a NUL byte")
+    if path.startswith("/"):
+        raise InputFileError("path must be relative")
+    try:
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputFileError("path is not valid UTF-8")
+    if len(encoded) > MAX_PATH_BYTES:
+        raise InputFileError("path longer than %d bytes" % MAX_PATH_BYTES)
+    parts = path.split("/")
+    for part in parts:
+        if part == "":
+            raise InputFileError("path has an empty component")
+        if part in (".", ".."):
+            raise InputFileError("path component %r is not allowed" % part)
+        if len(part.encode("utf-8")) > MAX_NAME_BYTES:
+            raise InputFileError("path component longer than %d bytes" % MAX_NAME_BYTES)
+    return parts
+
+
+def _open_parent_dir(root_fd, parts, create):
+    """Open the directory holding parts[-1] without following any symlink.
+
+    Each component is opened relative to its parent's fd with O_NOFOLLOW, so
+    a symlink anywhere on the path (even one swapped in concurrently) fails
+    with ELOOP/ENOTDIR instead of being followed.  gVisor (runsc) follows a
+    symlink despite O_NOFOLLOW when O_DIRECTORY is set, so each opened
+    directory is also checked to be the very inode that the name (not
+    followed) refers to.
+    """
+    fd = os.dup(root_fd)
+    try:
+        for part in parts[:-1]:
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                named = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                opened = os.fstat(child)
+                if not stat.S_ISDIR(named.st_mode) or (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+                    raise OSError(errno.ELOOP, "path component is a symlink", part)
+            except BaseException:
+                os.close(child)
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_input_file(root_fd, parts, content):
+    dir_fd = _open_parent_dir(root_fd, parts, create=True)
+    try:
+        # O_NONBLOCK: opening a FIFO for writing must fail, not hang.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(parts[-1], flags, 0o644, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputFileError("destination exists and is not a regular file")
+        write_all(fd, content)
+    finally:
+        os.close(fd)
+
+
+def decode_input_files(files):
+    """Validate all input files before writing any.
+
+    Returns (decoded, errors): decoded is [(path, parts, bytes)], errors is
+    [(path, message)].
+    """
+    decoded, errors = [], []
+    for entry in files:
+        path = entry.get("path")
+        try:
+            parts = validate_rel_path(path)
+            content_b64 = entry.get("content_b64", "")
+            if not isinstance(content_b64, str):
+                raise InputFileError("content_b64 must be a string")
+            try:
+                content = base64.b64decode(content_b64, validate=True)
+            except ValueError:
+                raise InputFileError("content_b64 is not valid base64")
+            decoded.append((path, parts, content))
+        except InputFileError as exc:
+            errors.append((safe_str(path), str(exc)))
+    return decoded, errors
+
+
+def _entry_key(st):
+    return (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def snapshot(root):
+    """Map relative path -> (type, size, mtime_ns, inode) for every entry
+    under root except directories and the skipped tool/cache directories;
+    never follows symlinks (a symlink is an entry of its own)."""
+    entries = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        descend = []
+        for name in dirnames:
+            rel = os.path.join(rel_dir, name)
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                entries[rel] = _entry_key(st)  # a symlink to a directory
+            elif name in SKIPPED_DIRS or (not rel_dir and name in SKIPPED_TOP_DIRS):
+                continue
+            else:
+                descend.append(name)
+        dirnames[:] = descend
+        for name in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            entries[os.path.join(rel_dir, name)] = _entry_key(st)
+    return entries
+
+
+def file_listing(entries):
+    """The file_list frame for a snapshot: its regular files, sorted by
+    path, at most MAX_LIST_ENTRIES of them."""
+    regular = ((path, key) for path, key in entries.items() if key[0] == stat.S_IFREG)
+    first = heapq.nsmallest(MAX_LIST_ENTRIES + 1, regular)
+    return {"type": "file_list",
+            "entries": [{"path": path, "size": key[1], "mtime": round(key[2] / 1e9, 3)}
+                        for path, key in first[:MAX_LIST_ENTRIES]],
+            "truncated": len(first) > MAX_LIST_ENTRIES}
+
+
+def open_artifact(root_fd, rel_path):
+    """Open a workspace file for reading without following any symlink.
+
+    Returns (fd, size, None), or (None, None, reason) with reason None when
+    the path does not exist.
+    """
+    parts = rel_path.split("/")
+    try:
+        dir_fd = _open_parent_dir(root_fd, parts, create=False)
+        try:
+            # O_NONBLOCK: a FIFO (swapped in after the walk, or asked for by
+            # name) must not hang us.
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except FileNotFoundError:
+        return None, None, None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+            return None, None, "not_regular_file"
+        return None, None, "unreadable"
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return None, None, "unreadable"
+    if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, or replaced since the walk
+        os.close(fd)
+        return None, None, "not_regular_file"
+    return fd, st.st_size, None
+
+
+def read_artifact(fd, size, max_bytes):
+    """Return (data, None) or (None, skip_reason) for an fd from open_artifact."""
+    if size > max_bytes:
+        return None, "too_large"
+    chunks, total = [], 0
+    try:
+        while True:  # read to EOF: the file may still be growing
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > max_bytes:
+                return None, "too_large"
+            chunks.append(chunk)
+    except OSError:
+        return None, "unreadable"
+    return b"".join(chunks), None
+
+
+def _is_utf8(name):
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _shown_name(name):
+    """A name with its undecodable bytes replaced, for reporting only."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+class FileCollector:
+    """Sends workspace files as file/file_skipped frames after a job, under
+    the request's max_file_bytes / max_artifact_files / max_artifact_bytes,
+    which changed and requested files share."""
+
+    def __init__(self, root_fd, limits, send):
+        self.root_fd = root_fd
+        self.limits = limits
+        self.send = send
+        self.count = 0
+        self.total = 0
+        self.reported = set()  # paths that got a file or file_skipped frame
+
+    def skip(self, rel, reason):
+        self.reported.add(rel)
+        self.send({"type": "file_skipped", "path": rel, "reason": reason})
+
+    def changed(self, before, after):
+        for rel in sorted(p for p, key in after.items() if before.get(p) != key):
+            if not _is_utf8(rel):
+                # Bytes that are not UTF-8 (os.walk keeps them as surrogates): two such names
+                # can look alike once replaced, so neither is sent as a file.
+                self.skip(_shown_name(rel), "invalid_name")
+            elif after[rel][0] != stat.S_IFREG:
+                self.skip(rel, "not_regular_file")  # never opened
+            else:
+                self._deliver(rel, requested=False)
+
+    def requested(self, paths):
+        for rel in paths:
+            if rel in self.reported:
+                continue  # already sent (or skipped) as a changed file, or a repeat
+            try:
+                validate_rel_path(rel)
+            except InputFileError:
+                self.skip(rel, "invalid_path")
+                continue
+            self._deliver(rel, requested=True)
+
+    def _deliver(self, rel, requested):
+        fd, size, reason = open_artifact(self.root_fd, rel)
+        if fd is None:
+            if reason is not None:
+                self.skip(rel, reason)
+            elif requested:
+                self.skip(rel, "not_found")
+            # a changed file deleted since the walk: nothing to report
+            return
+        try:
+            if self.count >= self.limits["max_artifact_files"]:
+                reason = "limit_reached"
+            else:
+                data, reason = read_artifact(fd, size, self.limits["max_file_bytes"])
+                if reason is None and self.total + len(data) > self.limits["max_artifact_bytes"]:
+                    reason = "limit_reached"
+        finally:
+            os.close(fd)
+        if reason is not None:
+            self.skip(rel, reason)
+            return
+        self.count += 1
+        self.total += len(data)
+        self.reported.add(rel)
+        frame = {"type": "file", "path": rel, "size": len(data)}
+        if requested:
+            frame["requested"] = True
+        self.send(frame)
+        for start in range(0, len(data), FILE_CHUNK_BYTES):
+            chunk = data[start:start + FILE_CHUNK_BYTES]
+            self.send({"type": "file_data", "content_b64": base64.b64encode(chunk).decode("ascii")})
+
+
+def collect_files(root, before, after, limits, get_files, send):
+    """Send the files changed between the snapshots, then the get_files ones."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        collector = FileCollector(root_fd, limits, send)
+        collector.changed(before, after)
+        collector.requested(get_files)
+    finally:
+        os.close(root_fd)
+
+
+def space_exhausted(path):
+    """Whether the filesystem at `path` is (nearly) full: under 1% free, and
+    never less than 64 KiB counts as full."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    free = st.f_bavail * st.f_frsize
+    total = st.f_blocks * st.f_frsize
+    return total > 0 and free < max(64 * 1024, total // 100)
+
+
+def describe_write_error(exc):
+    if isinstance(exc, InputFileError):
+        return str(exc)
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST):
+        return "a path component is a symlink or not a directory"
+    if exc.errno == errno.EISDIR:
+        return "destination is a directory"
+    if exc.errno == errno.ENXIO:
+        return "destination exists and is not a regular file"
+    return "cannot write file: %s" % (exc.strerror or exc,)
