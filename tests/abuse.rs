@@ -276,8 +276,15 @@ async fn setuid_and_capability_escalation_attempts_fail() {
         assert_eq!(r.stdout.trim(), "denied denied denied denied 0000000000000000 0000000000000000 00000000000000c0 1 1000", "{r:?}");
     }
     // Setuid binaries do not raise privileges either (no_new_privs), nor do namespaces or mounts.
-    let r = run(&c, &bash(&t, "su -c id root </dev/null >/dev/null 2>&1 && echo su-ok; unshare -r id 2>/dev/null && echo unshare-ok; \
-                               mount -t tmpfs none /tmp 2>/dev/null && echo mount-ok; id -u")).await;
+    let r = run(
+        &c,
+        &bash(
+            &t,
+            "su -c id root </dev/null >/dev/null 2>&1 && echo su-ok; unshare -r id 2>/dev/null && echo unshare-ok; \
+                               mount -t tmpfs none /tmp 2>/dev/null && echo mount-ok; id -u",
+        ),
+    )
+    .await;
     if under_gvisor() {
         // gVisor implements user namespaces in its own kernel: root inside one is root over
         // nothing but that namespace, inside the sandbox. Setuid and mounts still fail.
@@ -365,7 +372,13 @@ async fn a_symlink_to_a_host_file_is_never_collected() {
     skipped.sort();
     assert_eq!(
         skipped,
-        [("d/etc", "not_regular_file"), ("d/etc/hostname", "not_regular_file"), ("environ", "not_regular_file"), ("passwd.txt", "not_regular_file"), ("shadow", "not_regular_file")],
+        [
+            ("d/etc", "not_regular_file"),
+            ("d/etc/hostname", "not_regular_file"),
+            ("environ", "not_regular_file"),
+            ("passwd.txt", "not_regular_file"),
+            ("shadow", "not_regular_file")
+        ],
         "{r:?}"
     );
 }

@@ -36,12 +36,8 @@ async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
     let r = run(&c, &third).await;
     assert_eq!((r.status, r.reason.as_ref().map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::Capacity)), "{r:?}");
     let pool = service_db().await;
-    let states: Vec<String> = sqlx::query_scalar("SELECT state FROM sessions WHERE tenant = $1 AND session_id <> ALL($2)")
-        .bind(&t)
-        .bind(&held)
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+    let states: Vec<String> =
+        sqlx::query_scalar("SELECT state FROM sessions WHERE tenant = $1 AND session_id <> ALL($2)").bind(&t).bind(&held).fetch_all(&pool).await.unwrap();
     assert_eq!(states, ["failed"]);
 
     // A fourth, while a session closes: it gets the room and runs.

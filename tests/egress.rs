@@ -66,8 +66,25 @@ impl Index {
         let upstream = std::env::var("SANDCELL_EGRESS_UPSTREAM").unwrap_or_else(|_| "sandcell-egress-out".into());
         let _ = Command::new("docker").args(["rm", "-f", INDEX]).output();
         docker(&[
-            "run", "-d", "--name", INDEX, "--network", &upstream, "--user", "1000:1000", "--read-only", "--tmpfs", "/tmp",
-            "--cap-drop", "ALL", "--security-opt", "no-new-privileges", &image, "python3", "-c", INDEX_SERVER,
+            "run",
+            "-d",
+            "--name",
+            INDEX,
+            "--network",
+            &upstream,
+            "--user",
+            "1000:1000",
+            "--read-only",
+            "--tmpfs",
+            "/tmp",
+            "--cap-drop",
+            "ALL",
+            "--security-opt",
+            "no-new-privileges",
+            &image,
+            "python3",
+            "-c",
+            INDEX_SERVER,
         ]);
         let up = eventually(Duration::from_secs(30), || async {
             let probe = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/simple/', timeout=2)";

@@ -22,11 +22,8 @@ async fn a_tenants_flood_does_not_delay_another_tenants_job() {
         c.submit(s).await.unwrap();
     }
     let busy = eventually(Duration::from_secs(60), || async {
-        let running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status = 'running'")
-            .bind(&flooder)
-            .fetch_one(&pool)
-            .await
-            .ok()?;
+        let running: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status = 'running'").bind(&flooder).fetch_one(&pool).await.ok()?;
         (running >= 4).then_some(())
     })
     .await;

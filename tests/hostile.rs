@@ -109,9 +109,27 @@ async fn every_hostile_body_gets_exactly_one_recorded_outcome() {
     let big = id("big");
     let big_body = format!(r#"{{"tenant":"{t}","job_id":"{big}","language":"python","code":"{}"}}"#, "x".repeat((16 << 20) + 1024));
     let cases: Vec<(&str, Vec<u8>, String, String, Option<&str>)> = vec![
-        ("NUL in a value", format!(r#"{{"tenant":"{t}","job_id":"{nul_lang}","language":"py\u0000thon","code":"1"}}"#).into_bytes(), id("m"), nul_lang.clone(), Some("unknown_language")),
-        ("NUL in a field name", format!(r#"{{"tenant":"{t}","job_id":"{nul_field}","language":"python","code":"1","x\u0000y":1}}"#).into_bytes(), id("m"), nul_field.clone(), Some("unknown_field")),
-        ("a repeated key", format!(r#"{{"tenant":"{t}","job_id":"{dup}","language":"python","code":"1","code":"2"}}"#).into_bytes(), id("m"), dup.clone(), None),
+        (
+            "NUL in a value",
+            format!(r#"{{"tenant":"{t}","job_id":"{nul_lang}","language":"py\u0000thon","code":"1"}}"#).into_bytes(),
+            id("m"),
+            nul_lang.clone(),
+            Some("unknown_language"),
+        ),
+        (
+            "NUL in a field name",
+            format!(r#"{{"tenant":"{t}","job_id":"{nul_field}","language":"python","code":"1","x\u0000y":1}}"#).into_bytes(),
+            id("m"),
+            nul_field.clone(),
+            Some("unknown_field"),
+        ),
+        (
+            "a repeated key",
+            format!(r#"{{"tenant":"{t}","job_id":"{dup}","language":"python","code":"1","code":"2"}}"#).into_bytes(),
+            id("m"),
+            dup.clone(),
+            None,
+        ),
         ("invalid UTF-8", b"\xff\xfe{\"job_id\": 1}".to_vec(), id("m"), id("none"), None),
         ("NUL in the message id", b"not json".to_vec(), format!("{}\0x", id("m")), id("none"), None),
         ("a body over the protocol's size", big_body.into_bytes(), id("m"), big.clone(), Some("oversize_message")),
@@ -230,7 +248,11 @@ async fn a_job_stuck_in_queued_is_ended_and_its_quota_released() {
     let (job_id, session) = (unique("stuck"), format!("ses_{}", uuid::Uuid::new_v4().simple()));
     // What a lost message leaves behind: a job that never reached a worker, two hours ago,
     // and the session it was to open.
-    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 20, 1000, 1000000)").bind(&t).execute(&pool).await.unwrap();
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 20, 1000, 1000000)")
+        .bind(&t)
+        .execute(&pool)
+        .await
+        .unwrap();
     sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job, created_at) VALUES ($1, $2, 'starting', 60, $3, now() - interval '2 hours')")
         .bind(&session)
         .bind(&t)
@@ -238,13 +260,15 @@ async fn a_job_stuck_in_queued_is_ended_and_its_quota_released() {
         .execute(&pool)
         .await
         .unwrap();
-    sqlx::query("INSERT INTO jobs (tenant, job_id, status, language, session_id, queued_at) VALUES ($1, $2, 'queued', 'python', $3, now() - interval '2 hours')")
-        .bind(&t)
-        .bind(&job_id)
-        .bind(&session)
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "INSERT INTO jobs (tenant, job_id, status, language, session_id, queued_at) VALUES ($1, $2, 'queued', 'python', $3, now() - interval '2 hours')",
+    )
+    .bind(&t)
+    .bind(&job_id)
+    .bind(&session)
+    .execute(&pool)
+    .await
+    .unwrap();
     let c = client().await;
     let r = eventually(Duration::from_secs(30), || async { c.result(&t, &job_id).await.ok().flatten().filter(|r| r.status != JobStatus::Queued) }).await;
     let r = r.expect("the stuck job was ended");
@@ -252,7 +276,8 @@ async fn a_job_stuck_in_queued_is_ended_and_its_quota_released() {
     let state: String = sqlx::query_scalar("SELECT state FROM sessions WHERE session_id = $1").bind(&session).fetch_one(&pool).await.unwrap();
     assert_eq!(state, "failed");
     // Nothing of the tenant's counts against its quotas any more.
-    let live: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')").bind(&t).fetch_one(&pool).await.unwrap();
+    let live: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')").bind(&t).fetch_one(&pool).await.unwrap();
     assert_eq!(live, 0);
 }
 

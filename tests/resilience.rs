@@ -21,10 +21,7 @@ async fn healthy(addr: &str) -> bool {
 }
 
 async fn both_healthy_again() {
-    let ok = eventually(Duration::from_secs(90), || async {
-        (healthy("127.0.0.1:9464").await && healthy("127.0.0.1:9465").await).then_some(())
-    })
-    .await;
+    let ok = eventually(Duration::from_secs(90), || async { (healthy("127.0.0.1:9464").await && healthy("127.0.0.1:9465").await).then_some(()) }).await;
     assert!(ok.is_some(), "scheduler and worker did not report healthy again");
 }
 

@@ -58,8 +58,7 @@ async fn a_second_tenant_reads_nothing_of_the_first_through_postgres() {
     }
     let job_a: Option<String> = sqlx::query_scalar("SELECT job_id FROM jobs WHERE tenant = $1").bind(&a.name).fetch_optional(&db).await.unwrap();
     assert_eq!(job_a, None, "B cannot select A's job by naming A");
-    let sess_a: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM sessions WHERE session_id = $1").bind(session_id(&ra)).fetch_one(&db).await.unwrap();
+    let sess_a: i64 = sqlx::query_scalar("SELECT count(*) FROM sessions WHERE session_id = $1").bind(session_id(&ra)).fetch_one(&db).await.unwrap();
     assert_eq!(sess_a, 0, "B cannot select A's session by its id");
     assert_eq!(b_client.result(&a.name, &ra.job_id).await.unwrap(), None);
     assert_eq!(b_client.session(&a.name, &session_id(&ra)).await.unwrap(), None);
@@ -266,9 +265,8 @@ async fn a_tenants_jobs_committing_at_once_store_no_more_than_its_quota() {
     let t = TestTenant::create(Some(Quotas { max_artifact_bytes: 3 * FILE as u64, ..Quotas::default() })).await;
     let c = t.client().await;
     let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64() + 10.0;
-    let subs: Vec<_> = (0..4)
-        .map(|i| python(&t.name, &format!("import time\ntime.sleep(max(0, {at} - time.time()))\nopen('f{i}.bin', 'wb').write(b'x' * {FILE})")))
-        .collect();
+    let subs: Vec<_> =
+        (0..4).map(|i| python(&t.name, &format!("import time\ntime.sleep(max(0, {at} - time.time()))\nopen('f{i}.bin', 'wb').write(b'x' * {FILE})"))).collect();
     for s in &subs {
         c.submit(s).await.unwrap();
     }
@@ -285,13 +283,10 @@ async fn a_tenants_jobs_committing_at_once_store_no_more_than_its_quota() {
 
 #[tokio::test]
 async fn the_admin_command_creates_a_tenant_that_can_run_a_job() {
-    let bin = std::env::var("SANDCELL_ADMIN_BIN")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());
+    let bin = std::env::var("SANDCELL_ADMIN_BIN").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());
     let name = tenant();
-    let out = std::process::Command::new(&bin)
-        .args(["tenant", "create", &name, "--max-sessions", "3"])
-        .output()
-        .unwrap_or_else(|e| panic!("running {bin}: {e}"));
+    let out =
+        std::process::Command::new(&bin).args(["tenant", "create", &name, "--max-sessions", "3"]).output().unwrap_or_else(|e| panic!("running {bin}: {e}"));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
     let get = |k: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_else(|| panic!("no {k} in {text}")).to_string();

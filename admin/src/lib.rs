@@ -142,10 +142,7 @@ mod tests {
 
     #[test]
     fn credentials_keep_the_services_host_and_path() {
-        assert_eq!(
-            replace_userinfo("amqp://sandcell:pw@127.0.0.1:5672/%2f", "acme", "s3cret").unwrap(),
-            "amqp://acme:s3cret@127.0.0.1:5672/%2f"
-        );
+        assert_eq!(replace_userinfo("amqp://sandcell:pw@127.0.0.1:5672/%2f", "acme", "s3cret").unwrap(), "amqp://acme:s3cret@127.0.0.1:5672/%2f");
         assert_eq!(replace_userinfo("postgres://127.0.0.1/sandcell", "r", "p").unwrap(), "postgres://r:p@127.0.0.1/sandcell");
     }
 

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use futures::StreamExt;
-use sandcell_core::tenants::{Quotas, TenantStore};
 use sandcell_client::{Client, Watcher};
+use sandcell_core::tenants::{Quotas, TenantStore};
 use sandcell_protocol::{InputFile, JobResult, JobStatus, Language, SessionRequest, Submission};
 use serde::Serialize;
 
@@ -257,7 +257,8 @@ async fn main() -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("latest.json"), serde_json::to_string_pretty(&report)? + "\n")?;
     std::fs::write(args.out.join("README.md"), markdown(&report))?;
-    plot(&b, &args.out, &[("in-session 1+1", &in_session), ("new session (warm)", &warm), ("new session (cold)", &cold), ("docker run --rm", &baseline)]).await?;
+    plot(&b, &args.out, &[("in-session 1+1", &in_session), ("new session (warm)", &warm), ("new session (cold)", &cold), ("docker run --rm", &baseline)])
+        .await?;
     println!("wrote {}/latest.json, README.md, latency.png", args.out.display());
     Ok(())
 }
@@ -302,11 +303,8 @@ async fn wait_for_pool(addr: &str) -> Result<()> {
 /// (what `docker stats` shows).
 async fn idle_memory(b: &Bench, session_id: &str) -> Result<(f64, f64)> {
     let pool = sqlx::PgPool::connect(b.client.database_url()).await?;
-    let container: String = sqlx::query_scalar("SELECT container_id FROM sessions WHERE session_id = $1")
-        .bind(session_id)
-        .fetch_one(&pool)
-        .await
-        .context("session container")?;
+    let container: String =
+        sqlx::query_scalar("SELECT container_id FROM sessions WHERE session_id = $1").bind(session_id).fetch_one(&pool).await.context("session container")?;
     let docker = bollard::Docker::connect_with_defaults()?.negotiate_version().await?;
     let mut stats = docker.stats(&container, Some(bollard::query_parameters::StatsOptions { stream: false, one_shot: false }));
     let s = stats.next().await.context("no stats")??;
@@ -333,9 +331,7 @@ async fn docker_run_baseline(n: usize) -> Result<Vec<Duration>> {
             ..Default::default()
         };
         let id = docker.create_container(None::<bollard::query_parameters::CreateContainerOptions>, body).await?.id;
-        let mut attach = docker
-            .attach_container(&id, Some(AttachContainerOptions { stdout: true, stream: true, ..Default::default() }))
-            .await?;
+        let mut attach = docker.attach_container(&id, Some(AttachContainerOptions { stdout: true, stream: true, ..Default::default() })).await?;
         docker.start_container(&id, None::<StartContainerOptions>).await?;
         let mut text = String::new();
         while let Some(Ok(chunk)) = attach.output.next().await {
@@ -367,11 +363,17 @@ fn markdown(r: &Report) -> String {
     m += &row("baseline: `docker run --rm` per job (Docker API, no queue or store)", &r.baseline_docker_run, "—");
     m += &format!("\nWarm-pool hits observed during the warm case: {} of {}.\n\n", r.warm_pool_hits_observed, r.new_session_warm_pool_hit.n);
     m += "## Throughput and cost\n\n| figure | value | target |\n|---|---|---|\n";
-    m += &format!("| in-session throughput, {} sessions, {} jobs | {:.1} jobs/s ({:.2} s) | ≥ 300 jobs/s |\n", r.throughput_sessions, r.throughput_jobs, r.throughput_jobs_per_s, r.throughput_seconds);
+    m += &format!(
+        "| in-session throughput, {} sessions, {} jobs | {:.1} jobs/s ({:.2} s) | ≥ 300 jobs/s |\n",
+        r.throughput_sessions, r.throughput_jobs, r.throughput_jobs_per_s, r.throughput_seconds
+    );
     let opt = |v: Option<f64>| v.map(|x| format!("{x:.2} ms")).unwrap_or_else(|| "n/a".into());
     m += &format!("| scheduler CPU per job | {} | — |\n", opt(r.cpu_ms_per_job_scheduler));
     m += &format!("| worker CPU per job (excluding the sandbox) | {} | — |\n", opt(r.cpu_ms_per_job_worker));
-    m += &format!("| idle session memory (cgroup, without page cache) | {:.1} MiB ({:.1} MiB with cache) | ≤ 150 MiB |\n", r.idle_session_memory_without_cache_mib, r.idle_session_memory_mib);
+    m += &format!(
+        "| idle session memory (cgroup, without page cache) | {:.1} MiB ({:.1} MiB with cache) | ≤ 150 MiB |\n",
+        r.idle_session_memory_without_cache_mib, r.idle_session_memory_mib
+    );
     m
 }
 
@@ -415,4 +417,3 @@ async fn http_get(url: &str) -> Result<Vec<u8>> {
     anyhow::ensure!(raw.starts_with(b"HTTP/1.1 200") || raw.starts_with(b"HTTP/1.0 200"), "download failed");
     Ok(raw[split + 4..].to_vec())
 }
-

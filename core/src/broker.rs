@@ -100,14 +100,9 @@ pub async fn declare_topology(ch: &Channel) -> Result<()> {
         .context("binding the dead-letter queue")?;
     declare_quorum(ch, SUBMISSIONS_QUEUE, true).await?;
     declare_quorum(ch, JOBS_QUEUE, true).await?;
-    ch.exchange_declare(
-        INTAKE_EXCHANGE.into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions { durable: true, ..Default::default() },
-        FieldTable::default(),
-    )
-    .await
-    .context("declaring the intake exchange")?;
+    ch.exchange_declare(INTAKE_EXCHANGE.into(), ExchangeKind::Fanout, ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+        .await
+        .context("declaring the intake exchange")?;
     ch.queue_bind(SUBMISSIONS_QUEUE.into(), INTAKE_EXCHANGE.into(), "".into(), QueueBindOptions::default(), FieldTable::default())
         .await
         .context("binding the submissions queue to the intake exchange")?;
@@ -136,10 +131,7 @@ pub async fn publisher_channel(conn: &Connection) -> Result<Channel> {
 
 /// Properties for a persistent JSON message.
 pub fn json_properties(message_id: &str) -> BasicProperties {
-    BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_message_id(message_id.into())
+    BasicProperties::default().with_content_type("application/json".into()).with_delivery_mode(2).with_message_id(message_id.into())
 }
 
 /// The broker returned a mandatory message: no queue of that name exists.

@@ -640,10 +640,7 @@ impl JobStore {
 
     /// Count of jobs by status (for the `sandcell_jobs` gauge).
     pub async fn count_by_status(&self) -> Result<Vec<(String, i64)>> {
-        let rows = sqlx::query("SELECT status, count(*) AS n FROM jobs GROUP BY status")
-            .fetch_all(&self.pool)
-            .await
-            .context("counting jobs by status")?;
+        let rows = sqlx::query("SELECT status, count(*) AS n FROM jobs GROUP BY status").fetch_all(&self.pool).await.context("counting jobs by status")?;
         rows.into_iter().map(|r| Ok((r.try_get("status")?, r.try_get("n")?))).collect()
     }
 

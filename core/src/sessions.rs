@@ -194,7 +194,6 @@ impl SessionStore {
         })
         .transpose()
     }
-
 }
 
 impl SessionStore {

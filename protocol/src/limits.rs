@@ -113,10 +113,7 @@ impl LimitPolicy {
             stderr_bytes: d.stderr_bytes.min(m.stderr_bytes),
             artifact_files: d.artifact_files.min(m.artifact_files),
             artifact_bytes: d.artifact_bytes.min(m.artifact_bytes),
-            artifact_ttl_s: req
-                .artifact_ttl_s
-                .unwrap_or(d.artifact_ttl_s)
-                .clamp(MIN_ARTIFACT_TTL_S, m.artifact_ttl_s.max(MIN_ARTIFACT_TTL_S)),
+            artifact_ttl_s: req.artifact_ttl_s.unwrap_or(d.artifact_ttl_s).clamp(MIN_ARTIFACT_TTL_S, m.artifact_ttl_s.max(MIN_ARTIFACT_TTL_S)),
         }
     }
 
@@ -181,12 +178,7 @@ mod tests {
     #[test]
     fn requests_above_the_maximum_are_clamped_to_it() {
         let p = LimitPolicy::default();
-        let l = p.resolve(&ResourceRequest {
-            timeout_ms: Some(10_000_000),
-            memory_mb: Some(1 << 30),
-            cpus: Some(64.0),
-            artifact_ttl_s: Some(u64::MAX),
-        });
+        let l = p.resolve(&ResourceRequest { timeout_ms: Some(10_000_000), memory_mb: Some(1 << 30), cpus: Some(64.0), artifact_ttl_s: Some(u64::MAX) });
         assert_eq!(l.timeout_ms, p.max.timeout_ms);
         assert_eq!(l.memory_mb, p.max.memory_mb);
         assert_eq!(l.cpus, p.max.cpus);

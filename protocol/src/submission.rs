@@ -126,12 +126,7 @@ impl Submission {
 
     /// The resource requests this submission makes.
     pub fn resource_request(&self) -> ResourceRequest {
-        ResourceRequest {
-            timeout_ms: self.timeout_ms,
-            memory_mb: self.memory_mb,
-            cpus: self.cpus,
-            artifact_ttl_s: self.artifact_ttl_s,
-        }
+        ResourceRequest { timeout_ms: self.timeout_ms, memory_mb: self.memory_mb, cpus: self.cpus, artifact_ttl_s: self.artifact_ttl_s }
     }
 }
 
@@ -337,18 +332,12 @@ fn validate(sub: &Submission, limits: &IntakeLimits) -> Result<(), Reason> {
 /// empty, `.` or `..` segments, no control characters, at most 1024 bytes.
 pub fn is_valid_upload_key(tenant: &str, key: &str) -> bool {
     let Some(rest) = key.strip_prefix(&upload_prefix(tenant)) else { return false };
-    key.len() <= 1024
-        && !rest.is_empty()
-        && !key.chars().any(char::is_control)
-        && rest.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != "..")
+    key.len() <= 1024 && !rest.is_empty() && !key.chars().any(char::is_control) && rest.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != "..")
 }
 
 fn validate_files(tenant: &str, files: &[InputFile], limits: &IntakeLimits) -> Result<(), Reason> {
     if files.len() > limits.max_input_files {
-        return Err(Reason::new(
-            ErrorCode::TooManyFiles,
-            format!("{} input files; the limit is {}", files.len(), limits.max_input_files),
-        ));
+        return Err(Reason::new(ErrorCode::TooManyFiles, format!("{} input files; the limit is {}", files.len(), limits.max_input_files)));
     }
     let mut seen = std::collections::HashSet::new();
     let mut total = 0usize;

@@ -39,8 +39,8 @@ use sandcell_core::jobs::{JobSessionRecord, JobStore, Recorded};
 use sandcell_core::sessions::{Route, SessionStore};
 use sandcell_protocol::session::new_session_id;
 use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, JobSession, JobStatus, Reason, Rejection, Submission};
-use tokio::sync::oneshot;
 use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
 use crate::Config;

@@ -40,8 +40,10 @@ impl Metrics {
         registry.register(Box::new(intake_seconds.clone()))?;
         registry.register(Box::new(jobs.clone()))?;
         registry.register(Box::new(artifacts_expired.clone()))?;
-        let ack_failures = IntCounterVec::new(Opts::new("sandcell_intake_ack_failures_total", "Submissions whose ack/nack failed, by disposition"), &["disposition"])?;
-        let stuck_ended = IntCounterVec::new(Opts::new("sandcell_stuck_ended_total", "Jobs and sessions ended after staying queued/starting too long"), &["what"])?;
+        let ack_failures =
+            IntCounterVec::new(Opts::new("sandcell_intake_ack_failures_total", "Submissions whose ack/nack failed, by disposition"), &["disposition"])?;
+        let stuck_ended =
+            IntCounterVec::new(Opts::new("sandcell_stuck_ended_total", "Jobs and sessions ended after staying queued/starting too long"), &["what"])?;
         registry.register(Box::new(ack_failures.clone()))?;
         registry.register(Box::new(stuck_ended.clone()))?;
         let held_dispatched = prometheus::IntCounter::new("sandcell_held_jobs_dispatched_total", "Held jobs published by the fair-share dispatcher")?;

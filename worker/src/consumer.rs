@@ -198,9 +198,9 @@ async fn refuse_unheld(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Dispos
     let id = job.session.as_ref().map(|s| s.id.as_str()).unwrap_or_default();
     let reason = match ctx.sessions.state(&job.tenant, id).await? {
         None => Reason::new(ErrorCode::SessionNotFound, format!("tenant {} has no session {id}", job.tenant)),
-        Some(state) => state
-            .refusal(id)
-            .unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, format!("session {id} is not held by worker {}", ctx.cfg.worker_id))),
+        Some(state) => {
+            state.refusal(id).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, format!("session {id} is not held by worker {}", ctx.cfg.worker_id)))
+        }
     };
     run::refuse(ctx, job, &reason).await?;
     Ok(Disposition::Ack)

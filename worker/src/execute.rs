@@ -312,15 +312,10 @@ impl Outcome {
             return;
         }
         if self.limits_hit.contains(&LimitHit::Pids) {
-            self.reason = Some(Reason::new(
-                ErrorCode::PidsLimit,
-                format!("the code hit the process limit ({} processes and threads): creating one failed", limits.pids),
-            ));
+            self.reason =
+                Some(Reason::new(ErrorCode::PidsLimit, format!("the code hit the process limit ({} processes and threads): creating one failed", limits.pids)));
         } else if self.limits_hit.contains(&LimitHit::Workspace) {
-            self.reason = Some(Reason::new(
-                ErrorCode::WorkspaceFull,
-                format!("the workspace ({} MB) or /tmp ran out of space", limits.workspace_mb),
-            ));
+            self.reason = Some(Reason::new(ErrorCode::WorkspaceFull, format!("the workspace ({} MB) or /tmp ran out of space", limits.workspace_mb)));
         }
     }
 
@@ -630,7 +625,14 @@ mod tests {
     fn bash_with_nonzero_exit_is_failed_and_python_ok_is_succeeded() {
         let limits = sandcell_protocol::LimitPolicy::default().default;
         let mut out = Outcome::new(&limits);
-        let done = DriverEvent::Done { status: "ok".into(), exit_code: Some(3), stdout_truncated: false, stderr_truncated: false, processes_killed: 0, workspace_full: false };
+        let done = DriverEvent::Done {
+            status: "ok".into(),
+            exit_code: Some(3),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            processes_killed: 0,
+            workspace_full: false,
+        };
         assert_eq!(apply(&mut out, done.clone(), Language::Bash, &limits), Step::Done);
         assert_eq!(out.status, JobStatus::Failed);
         let mut out = Outcome::new(&limits);
@@ -664,10 +666,7 @@ mod tests {
     fn figures_are_decoded_as_binary_and_text_kept_inline() {
         let limits = sandcell_protocol::LimitPolicy::default().default;
         let mut out = Outcome::new(&limits);
-        let data = BTreeMap::from([
-            ("image/png".to_string(), serde_json::json!("iVBORw0KGgo=")),
-            ("text/plain".to_string(), serde_json::json!("<Figure>")),
-        ]);
+        let data = BTreeMap::from([("image/png".to_string(), serde_json::json!("iVBORw0KGgo=")), ("text/plain".to_string(), serde_json::json!("<Figure>"))]);
         apply(&mut out, DriverEvent::DisplayData { data }, Language::Python, &limits);
         assert_eq!(out.outputs[0].binary[0].bytes[..4], [0x89, b'P', b'N', b'G']);
         assert_eq!(out.outputs[0].text["text/plain"], "<Figure>");

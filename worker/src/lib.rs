@@ -143,7 +143,6 @@ impl Config {
     }
 }
 
-
 /// Connect to Docker (whatever API version the daemon speaks) and check it answers.
 pub async fn connect_docker() -> Result<bollard::Docker> {
     let docker = bollard::Docker::connect_with_defaults().context("configuring the Docker client")?;

@@ -68,8 +68,10 @@ impl Metrics {
         registry.register(Box::new(pool_size.clone()))?;
         registry.register(Box::new(pool_takes.clone()))?;
         registry.register(Box::new(kernel_restarts.clone()))?;
-        let ack_failures = IntCounterVec::new(Opts::new("sandcell_worker_ack_failures_total", "Job messages whose ack/nack failed, by disposition"), &["disposition"])?;
-        let redeliveries_absorbed = IntCounter::new("sandcell_worker_redeliveries_absorbed_total", "Copies of jobs already in flight here that were not run again")?;
+        let ack_failures =
+            IntCounterVec::new(Opts::new("sandcell_worker_ack_failures_total", "Job messages whose ack/nack failed, by disposition"), &["disposition"])?;
+        let redeliveries_absorbed =
+            IntCounter::new("sandcell_worker_redeliveries_absorbed_total", "Copies of jobs already in flight here that were not run again")?;
         let sandbox_start_retries = IntCounter::new("sandcell_worker_sandbox_start_retries_total", "Sandboxes that failed to start and were tried again")?;
         registry.register(Box::new(ack_failures.clone()))?;
         registry.register(Box::new(redeliveries_absorbed.clone()))?;

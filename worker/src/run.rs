@@ -157,7 +157,8 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
     let wanted = o.artifact_bytes();
     if wanted > 0 {
         let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
-        let granted = with_db_retries(tenant, job_id, "reserving the tenant's artifact bytes", || ctx.tenants.reserve_artifact_bytes(tenant, job_id, wanted)).await?;
+        let granted =
+            with_db_retries(tenant, job_id, "reserving the tenant's artifact bytes", || ctx.tenants.reserve_artifact_bytes(tenant, job_id, wanted)).await?;
         o.keep_within_quota(granted);
     }
     o.settle_display_paths();

@@ -22,8 +22,8 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::context::WorkerContext;
 use crate::execute::Outcome;
-use crate::ledger::{Disposition, Ticket};
 use crate::kernel::{Kernel, OnTimeout};
+use crate::ledger::{Disposition, Ticket};
 use crate::run::{self, Extras};
 use crate::sandbox::container::SandboxSpec;
 
@@ -139,7 +139,9 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
             ctx.registry.remove(&session.id);
             kernel.destroy().await;
             let state = ctx.sessions.state(&job.tenant, &session.id).await.ok().flatten();
-            let reason = state.and_then(|s| s.refusal(&session.id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "the session could not be bound to this worker"));
+            let reason = state
+                .and_then(|s| s.refusal(&session.id))
+                .unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "the session could not be bound to this worker"));
             run::refuse(ctx, job, &reason).await?;
             return Ok(Opened::Refused);
         }
@@ -220,11 +222,8 @@ impl SessionTask {
             kernel.run(job, &files, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)).await
         };
         let mut outcome = cell.outcome;
-        let mut extras = Extras {
-            kernel_restarted: false,
-            container_id: Some(kernel.id().to_string()),
-            session: Some(SessionTouch { id: self.id.clone(), close }),
-        };
+        let mut extras =
+            Extras { kernel_restarted: false, container_id: Some(kernel.id().to_string()), session: Some(SessionTouch { id: self.id.clone(), close }) };
         let mut end = close.then_some(End::Closed);
         if !cell.alive {
             let why = match outcome.status {
@@ -241,10 +240,8 @@ impl SessionTask {
                     Ok(container) => {
                         extras.kernel_restarted = true;
                         extras.container_id = Some(container);
-                        outcome.reason = Some(Reason::new(
-                            ErrorCode::KernelRestarted,
-                            format!("{why}; it was restarted: variables, imports and workspace files are gone"),
-                        ));
+                        outcome.reason =
+                            Some(Reason::new(ErrorCode::KernelRestarted, format!("{why}; it was restarted: variables, imports and workspace files are gone")));
                     }
                     Err(e) => {
                         let reason = Reason::new(ErrorCode::SessionLost, format!("{why}, and no new kernel could be started: {e:#}"));

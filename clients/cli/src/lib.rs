@@ -64,11 +64,8 @@ impl Client {
         // declares the intake exchange.
         let conn = broker::connect(amqp_url, "sandcell-client").await?;
         let publisher = broker::publisher_channel(&conn).await?;
-        let pool = PgPoolOptions::new()
-            .max_connections(4)
-            .connect(database_url)
-            .await
-            .with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
+        let pool =
+            PgPoolOptions::new().max_connections(4).connect(database_url).await.with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
         Ok(Client { _conn: conn, publisher, jobs: JobStore::new(pool), database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
     }
 
@@ -174,10 +171,7 @@ impl Client {
 
     /// The download URL of one artifact, or [`ClientError::ArtifactExpired`] once it expired.
     pub async fn artifact_url(&self, tenant: &str, job_id: &str, path: &str) -> Result<String, ClientError> {
-        let r = self
-            .result(tenant, job_id)
-            .await?
-            .ok_or_else(|| ClientError::NotFound { tenant: tenant.into(), job_id: job_id.into() })?;
+        let r = self.result(tenant, job_id).await?.ok_or_else(|| ClientError::NotFound { tenant: tenant.into(), job_id: job_id.into() })?;
         let a = r.artifacts.into_iter().find(|a| a.path == path).ok_or_else(|| ClientError::NoSuchArtifact(path.into()))?;
         match (a.state, a.download_url) {
             (ArtifactState::Available, Some(url)) if a.expires_at > chrono::Utc::now() => Ok(url),
@@ -201,10 +195,8 @@ pub struct Watcher {
 impl Watcher {
     /// Connect a listener for `tenant`'s jobs (the tenant must be registered).
     pub async fn connect(client: &Client, tenant: &str) -> Result<Self, ClientError> {
-        let channel = client
-            .channel_of(tenant, Duration::ZERO)
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("tenant {tenant:?} is not registered (no notification channel)"))?;
+        let channel =
+            client.channel_of(tenant, Duration::ZERO).await?.ok_or_else(|| anyhow::anyhow!("tenant {tenant:?} is not registered (no notification channel)"))?;
         let mut listener = PgListener::connect(&client.database_url).await.context("connecting listener")?;
         listener.listen(&channel).await.context("LISTEN on the tenant's channel")?;
         let waiting: Waiting = Default::default();

@@ -82,10 +82,7 @@ impl Sandbox {
         // From here on the container exists; make sure an error below does not leak it.
         let guard = RemoveOnDrop { docker: docker.clone(), id: Some(id.clone()) };
         let attach = docker
-            .attach_container(
-                &id,
-                Some(AttachContainerOptions { stdin: true, stdout: true, stderr: true, stream: true, logs: false, detach_keys: None }),
-            )
+            .attach_container(&id, Some(AttachContainerOptions { stdin: true, stdout: true, stderr: true, stream: true, logs: false, detach_keys: None }))
             .await
             .context("attaching to the sandbox")?;
         docker.start_container(&id, None::<bollard::query_parameters::StartContainerOptions>).await.context("starting the sandbox")?;
@@ -124,8 +121,7 @@ impl Sandbox {
     pub async fn next_event(&mut self) -> Result<Option<DriverEvent>> {
         loop {
             if let Some(frame) = self.decoder.next_frame()? {
-                let event = serde_json::from_slice::<DriverEvent>(&frame)
-                    .map_err(|e| frames::FrameError::Invalid(e.to_string()))?;
+                let event = serde_json::from_slice::<DriverEvent>(&frame).map_err(|e| frames::FrameError::Invalid(e.to_string()))?;
                 return Ok(Some(event));
             }
             match self.output.next().await {

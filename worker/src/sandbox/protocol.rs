@@ -46,7 +46,15 @@ pub struct ExecuteRequest<'a> {
 
 impl<'a> ExecuteRequest<'a> {
     /// The request for `code` under `limits`.
-    pub fn new(id: &'a str, language: Language, code: &'a str, files: &'a [InputFile], limits: &ExecutionLimits, get_files: &'a [String], list_files: bool) -> Self {
+    pub fn new(
+        id: &'a str,
+        language: Language,
+        code: &'a str,
+        files: &'a [InputFile],
+        limits: &ExecutionLimits,
+        get_files: &'a [String],
+        list_files: bool,
+    ) -> Self {
         ExecuteRequest {
             kind: "execute",
             id,
@@ -179,10 +187,19 @@ mod tests {
     fn driver_events_decode_and_ignore_extra_fields() {
         let e: DriverEvent = serde_json::from_str(r#"{"type":"stream","id":"j","name":"stdout","text":"hi\n"}"#).unwrap();
         assert_eq!(e, DriverEvent::Stream { name: "stdout".into(), text: "hi\n".into() });
-        let e: DriverEvent = serde_json::from_str(r#"{"type":"done","id":"j","status":"ok","exit_code":0,"stdout_truncated":false,"stderr_truncated":true,"duration_ms":3.2}"#).unwrap();
+        let e: DriverEvent =
+            serde_json::from_str(r#"{"type":"done","id":"j","status":"ok","exit_code":0,"stdout_truncated":false,"stderr_truncated":true,"duration_ms":3.2}"#)
+                .unwrap();
         assert_eq!(
             e,
-            DriverEvent::Done { status: "ok".into(), exit_code: Some(0), stdout_truncated: false, stderr_truncated: true, processes_killed: 0, workspace_full: false }
+            DriverEvent::Done {
+                status: "ok".into(),
+                exit_code: Some(0),
+                stdout_truncated: false,
+                stderr_truncated: true,
+                processes_killed: 0,
+                workspace_full: false
+            }
         );
         let e: DriverEvent = serde_json::from_str(r#"{"type":"something_new","x":1}"#).unwrap();
         assert_eq!(e, DriverEvent::Unknown);
