@@ -103,12 +103,13 @@ async fn every_hostile_body_gets_exactly_one_recorded_outcome() {
     let t = tenant();
     let id = |n: &str| unique(n);
     // (what, body, message id, the job id it names, expected job row code or None = intake_rejections)
+    type Case<'a> = (&'a str, Vec<u8>, String, String, Option<&'a str>);
     let nul_lang = id("nul-lang");
     let nul_field = id("nul-field");
     let dup = id("dup");
     let big = id("big");
     let big_body = format!(r#"{{"tenant":"{t}","job_id":"{big}","language":"python","code":"{}"}}"#, "x".repeat((16 << 20) + 1024));
-    let cases: Vec<(&str, Vec<u8>, String, String, Option<&str>)> = vec![
+    let cases: Vec<Case> = vec![
         (
             "NUL in a value",
             format!(r#"{{"tenant":"{t}","job_id":"{nul_lang}","language":"py\u0000thon","code":"1"}}"#).into_bytes(),

@@ -2,7 +2,8 @@
 # The test command: bring the local stack up (installing what is missing), build, start a
 # scheduler and a worker, and run every test against the real services:
 #   - Rust unit tests (pure logic) and end-to-end tests (tests/) with `cargo test --workspace`;
-#   - the in-sandbox driver's tests, inside the real sandbox image.
+#   - the in-sandbox driver's tests, inside the real sandbox image;
+#   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run).
 # Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity,
 # fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
@@ -30,11 +31,16 @@ SANDCELL_EGRESS_TENANTS=$SANDCELL_EGRESS_TEST_TENANTS SANDCELL_EGRESS_ALLOW=sand
     bash deploy/local/egress.sh up
 while IFS= read -r line; do export "${line?}"; done < <(SANDCELL_EGRESS_TENANTS=$SANDCELL_EGRESS_TEST_TENANTS bash deploy/local/egress.sh env)
 
+failed=()
+# Style is checked, not hoped for: rustfmt.toml's formatting, and clippy with warnings as errors.
+echo "== style: cargo fmt --check, cargo clippy -D warnings"
+cargo fmt --all -- --check || failed+=("cargo fmt --check (run cargo fmt --all)")
+cargo clippy --workspace --all-targets -- -D warnings || failed+=("cargo clippy")
+
 echo "== building"
 cargo build --workspace --bins --tests
 
 trap stop_sandcell EXIT
-failed=()
 
 # One pass: the worker (and the driver tests) under one OCI runtime. The first pass runs every
 # test of the workspace; later passes only what touches a sandbox (driver and end-to-end tests).

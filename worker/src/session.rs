@@ -96,7 +96,7 @@ pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) 
     let Work { job, ticket, claim } = work;
     let disposition = match bind_new(&ctx, &job, permit).await {
         Ok(Opened::Task(task, rx)) => {
-            tokio::spawn(task.run(Work { job, ticket, claim }, rx));
+            tokio::spawn((*task).run(Work { job, ticket, claim }, rx));
             return;
         }
         Ok(Opened::Refused) => Disposition::Ack,
@@ -110,8 +110,9 @@ pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) 
 }
 
 enum Opened {
-    /// The session is bound here; its task runs the opening job.
-    Task(SessionTask, mpsc::UnboundedReceiver<Work>),
+    /// The session is bound here; its task runs the opening job. (Boxed: a task holds its
+    /// kernel, far larger than the refusal.)
+    Task(Box<SessionTask>, mpsc::UnboundedReceiver<Work>),
     /// The job was refused (no sandbox, or the session ended meanwhile) and that is recorded.
     Refused,
 }
@@ -157,7 +158,7 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         ctx: ctx.clone(),
         _permit: permit,
     };
-    Ok(Opened::Task(task, rx))
+    Ok(Opened::Task(Box::new(task), rx))
 }
 
 struct SessionTask {
