@@ -6,6 +6,7 @@
 //! `rabbitmq_management`, enabled by `deploy/local/up.sh` on 127.0.0.1:15672), authenticated
 //! as the service user from `SANDCELL_AMQP_URL`; the database side through
 //! [`sandcell_core::tenants::TenantStore`] as the service role from `SANDCELL_DATABASE_URL`.
+#![warn(missing_docs)]
 
 use anyhow::{bail, Context, Result};
 use sandcell_core::broker;

@@ -8,6 +8,7 @@
 //! - [`sessions`]: session ownership and routing;
 //! - [`tenants`]: quotas, tenant database roles, the admission check;
 //! - [`telemetry`]: structured logs, the Prometheus registry, `/metrics` and `/healthz`.
+#![warn(missing_docs)]
 
 pub mod broker;
 pub mod config;

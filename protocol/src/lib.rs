@@ -6,6 +6,7 @@
 //! to the operator's maximums, workspace path rules and the job status state machine.
 //!
 //! This crate does no I/O. Its types generate the JSON Schemas under `docs/schemas/`.
+#![warn(missing_docs)]
 
 pub mod error;
 pub mod job;

@@ -13,16 +13,22 @@ pub const MAX_COMPONENT_BYTES: usize = 255;
 /// Why a path was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PathError {
+    /// Nothing to name a file by.
     #[error("path is empty")]
     Empty,
+    /// It would name a file outside the workspace.
     #[error("path is absolute")]
     Absolute,
+    /// Longer than any filesystem accepts ([`MAX_PATH_BYTES`]).
     #[error("path is longer than {MAX_PATH_BYTES} bytes")]
     TooLong,
+    /// One name longer than a filesystem accepts ([`MAX_COMPONENT_BYTES`]).
     #[error("a path component is longer than {MAX_COMPONENT_BYTES} bytes")]
     ComponentTooLong,
+    /// `a//b`, `./a` or `../a`: ambiguous, or a way out of the workspace.
     #[error("path has an empty, '.' or '..' component")]
     BadComponent,
+    /// Bytes a file name should not hold: they break listings, logs and other systems' paths.
     #[error("path contains a NUL, control character or backslash")]
     BadCharacter,
 }

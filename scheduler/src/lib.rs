@@ -9,11 +9,12 @@
 //! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, and
 //!   declares the sessions of workers whose heartbeat stopped `lost`;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
+#![warn(missing_docs)]
 
-pub mod dispatch;
-pub mod intake;
-pub mod metrics;
-pub mod sweeper;
+mod dispatch;
+mod intake;
+mod metrics;
+mod sweeper;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;

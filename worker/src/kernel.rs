@@ -16,7 +16,7 @@ use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, Job
 
 use crate::execute::{apply, Outcome, Step};
 use crate::sandbox::cgroup::Cgroup;
-use crate::sandbox::container::{ContainerShape, SandboxSpec};
+use crate::sandbox::container::SandboxSpec;
 use crate::sandbox::protocol::{DriverEvent, ExecuteRequest, DRIVER_PROTOCOL_VERSION};
 use crate::sandbox::Sandbox;
 
@@ -60,7 +60,6 @@ pub struct CellRun {
 /// A started kernel.
 pub struct Kernel {
     sandbox: Sandbox,
-    shape: ContainerShape,
     cgroup: Cgroup,
     /// Container create → driver ready.
     pub start_time: Duration,
@@ -74,7 +73,7 @@ impl Kernel {
         match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
             Ok(Ok(Some(DriverEvent::Ready { driver_version, kernel_isolated: true }))) if driver_version == DRIVER_PROTOCOL_VERSION => {
                 let cgroup = Cgroup::locate(&settings.cgroup_root, sandbox.id());
-                Ok(Kernel { sandbox, shape: spec.shape(), cgroup, start_time: t0.elapsed() })
+                Ok(Kernel { sandbox, cgroup, start_time: t0.elapsed() })
             }
             other => {
                 let what = match other {
@@ -100,11 +99,6 @@ impl Kernel {
     /// The container id.
     pub fn id(&self) -> &str {
         self.sandbox.id()
-    }
-
-    /// The container's fixed properties.
-    pub fn shape(&self) -> &ContainerShape {
-        &self.shape
     }
 
     /// Run `job`'s code (with `files` already resolved to inline content) under `limits`.

@@ -112,11 +112,6 @@ impl Ledger {
         self.held.lock().map(|h| h.len()).unwrap_or(0)
     }
 
-    /// Whether no job is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn take(&self, key: &Key) -> Option<Delivery> {
         self.held.lock().ok().and_then(|mut h| h.remove(key))
     }

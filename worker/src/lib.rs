@@ -7,18 +7,19 @@
 //! commit) → [`kernel`] (cells under a wall clock, interrupts) → [`execute`] (driver events into
 //! an outcome) → [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
 //! [`pool`] keeps started kernels ready for the next session or one-off job.
+#![warn(missing_docs)]
 
-pub mod artifacts;
-pub mod consumer;
-pub mod context;
-pub mod execute;
-pub mod kernel;
-pub mod ledger;
-pub mod metrics;
-pub mod pool;
-pub mod run;
-pub mod sandbox;
-pub mod session;
+mod artifacts;
+mod consumer;
+mod context;
+mod execute;
+mod kernel;
+mod ledger;
+mod metrics;
+mod pool;
+mod run;
+mod sandbox;
+mod session;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -66,11 +66,6 @@ impl WarmPool {
         self.inner.kernels.lock().map(|k| k.len()).unwrap_or(0)
     }
 
-    /// Whether the pool is empty now.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Keep the pool full, forever. Start failures are logged and retried with a backoff.
     pub async fn refill_forever(self, docker: Docker, settings: KernelSettings) {
         let inner = &self.inner;

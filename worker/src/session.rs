@@ -65,11 +65,6 @@ impl Registry {
         self.map.lock().map(|m| m.len()).unwrap_or(0)
     }
 
-    /// Whether no session is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Work>) {
         if let Ok(mut m) = self.map.lock() {
             m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox });

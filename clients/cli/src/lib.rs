@@ -10,6 +10,7 @@
 //! create`): submissions carry `user_id` = the broker user, which RabbitMQ verifies, and
 //! row-level security shows the role only its own rows. An operator's trusted backend may
 //! connect as the service user and name any tenant.
+#![warn(missing_docs)]
 
 use std::time::Duration;
 

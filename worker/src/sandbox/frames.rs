@@ -75,6 +75,7 @@ impl FrameDecoder {
     }
 
     /// Bytes received but not yet part of a complete frame.
+    #[cfg(test)]
     pub fn pending(&self) -> usize {
         self.buf.len()
     }

@@ -110,13 +110,6 @@ impl Sandbox {
         Ok(())
     }
 
-    /// Close the driver's stdin: it exits after the current cell.
-    pub async fn close_input(&mut self) {
-        if let Some(mut input) = self.input.take() {
-            let _ = input.shutdown().await;
-        }
-    }
-
     /// The next driver event; `Ok(None)` when the driver's output ended (it exited or died).
     pub async fn next_event(&mut self) -> Result<Option<DriverEvent>> {
         loop {
