@@ -61,17 +61,6 @@ impl ArtifactStore {
         ArtifactStore { client: Client::from_conf(conf), bucket: s.bucket.clone() }
     }
 
-    /// The bucket name.
-    pub fn bucket(&self) -> &str {
-        &self.bucket
-    }
-
-    /// Check the bucket answers (health endpoint, start-up).
-    pub async fn check(&self) -> Result<()> {
-        self.client.head_bucket().bucket(&self.bucket).send().await.with_context(|| format!("checking bucket {}", self.bucket))?;
-        Ok(())
-    }
-
     /// Store an object.
     pub async fn put(&self, key: &str, body: Vec<u8>, content_type: &str) -> Result<()> {
         self.client
