@@ -35,10 +35,10 @@ failed=()
 # Style is checked, not hoped for: rustfmt.toml's formatting, and clippy with warnings as errors.
 echo "== style: cargo fmt --check, cargo clippy -D warnings"
 cargo fmt --all -- --check || failed+=("cargo fmt --check (run cargo fmt --all)")
-cargo clippy --workspace --all-targets -- -D warnings || failed+=("cargo clippy")
+cargo clippy --workspace --all-targets --all-features -- -D warnings || failed+=("cargo clippy")
 
 echo "== building"
-cargo build --workspace --bins --tests
+cargo build --workspace --bins --tests --features sandcell-tests/e2e
 
 trap stop_sandcell EXIT
 
@@ -74,7 +74,7 @@ run_pass() {
         done
     fi
     # shellcheck disable=SC2086
-    cargo test "${packages[@]}" --no-fail-fast ${CARGO_TEST_ARGS:-} || failed+=("cargo tests under $runtime")
+    cargo test "${packages[@]}" --features sandcell-tests/e2e --no-fail-fast ${CARGO_TEST_ARGS:-} || failed+=("cargo tests under $runtime")
     stop_sandcell
 }
 
