@@ -177,10 +177,14 @@ enum Publisher {
 
 impl Publisher {
     fn of(delivery: &Delivery, trusted: &std::collections::HashSet<String>) -> Publisher {
-        match delivery.properties.user_id().as_ref().map(|u| u.as_str().to_owned()) {
+        Publisher::from_user_id(delivery.properties.user_id().as_ref().map(|u| u.as_str()), trusted)
+    }
+
+    fn from_user_id(user_id: Option<&str>, trusted: &std::collections::HashSet<String>) -> Publisher {
+        match user_id {
             None => Publisher::Unknown,
-            Some(u) if trusted.contains(&u) => Publisher::Trusted(u),
-            Some(u) => Publisher::Tenant(u),
+            Some(u) if trusted.contains(u) => Publisher::Trusted(u.to_owned()),
+            Some(u) => Publisher::Tenant(u.to_owned()),
         }
     }
 
@@ -203,28 +207,48 @@ async fn handle(
 ) -> Result<Disposition> {
     let message_id = delivery.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
     let from = Publisher::of(delivery, &cfg.trusted_publishers);
-    match (verdict.clone(), &from) {
+    match decide(verdict.clone(), &from) {
+        Decision::Accept(sub) => accept(cfg, jobs, metrics, publisher, &sub, &delivery.data, may_redispatch).await,
+        Decision::Reject(rejection) => {
+            if rejection.reason.code == ErrorCode::TenantMismatch {
+                tracing::warn!(publisher = ?from.name(), job_id = ?rejection.job_id, "submission claims another tenant; refused");
+            }
+            reject(jobs, metrics, &rejection, message_id.as_deref(), from.name(), &delivery.data).await
+        }
+    }
+}
+
+/// What the intake does with a judged delivery, given who published it.
+#[derive(Debug, PartialEq)]
+enum Decision {
+    /// A valid submission whose tenant is its publisher's (or named by a trusted publisher).
+    Accept(Submission),
+    /// Recorded as an intake rejection: under the publishing tenant whenever there is one.
+    Reject(Rejection),
+}
+
+/// The identity rules: a message without `user_id` is refused; a tenant's broker user can only
+/// submit as that tenant; a trusted publisher names the tenant in the body; a refusal is recorded
+/// under the publishing tenant, never under the one its body claims.
+fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision {
+    match (verdict, from) {
         (_, Publisher::Unknown) => {
             let reason = Reason::new(ErrorCode::Unauthenticated, "the message has no user_id property: publish with user_id set to your broker user");
-            let rejection = Rejection { reason, tenant: None, job_id: None };
-            reject(jobs, metrics, &rejection, message_id.as_deref(), None, &delivery.data).await
+            Decision::Reject(Rejection { reason, tenant: None, job_id: None })
         }
         (Ok(sub), Publisher::Tenant(tenant)) if sub.tenant != *tenant => {
             let reason = Reason::new(
                 ErrorCode::TenantMismatch,
                 format!("the body names tenant {:?} but the message was published by broker user {tenant:?}", sub.tenant),
             );
-            tracing::warn!(publisher = %tenant, claimed = %sub.tenant, job_id = %sub.job_id, "submission claims another tenant; refused");
-            let rejection = Rejection { reason, tenant: Some(tenant.clone()), job_id: Some(sub.job_id.clone()) };
-            reject(jobs, metrics, &rejection, message_id.as_deref(), from.name(), &delivery.data).await
+            Decision::Reject(Rejection { reason, tenant: Some(tenant.clone()), job_id: Some(sub.job_id) })
         }
-        (Ok(sub), _) => accept(cfg, jobs, metrics, publisher, &sub, &delivery.data, may_redispatch).await,
+        (Ok(sub), _) => Decision::Accept(sub),
         (Err(mut rejection), _) => {
-            // A tenant's rejection is recorded under that tenant, never under the one its body names.
-            if let Publisher::Tenant(tenant) = &from {
+            if let Publisher::Tenant(tenant) = from {
                 rejection.tenant = Some(tenant.clone());
             }
-            reject(jobs, metrics, &rejection, message_id.as_deref(), from.name(), &delivery.data).await
+            Decision::Reject(rejection)
         }
     }
 }
@@ -344,4 +368,86 @@ async fn reject(jobs: &JobStore, metrics: &Metrics, rej: &Rejection, message_id:
     tracing::warn!(message_id, publisher, code = %rej.reason.code, message = %rej.reason.message, body_bytes = body.len(), "unattributable submission dead-lettered");
     metrics.submissions.with_label_values(&["dead_lettered"]).inc();
     Ok(Disposition::DeadLetter)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use sandcell_protocol::{Language, SessionRequest};
+
+    use super::*;
+
+    fn sub(tenant: &str) -> Submission {
+        Submission::new(tenant, "job-1", Language::Python, "1 + 1")
+    }
+
+    fn trusted() -> HashSet<String> {
+        HashSet::from(["sandcell".to_string()])
+    }
+
+    #[test]
+    fn a_broker_user_is_a_tenant_unless_the_operator_trusts_it() {
+        assert_eq!(Publisher::from_user_id(None, &trusted()), Publisher::Unknown);
+        assert_eq!(Publisher::from_user_id(Some("sandcell"), &trusted()), Publisher::Trusted("sandcell".into()));
+        assert_eq!(Publisher::from_user_id(Some("acme"), &trusted()), Publisher::Tenant("acme".into()));
+    }
+
+    #[test]
+    fn a_message_without_a_user_id_is_refused_whatever_its_body() {
+        let Decision::Reject(r) = decide(Ok(sub("acme")), &Publisher::Unknown) else { panic!("accepted") };
+        assert_eq!((r.reason.code, r.tenant, r.job_id), (ErrorCode::Unauthenticated, None, None));
+    }
+
+    #[test]
+    fn a_tenant_submits_as_itself_only() {
+        assert_eq!(decide(Ok(sub("acme")), &Publisher::Tenant("acme".into())), Decision::Accept(sub("acme")));
+        let Decision::Reject(r) = decide(Ok(sub("other")), &Publisher::Tenant("acme".into())) else { panic!("accepted") };
+        assert_eq!(r.reason.code, ErrorCode::TenantMismatch);
+        assert_eq!((r.tenant.as_deref(), r.job_id.as_deref()), (Some("acme"), Some("job-1")), "recorded under the publisher");
+    }
+
+    #[test]
+    fn a_trusted_publisher_names_the_tenant_in_the_body() {
+        assert_eq!(decide(Ok(sub("any")), &Publisher::Trusted("sandcell".into())), Decision::Accept(sub("any")));
+    }
+
+    #[test]
+    fn a_tenants_invalid_submission_is_recorded_under_that_tenant_not_the_one_it_claims() {
+        let claimed = Rejection { reason: Reason::new(ErrorCode::MissingField, "code"), tenant: Some("victim".into()), job_id: Some("j".into()) };
+        let Decision::Reject(r) = decide(Err(claimed.clone()), &Publisher::Tenant("acme".into())) else { panic!("accepted") };
+        assert_eq!(r.tenant.as_deref(), Some("acme"));
+        // A trusted publisher's rejection keeps the tenant its body named.
+        let Decision::Reject(r) = decide(Err(claimed), &Publisher::Trusted("sandcell".into())) else { panic!("accepted") };
+        assert_eq!(r.tenant.as_deref(), Some("victim"));
+    }
+
+    #[test]
+    fn only_jobs_of_an_existing_session_have_a_lane() {
+        assert_eq!(session_key(&Ok(sub("acme"))), None, "one-off");
+        let mut opening = sub("acme");
+        opening.session = Some(SessionRequest { new: true, ..Default::default() });
+        assert_eq!(session_key(&Ok(opening)), None, "a new session has no earlier job");
+        let mut next = sub("acme");
+        next.session = Some(SessionRequest { id: Some("ses_1".into()), ..Default::default() });
+        assert_eq!(session_key(&Ok(next)), Some("acme/ses_1".into()));
+        let refused = Rejection { reason: Reason::new(ErrorCode::MissingField, "code"), tenant: None, job_id: None };
+        assert_eq!(session_key(&Err(refused)), None, "refused: never dispatched");
+    }
+
+    #[tokio::test]
+    async fn a_sessions_deliveries_wait_for_the_one_before_and_other_sessions_do_not() {
+        let mut lanes = Lanes::default();
+        let (first_wait, first_done) = lanes.enter(Some("acme/ses_1".into()));
+        assert!(first_wait.is_none(), "the first of a lane waits for nothing");
+        let (second_wait, _second_done) = lanes.enter(Some("acme/ses_1".into()));
+        let (other_wait, _) = lanes.enter(Some("acme/ses_2".into()));
+        assert!(other_wait.is_none(), "another session's lane is independent");
+        let (wait, done) = lanes.enter(None);
+        assert!(wait.is_none() && done.is_none(), "a one-off job has no lane");
+        let mut second_wait = second_wait.expect("the second waits for the first");
+        assert!(matches!(second_wait.try_recv(), Err(oneshot::error::TryRecvError::Empty)), "not before the first is done");
+        first_done.expect("a lane's handler signals").send(()).expect("the second is waiting");
+        assert_eq!(second_wait.await, Ok(()));
+    }
 }
