@@ -116,10 +116,10 @@ cleanup_mounts() {
 
 build_base() {
     local tag=$1 mirror security
+    # Package sources are the machine's own (its apt configuration), never a host named here.
     mirror=${SANDCELL_DEBIAN_MIRROR:-$(mirror_for_suite "$SUITE")}
-    mirror=${mirror:-http://deb.debian.org/debian}
+    [ -n "$mirror" ] || die "no apt source for $SUITE in this machine's configuration; set SANDCELL_DEBIAN_MIRROR"
     security=$(mirror_for_suite "$SUITE-security")
-    security=${security:-http://deb.debian.org/debian-security}
     command -v debootstrap >/dev/null || die "debootstrap is not installed (apt-get install debootstrap)"
 
     ROOT=$BUILD_DIR/rootfs
@@ -134,11 +134,12 @@ build_base() {
         || die "debootstrap failed, see $blog"
 
     # Updates and security fixes, from the same mirrors the host uses.
-    cat >"$ROOT/etc/apt/sources.list" <<EOF
-deb $mirror $SUITE main
-deb $mirror $SUITE-updates main
-deb $security $SUITE-security main
-EOF
+    {
+        echo "deb $mirror $SUITE main"
+        echo "deb $mirror $SUITE-updates main"
+        if [ -n "$security" ]; then echo "deb $security $SUITE-security main"; fi
+    } >"$ROOT/etc/apt/sources.list"
+    [ -n "$security" ] || log "no $SUITE-security source in this machine's apt configuration: the image gets no security updates"
     # Keep docs and man pages out of the image (they are never read in a sandbox).
     cat >"$ROOT/etc/dpkg/dpkg.cfg.d/01-sandcell-nodoc" <<'EOF'
 path-exclude /usr/share/doc/*

@@ -12,9 +12,9 @@ set -euo pipefail
 STATE=${SANDCELL_STATE_DIR:-/var/lib/sandcell}
 export PATH=$PATH:/usr/sbin:/sbin
 
-log() { echo "[down] $*" >&2; }
-
-port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+LOG_TAG=down
+# shellcheck source=deploy/local/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # pid of the process with the given name listening on 127.0.0.1:<port>, if any.
 listener_pid() {
@@ -23,29 +23,8 @@ listener_pid() {
     if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ]; then echo "$pid"; fi
 }
 
-# stop_pid <pid> <name> <seconds>: SIGTERM, then wait for a clean exit.
-# No SIGKILL: these daemons hold data, a hung shutdown needs a human.
-stop_pid() {
-    local pid=$1 name=$2 secs=$3 i
-    kill -TERM "$pid" 2>/dev/null || return 0
-    for ((i = 0; i < secs; i++)); do
-        kill -0 "$pid" 2>/dev/null || { log "$name stopped"; return 0; }
-        sleep 1
-    done
-    log "ERROR: $name (pid $pid) still running after ${secs}s"
-    return 1
-}
-
-stop_docker() {
-    local pid=''
-    [ -s /var/run/docker.pid ] && pid=$(cat /var/run/docker.pid)
-    if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dockerd ]; then
-        # dockerd stops running containers (sandboxes) and its containerd itself.
-        stop_pid "$pid" dockerd 60
-    else
-        log "dockerd not running"
-    fi
-}
+# dockerd stops running containers (sandboxes) and its containerd itself.
+stop_docker() { stop_dockerd; }
 
 stop_garage() {
     local pid='' pidfile=$STATE/garage/garage.pid

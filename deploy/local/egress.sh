@@ -20,6 +20,9 @@
 #   SANDCELL_SANDBOX_IMAGE    the sandbox image (has tinyproxy); default: the env file's
 #   SANDCELL_STATE_DIR        where the proxy's configuration is written (/var/lib/sandcell)
 set -euo pipefail
+LOG_TAG=egress
+# shellcheck source=deploy/local/lib.sh
+. "$(dirname "$0")/lib.sh"
 # shellcheck source=deploy/local/services.sh
 . "$(dirname "$0")/services.sh"
 
@@ -29,8 +32,6 @@ UPSTREAM=${SANDCELL_EGRESS_UPSTREAM:-sandcell-egress-out}
 NET_PREFIX=sandcell-egress-
 CONF_DIR=${SANDCELL_STATE_DIR:-/var/lib/sandcell}/egress
 
-log() { echo "egress: $*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 
 split() { tr ',' '\n' <<<"${1:-}" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//' | grep -v '^$' || true; }
 

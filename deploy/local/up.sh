@@ -36,11 +36,9 @@ PG_CLUSTER=main
 
 export PATH=$PATH:/usr/sbin:/sbin:${HOME:-/root}/.cargo/bin
 
-log() { echo "[up $(date +%T)] $*" >&2; }
-die() { echo "[up] ERROR: $*" >&2; exit 1; }
-
-# True when something accepts TCP connections on 127.0.0.1:$1.
-port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+LOG_TAG=up
+# shellcheck source=deploy/local/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # wait_for <seconds> <description> <command...>: poll once per second.
 wait_for() {
@@ -136,11 +134,7 @@ step_apt() {
 
 # ---------------------------------------------------------------- docker
 step_docker() {
-    if docker info >/dev/null 2>&1; then
-        log "docker: running"
-        return
-    fi
-    local runtimes=''
+    local runtimes='' changed=0
     if command -v runsc >/dev/null; then
         # runsc must not build its own network stack: sandboxes have no network.
         runtimes=$(printf ',\n  "runtimes": {\n    "runsc": { "path": "%s", "runtimeArgs": ["--network=none"] }\n  }' \
@@ -148,12 +142,21 @@ step_docker() {
     fi
     mkdir -p /etc/docker
     # Flags on the command line below must not be repeated here (dockerd refuses duplicates).
-    write_if_changed /etc/docker/daemon.json 0644 <<EOF || true
+    write_if_changed /etc/docker/daemon.json 0644 <<EOF && changed=1
 {
   "log-driver": "json-file",
   "log-opts": { "max-size": "10m", "max-file": "2" }$runtimes
 }
 EOF
+    if docker info >/dev/null 2>&1; then
+        if [ $changed -eq 0 ]; then
+            log "docker: running"
+            return
+        fi
+        # A runtime installed since dockerd started (runsc) is only known after a restart.
+        log "docker: daemon.json changed; restarting dockerd to apply it"
+        stop_dockerd || die "dockerd did not stop"
+    fi
     log "docker: starting dockerd (log: $LOG_DIR/dockerd.log)"
     # --bridge=none: no docker0, sandboxes only get network mode none.
     # --iptables/--ip-forward=false: nothing to NAT without a bridge; leave host firewall and sysctls alone.
