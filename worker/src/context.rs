@@ -10,11 +10,11 @@ use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::config::Config;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::WarmPool;
 use crate::session::Registry;
-use crate::Config;
 
 /// Everything a job handler needs, cheap to clone.
 #[derive(Clone)]

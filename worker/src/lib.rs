@@ -7,9 +7,12 @@
 //! commit) → [`kernel`] (cells under a wall clock, interrupts) → [`execute`] (driver events into
 //! an outcome) → [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
 //! [`pool`] keeps started kernels ready for the next session or one-off job.
+//! Around them: [`config`] (every setting, from the environment), [`context`] (what every
+//! handler shares; slots as guards), [`ledger`] (the one place deliveries are acked), [`metrics`].
 #![warn(missing_docs)]
 
 mod artifacts;
+mod config;
 mod consumer;
 mod context;
 mod execute;
@@ -21,128 +24,18 @@ mod run;
 mod sandbox;
 mod session;
 
-use std::net::SocketAddr;
+pub use config::{is_valid_worker_id, Config};
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use sandcell_core::config::{self, Services};
-use std::collections::HashSet;
 
 use sandcell_core::jobs::JobStore;
 use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
-use sandcell_protocol::LimitPolicy;
 use tokio::sync::Semaphore;
-
-use crate::kernel::KernelSettings;
-
-/// Worker settings.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// Broker, database, object store.
-    pub services: Services,
-    /// Operator's limit policy; limits carried by jobs are capped by its maximums.
-    pub policy: LimitPolicy,
-    /// `SANDCELL_WORKER_ID`, default the host name: names this worker's queue and labels its
-    /// containers. 1–64 of `[A-Za-z0-9._-]`.
-    pub worker_id: String,
-    /// `SANDCELL_WORKER_SLOTS`, default 4: cells running at once (and the shared-queue prefetch).
-    pub slots: u16,
-    /// `SANDCELL_WORKER_MAX_SESSIONS`, default 32: sessions held at once.
-    pub max_sessions: u16,
-    /// `SANDCELL_SESSION_PREFETCH`, default 256: unacked jobs taken from the worker's own queue.
-    pub session_prefetch: u16,
-    /// `SANDCELL_WARM_POOL`, default 2: started kernels kept ready.
-    pub warm_pool: usize,
-    /// Kernel settings (`SANDCELL_SANDBOX_IMAGE` required, `SANDCELL_DOCKER_RUNTIME`,
-    /// `SANDCELL_SANDBOX_START_TIMEOUT_MS`, `SANDCELL_PRELOAD`, `SANDCELL_INTERRUPT_GRACE_MS`).
-    pub kernel: KernelSettings,
-    /// `SANDCELL_MAX_ATTEMPTS`, default 3: claims of one job before it is failed.
-    pub max_attempts: i32,
-    /// `SANDCELL_MAX_UPLOAD_FILE_BYTES`, default 100 MiB: largest input file by `s3_key`.
-    pub max_upload_bytes: u64,
-    /// `SANDCELL_EGRESS_TENANTS`, default empty: tenants whose sandboxes get a network.
-    pub egress_tenants: HashSet<String>,
-    /// `SANDCELL_EGRESS_NETWORK`, default none: the Docker network those sandboxes join; a
-    /// `{tenant}` in it is replaced by the tenant, so that each tenant's sandboxes have a network
-    /// of their own (sandboxes of two tenants on one network could reach each other).
-    pub egress_network: Option<String>,
-    /// `SANDCELL_EGRESS_PROXY`, default none: the filtering proxy those sandboxes are given as
-    /// `HTTP_PROXY`/`HTTPS_PROXY` (e.g. `http://sandcell-egress-proxy:8888`).
-    pub egress_proxy: Option<String>,
-    /// `SANDCELL_HEARTBEAT_S`, default 5: how often the worker tells Postgres it is alive.
-    pub heartbeat: Duration,
-    /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a redelivered job still `running` on another
-    /// worker is taken over only when that worker has been silent this long.
-    pub worker_dead_after: Duration,
-    /// `SANDCELL_SESSION_START_WAIT_S`, default 60: how long a job opening a session waits for
-    /// room on a full worker (after being offered to the others) before `capacity`.
-    pub session_start_wait: Duration,
-    /// `SANDCELL_SANDBOX_START_TRIES`, default 3: fresh sandboxes tried before
-    /// `sandbox_unavailable` is final.
-    pub sandbox_start_tries: u32,
-    /// `SANDCELL_WORKER_METRICS_ADDR`, default `127.0.0.1:9465`.
-    pub metrics_addr: SocketAddr,
-}
-
-/// Whether `id` can name a worker (and its queue).
-pub fn is_valid_worker_id(id: &str) -> bool {
-    (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-}
-
-impl Config {
-    /// Read the configuration from the environment.
-    pub fn from_env() -> Result<Self> {
-        let host = std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default();
-        let default_id = if is_valid_worker_id(&host) { host } else { "worker-1".to_string() };
-        let worker_id = config::var_or("SANDCELL_WORKER_ID", &default_id);
-        anyhow::ensure!(is_valid_worker_id(&worker_id), "SANDCELL_WORKER_ID must be 1-64 characters of [A-Za-z0-9._-]");
-        let policy = config::limit_policy_from_env()?;
-        let list = |name: &str, default: &str| -> Vec<String> {
-            config::var_or(name, default).split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
-        };
-        let egress_tenants: HashSet<String> = list("SANDCELL_EGRESS_TENANTS", "").into_iter().collect();
-        let egress_network = Some(config::var_or("SANDCELL_EGRESS_NETWORK", "")).filter(|s| !s.is_empty());
-        let egress_proxy = Some(config::var_or("SANDCELL_EGRESS_PROXY", "")).filter(|s| !s.is_empty());
-        anyhow::ensure!(egress_tenants.is_empty() || egress_network.is_some(), "SANDCELL_EGRESS_TENANTS needs SANDCELL_EGRESS_NETWORK");
-        Ok(Config {
-            services: Services::from_env()?,
-            worker_id,
-            slots: config::parse_or("SANDCELL_WORKER_SLOTS", 4u16)?.max(1),
-            max_sessions: config::parse_or("SANDCELL_WORKER_MAX_SESSIONS", 32u16)?.max(1),
-            session_prefetch: config::parse_or("SANDCELL_SESSION_PREFETCH", 256u16)?.max(1),
-            warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
-            kernel: KernelSettings {
-                image: config::var_required("SANDCELL_SANDBOX_IMAGE")?,
-                runtime: config::var_or("SANDCELL_DOCKER_RUNTIME", "runc"),
-                start_timeout: Duration::from_millis(config::parse_or("SANDCELL_SANDBOX_START_TIMEOUT_MS", 30_000u64)?),
-                preload: list("SANDCELL_PRELOAD", "numpy,pandas,matplotlib.pyplot"),
-                interrupt_grace: Duration::from_millis(config::parse_or("SANDCELL_INTERRUPT_GRACE_MS", 3_000u64)?),
-                max_frame: sandbox::frames::MAX_FRAME_BYTES,
-                cgroup_root: config::var_or("SANDCELL_CGROUP_ROOT", "/sys/fs/cgroup").into(),
-            },
-            max_attempts: config::parse_or("SANDCELL_MAX_ATTEMPTS", 3i32)?.max(1),
-            max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
-            egress_tenants,
-            egress_network,
-            egress_proxy,
-            heartbeat: Duration::from_secs_f64(config::parse_or("SANDCELL_HEARTBEAT_S", 5.0f64)?.max(0.1)),
-            worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
-            session_start_wait: Duration::from_secs_f64(config::parse_or("SANDCELL_SESSION_START_WAIT_S", 60.0f64)?.max(0.0)),
-            sandbox_start_tries: config::parse_or("SANDCELL_SANDBOX_START_TRIES", 3u32)?.max(1),
-            metrics_addr: config::parse_or("SANDCELL_WORKER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9465)))?,
-            policy,
-        })
-    }
-
-    /// The network and proxy of `tenant`'s sandboxes: `None` (no network at all) unless the
-    /// operator granted the tenant egress.
-    pub fn egress_for(&self, tenant: &str) -> Option<sandbox::container::Egress> {
-        sandbox::container::Egress::granted(&self.egress_tenants, self.egress_network.as_deref(), self.egress_proxy.as_deref(), tenant)
-    }
-}
 
 /// Connect to Docker (whatever API version the daemon speaks) and check it answers.
 pub async fn connect_docker() -> Result<bollard::Docker> {
