@@ -15,7 +15,7 @@ use sandcell_protocol::paths::validate_workspace_path;
 use sandcell_protocol::{ArtifactKind, ExecutionLimits, Output};
 use sha2::{Digest, Sha256};
 
-use crate::execute::{DisplayPart, OutputFile, OutputKind, RawOutput};
+use crate::outcome::{DisplayPart, OutputFile, OutputKind, RawOutput};
 
 /// Stored outputs: the rich outputs with artifact references, and the artifact rows.
 pub struct Stored {

@@ -222,7 +222,7 @@ async fn one_off(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> 
                 kernel.destroy().await;
                 (cell.outcome, Some(id))
             }
-            Err(e) => (crate::execute::Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), None),
+            Err(e) => (crate::outcome::Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), None),
         }
     };
     let status = run::commit(ctx, job, &limits, outcome, Extras { container_id: container, ..Default::default() }).await?;

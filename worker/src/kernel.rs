@@ -14,10 +14,10 @@ use anyhow::{anyhow, Result};
 use bollard::Docker;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason};
 
-use crate::execute::{apply, Outcome, Step};
+use crate::outcome::{apply, Outcome, Step};
 use crate::sandbox::cgroup::Cgroup;
 use crate::sandbox::container::SandboxSpec;
-use crate::sandbox::protocol::{DriverEvent, ExecuteRequest, DRIVER_PROTOCOL_VERSION};
+use crate::sandbox::driver::{DriverEvent, ExecuteRequest, DRIVER_PROTOCOL_VERSION};
 use crate::sandbox::Sandbox;
 
 /// Worker-side settings for starting kernels.

@@ -4,7 +4,7 @@
 //!
 //! The data path through this crate: [`consumer`] (the shared and the worker's own queue) →
 //! [`session`] (one task per held session) or a one-off kernel → [`run`] (inputs, claim,
-//! commit) → [`kernel`] (cells under a wall clock, interrupts) → [`execute`] (driver events into
+//! commit) → [`kernel`] (cells under a wall clock, interrupts) → [`outcome`] (driver events into
 //! an outcome) → [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
 //! [`pool`] keeps started kernels ready for the next session or one-off job.
 //! Around them: [`config`] (every setting, from the environment), [`context`] (what every
@@ -15,10 +15,10 @@ mod artifacts;
 mod config;
 mod consumer;
 mod context;
-mod execute;
 mod kernel;
 mod ledger;
 mod metrics;
+mod outcome;
 mod pool;
 mod run;
 mod sandbox;

@@ -14,8 +14,8 @@ use sandcell_protocol::submission::is_valid_upload_key;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
 
 use crate::context::WorkerContext;
-use crate::execute::Outcome;
 use crate::kernel::Kernel;
+use crate::outcome::Outcome;
 use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
 
 /// Replace every `s3_key` input file by its content. A missing or oversize object is the

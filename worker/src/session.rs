@@ -21,9 +21,9 @@ use sandcell_protocol::{ErrorCode, ExecutionJob, JobStatus, Reason, SessionState
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::context::WorkerContext;
-use crate::execute::Outcome;
 use crate::kernel::{Kernel, OnTimeout};
 use crate::ledger::{Disposition, Ticket};
+use crate::outcome::Outcome;
 use crate::run::{self, Extras};
 use crate::sandbox::container::SandboxSpec;
 

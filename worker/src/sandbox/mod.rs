@@ -8,8 +8,8 @@
 
 pub mod cgroup;
 pub mod container;
+pub mod driver;
 pub mod frames;
-pub mod protocol;
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -22,8 +22,8 @@ use futures::{Stream, StreamExt};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 use self::container::{create_body, SandboxSpec, LABEL_WORKER};
+use self::driver::DriverEvent;
 use self::frames::FrameDecoder;
-use self::protocol::DriverEvent;
 
 /// Most driver diagnostics (container stderr) kept for the log.
 const MAX_DIAGNOSTICS: usize = 16 * 1024;

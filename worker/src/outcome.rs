@@ -9,7 +9,7 @@ use base64::Engine as _;
 use sandcell_protocol::paths::validate_workspace_path;
 use sandcell_protocol::{ErrorCode, ExecError, ExecutionLimits, JobStatus, Language, LimitHit, Reason, SkippedFile};
 
-use crate::sandbox::protocol::DriverEvent;
+use crate::sandbox::driver::DriverEvent;
 
 /// Most rich outputs kept per job.
 const MAX_OUTPUTS: usize = 64;
