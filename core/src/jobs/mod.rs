@@ -1,4 +1,8 @@
-//! The job store: jobs, results and artifacts in Postgres.
+//! The job store: jobs in Postgres, from intake to their end.
+//!
+//! This file records submissions and moves jobs through their states (claim, refusal, failure);
+//! [`held`] holds fair share's waiting jobs, [`results`] commits a job's result and artifacts and
+//! reads it back, [`artifacts`] finds the expired ones.
 //!
 //! Every status change of a job happens here, and only through a guarded `UPDATE` whose source
 //! states come from [`JobStatus::sources_of`], so the state machine in `sandcell_protocol::status`
@@ -9,9 +13,17 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use sandcell_protocol::storable;
-use sandcell_protocol::{ArtifactKind, ExecError, ExecutionLimits, FileListing, JobResult, JobStatus, LimitHit, Output, Reason, SkippedFile, Submission};
+use sandcell_protocol::{ExecutionLimits, JobStatus, Reason, Submission};
 
 use crate::tenants::{self, Quotas};
+
+mod artifacts;
+mod held;
+mod results;
+
+pub use artifacts::ExpiredArtifact;
+pub use held::HeldJob;
+pub use results::{Finished, NewArtifact};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
 
@@ -73,92 +85,6 @@ pub struct SessionTouch {
     pub close: bool,
 }
 
-/// A file or figure a job produced, ready to be recorded.
-#[derive(Debug, Clone)]
-pub struct NewArtifact {
-    /// Workspace-relative path (or `_display/N.png`).
-    pub path: String,
-    /// File or rich output.
-    pub kind: ArtifactKind,
-    /// Size in bytes.
-    pub size_bytes: i64,
-    /// MIME type.
-    pub content_type: String,
-    /// Hex SHA-256.
-    pub sha256: String,
-    /// Object key.
-    pub s3_key: String,
-    /// Expiry.
-    pub expires_at: DateTime<Utc>,
-    /// Presigned GET URL valid until `expires_at`.
-    pub download_url: String,
-}
-
-/// The outcome of running a job, as the worker commits it.
-#[derive(Debug, Clone)]
-pub struct Finished {
-    /// Terminal status.
-    pub status: JobStatus,
-    /// Captured stdout.
-    pub stdout: String,
-    /// Captured stderr.
-    pub stderr: String,
-    /// stdout was cut at the cap.
-    pub stdout_truncated: bool,
-    /// stderr was cut at the cap.
-    pub stderr_truncated: bool,
-    /// Exit code.
-    pub exit_code: Option<i32>,
-    /// Exception raised by the code.
-    pub error: Option<ExecError>,
-    /// Infrastructure reason, if any.
-    pub reason: Option<Reason>,
-    /// Rich outputs.
-    pub outputs: Vec<Output>,
-    /// Stored artifacts.
-    pub artifacts: Vec<NewArtifact>,
-    /// The session's kernel was replaced during the job.
-    pub kernel_restarted: bool,
-    /// Workspace listing, when asked for.
-    pub files: Option<FileListing>,
-    /// The container that ran the job.
-    pub container_id: Option<String>,
-    /// Sandbox limits the job ran into.
-    pub limits_hit: Vec<LimitHit>,
-    /// Files not stored, and why.
-    pub skipped_files: Vec<SkippedFile>,
-    /// Processes left running by the cell and killed at its end.
-    pub processes_killed: u32,
-    /// The session to extend or close in the same transaction.
-    pub session: Option<SessionTouch>,
-}
-
-impl Finished {
-    /// A result with a status and a reason and nothing else (the fallback when the full result
-    /// cannot be stored).
-    pub fn bare(status: JobStatus, reason: Reason, container_id: Option<String>, session: Option<SessionTouch>) -> Self {
-        Finished {
-            status,
-            stdout: String::new(),
-            stderr: String::new(),
-            stdout_truncated: false,
-            stderr_truncated: false,
-            exit_code: None,
-            error: None,
-            reason: Some(reason),
-            outputs: Vec::new(),
-            artifacts: Vec::new(),
-            kernel_restarted: false,
-            files: None,
-            container_id,
-            limits_hit: Vec::new(),
-            skipped_files: Vec::new(),
-            processes_killed: 0,
-            session,
-        }
-    }
-}
-
 /// Whether a store error is the database refusing the data itself (a data exception, an
 /// integrity or size violation, or a value that cannot be encoded) rather than a failure to
 /// reach it: retrying the same data cannot succeed.
@@ -175,37 +101,6 @@ pub fn is_permanent(e: &anyhow::Error) -> bool {
     })
 }
 
-/// A held job taken for dispatch: publish [`HeldJob::payload`] to the shared queue, then call
-/// [`HeldJob::dispatched`]. Dropped instead (the publish failed), the job stays held.
-pub struct HeldJob {
-    tx: sqlx::Transaction<'static, sqlx::Postgres>,
-    /// Its tenant.
-    pub tenant: String,
-    /// Its id.
-    pub job_id: String,
-    /// The execution job, as recorded at intake.
-    pub payload: Vec<u8>,
-}
-
-impl HeldJob {
-    /// The broker confirmed the publish: the job is in flight, and its tenant goes to the back
-    /// of the round-robin.
-    pub async fn dispatched(mut self) -> Result<()> {
-        sqlx::query("UPDATE jobs SET held_job = NULL, dispatched_at = now() WHERE tenant = $1 AND job_id = $2")
-            .bind(&self.tenant)
-            .bind(&self.job_id)
-            .execute(&mut *self.tx)
-            .await
-            .context("marking a held job dispatched")?;
-        sqlx::query("UPDATE tenants SET last_dispatch_at = clock_timestamp() WHERE tenant = $1")
-            .bind(&self.tenant)
-            .execute(&mut *self.tx)
-            .await
-            .context("moving the tenant to the back of the round-robin")?;
-        self.tx.commit().await.context("committing a dispatch")
-    }
-}
-
 /// A job a worker has claimed.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim {
@@ -213,15 +108,6 @@ pub struct Claim {
     pub attempt: i32,
     /// When the scheduler recorded the job (for queue-wait metrics).
     pub queued_at: DateTime<Utc>,
-}
-
-/// An artifact whose TTL has passed.
-#[derive(Debug, Clone)]
-pub struct ExpiredArtifact {
-    /// Row id.
-    pub id: i64,
-    /// Object key to delete.
-    pub s3_key: String,
 }
 
 /// Handle on the job tables.
@@ -364,69 +250,6 @@ impl JobStore {
         })
     }
 
-    /// Tenants with held jobs, the one dispatched to longest ago first: the dispatcher's
-    /// round-robin order.
-    pub async fn tenants_with_held_jobs(&self, limit: i64) -> Result<Vec<String>> {
-        sqlx::query_scalar(
-            "SELECT t.tenant FROM tenants t
-             WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = t.tenant AND j.held_job IS NOT NULL AND j.status = 'queued')
-             ORDER BY t.last_dispatch_at NULLS FIRST, t.tenant LIMIT $1",
-        )
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await
-        .context("listing tenants with held jobs")
-    }
-
-    /// The oldest held job of `tenant` when the tenant has room for one more job in flight.
-    /// The tenant's row stays locked (no intake of its jobs, no other dispatcher) until the
-    /// [`HeldJob`] is marked dispatched or dropped; `None` also when another scheduler holds
-    /// that lock.
-    pub async fn take_held(&self, tenant: &str) -> Result<Option<HeldJob>> {
-        let mut tx = self.pool.begin().await.context("beginning transaction")?;
-        let locked = sqlx::query("SELECT 1 FROM tenants WHERE tenant = $1 FOR UPDATE SKIP LOCKED")
-            .bind(tenant)
-            .fetch_optional(&mut *tx)
-            .await
-            .context("locking tenant")?;
-        if locked.is_none() {
-            return Ok(None);
-        }
-        let room: bool = sqlx::query_scalar(
-            "SELECT count(j.job_id) < t.max_jobs_in_flight
-             FROM tenants t LEFT JOIN jobs j ON j.tenant = t.tenant AND j.shared AND j.status IN ('queued', 'running') AND j.held_job IS NULL
-             WHERE t.tenant = $1 GROUP BY t.max_jobs_in_flight",
-        )
-        .bind(tenant)
-        .fetch_one(&mut *tx)
-        .await
-        .context("counting the tenant's jobs in flight")?;
-        if !room {
-            return Ok(None);
-        }
-        let row = sqlx::query(
-            "SELECT job_id, held_job FROM jobs WHERE tenant = $1 AND held_job IS NOT NULL AND status = 'queued'
-             ORDER BY queued_at, job_id LIMIT 1",
-        )
-        .bind(tenant)
-        .fetch_optional(&mut *tx)
-        .await
-        .context("reading the oldest held job")?;
-        let Some(row) = row else { return Ok(None) };
-        Ok(Some(HeldJob { tx, tenant: tenant.to_string(), job_id: row.try_get("job_id")?, payload: row.try_get("held_job")? }))
-    }
-
-    /// Note that the job was confirmed on the jobs queue.
-    pub async fn mark_dispatched(&self, tenant: &str, job_id: &str) -> Result<()> {
-        sqlx::query("UPDATE jobs SET dispatched_at = now() WHERE tenant = $1 AND job_id = $2 AND dispatched_at IS NULL")
-            .bind(tenant)
-            .bind(job_id)
-            .execute(&self.pool)
-            .await
-            .context("marking job dispatched")?;
-        Ok(())
-    }
-
     /// Refuse a queued job without running it (its session ended before it ran): `rejected`;
     /// a job that was already claimed becomes `infrastructure_error`. Returns whether it changed.
     pub async fn refuse(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
@@ -513,86 +336,6 @@ impl JobStore {
         row.map(|r| Ok(Claim { attempt: r.try_get("attempts")?, queued_at: r.try_get("queued_at")? })).transpose()
     }
 
-    /// Commit a job's outcome and its artifacts in one transaction. Returns false when the job
-    /// was no longer in a state that may become `fin.status` (someone else finished it).
-    pub async fn finish(&self, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
-        let mut tx = self.pool.begin().await.context("beginning result transaction")?;
-        let n = sqlx::query(
-            "UPDATE jobs SET status = $3, stdout = $4, stderr = $5, stdout_truncated = $6, stderr_truncated = $7,
-                    exit_code = $8, error = $9, reason = $10, outputs = $11, finished_at = now(),
-                    kernel_restarted = $13, files = $14, container_id = $15,
-                    limits_hit = $16, skipped_files = $17, processes_killed = $18
-             WHERE tenant = $1 AND job_id = $2 AND status = ANY($12)",
-        )
-        .bind(tenant)
-        .bind(job_id)
-        .bind(fin.status.as_str())
-        .bind(storable::text(&fin.stdout))
-        .bind(storable::text(&fin.stderr))
-        .bind(fin.stdout_truncated)
-        .bind(fin.stderr_truncated)
-        .bind(fin.exit_code)
-        .bind(fin.error.as_ref().map(storable::json).transpose()?)
-        .bind(fin.reason.as_ref().map(storable::json).transpose()?)
-        .bind(storable::json(&fin.outputs)?)
-        .bind(status_list(fin.status))
-        .bind(fin.kernel_restarted)
-        .bind(fin.files.as_ref().map(storable::json).transpose()?)
-        .bind(&fin.container_id)
-        .bind(storable::json(&fin.limits_hit)?)
-        .bind(storable::json(&fin.skipped_files)?)
-        .bind(i32::try_from(fin.processes_killed).unwrap_or(i32::MAX))
-        .execute(&mut *tx)
-        .await
-        .context("updating job result")?
-        .rows_affected();
-        if n == 0 {
-            tx.rollback().await.ok();
-            return Ok(false);
-        }
-        for a in &fin.artifacts {
-            sqlx::query(
-                "INSERT INTO artifacts (tenant, job_id, path, kind, size_bytes, content_type, sha256, s3_key, expires_at, download_url)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-                 ON CONFLICT (tenant, job_id, path) DO NOTHING",
-            )
-            .bind(tenant)
-            .bind(job_id)
-            .bind(&a.path)
-            .bind(match a.kind {
-                ArtifactKind::File => "file",
-                ArtifactKind::Display => "display",
-                ArtifactKind::Fetched => "fetched",
-            })
-            .bind(a.size_bytes)
-            .bind(&a.content_type)
-            .bind(&a.sha256)
-            .bind(&a.s3_key)
-            .bind(a.expires_at)
-            .bind(&a.download_url)
-            .execute(&mut *tx)
-            .await
-            .context("inserting artifact")?;
-        }
-        sqlx::query("DELETE FROM artifact_reservations WHERE tenant = $1 AND job_id = $2")
-            .bind(tenant)
-            .bind(job_id)
-            .execute(&mut *tx)
-            .await
-            .context("releasing the artifact reservation")?;
-        if let Some(touch) = &fin.session {
-            let sql = if touch.close {
-                "UPDATE sessions SET state = 'closed', ended_at = now(), last_activity_at = now() WHERE session_id = $1 AND state = 'active'"
-            } else {
-                "UPDATE sessions SET last_activity_at = now(), expires_at = now() + keep_alive_s * interval '1 second'
-                 WHERE session_id = $1 AND state = 'active'"
-            };
-            sqlx::query(sql).bind(&touch.id).execute(&mut *tx).await.context("updating session activity")?;
-        }
-        tx.commit().await.context("committing job result")?;
-        Ok(true)
-    }
-
     /// Move an unfinished job to a terminal status with a reason (infrastructure failures).
     pub async fn fail(&self, tenant: &str, job_id: &str, status: JobStatus, reason: &Reason) -> Result<bool> {
         let n = sqlx::query(
@@ -611,33 +354,6 @@ impl JobStore {
         Ok(n == 1)
     }
 
-    /// The result record of one job, as a client sees it.
-    pub async fn result(&self, tenant: &str, job_id: &str) -> Result<Option<JobResult>> {
-        let row = sqlx::query("SELECT result FROM job_results WHERE tenant = $1 AND job_id = $2")
-            .bind(tenant)
-            .bind(job_id)
-            .fetch_optional(&self.pool)
-            .await
-            .context("reading job result")?;
-        match row {
-            None => Ok(None),
-            Some(r) => {
-                let v: serde_json::Value = r.try_get("result")?;
-                Ok(Some(serde_json::from_value(v).context("decoding job result")?))
-            }
-        }
-    }
-
-    /// Available artifacts whose expiry has passed.
-    pub async fn expired_artifacts(&self, limit: i64) -> Result<Vec<ExpiredArtifact>> {
-        let rows = sqlx::query("SELECT id, s3_key FROM artifacts WHERE state = 'available' AND expires_at <= now() ORDER BY expires_at LIMIT $1")
-            .bind(limit)
-            .fetch_all(&self.pool)
-            .await
-            .context("scanning expired artifacts")?;
-        rows.into_iter().map(|r| Ok(ExpiredArtifact { id: r.try_get("id")?, s3_key: r.try_get("s3_key")? })).collect()
-    }
-
     /// Count of jobs by status (for the `sandcell_jobs` gauge).
     pub async fn count_by_status(&self) -> Result<Vec<(String, i64)>> {
         let rows = sqlx::query("SELECT status, count(*) AS n FROM jobs GROUP BY status").fetch_all(&self.pool).await.context("counting jobs by status")?;
@@ -648,17 +364,6 @@ impl JobStore {
     pub async fn ping(&self) -> Result<()> {
         sqlx::query("SELECT 1").execute(&self.pool).await.context("database ping")?;
         Ok(())
-    }
-
-    /// Mark artifacts expired after their objects were deleted.
-    pub async fn mark_artifacts_expired(&self, ids: &[i64]) -> Result<u64> {
-        let n = sqlx::query("UPDATE artifacts SET state = 'expired', download_url = NULL WHERE id = ANY($1) AND state = 'available'")
-            .bind(ids)
-            .execute(&self.pool)
-            .await
-            .context("marking artifacts expired")?
-            .rows_affected();
-        Ok(n)
     }
 }
 
