@@ -58,8 +58,9 @@ run_pass() {
     docker run --rm -i --runtime "$runtime" --network none --read-only --user 0:0 \
         --cap-drop ALL --cap-add SETUID --cap-add SETGID --security-opt no-new-privileges \
         --tmpfs /tmp:rw,exec,size=256m,mode=1777 --tmpfs /home/user:rw,exec,size=256m,uid=1000,gid=1000,mode=0700 \
+        -v "$repo/sandbox/driver/tests:/tests:ro" \
         -e SANDCELL_DRIVER=/opt/sandcell/driver.py "$SANDCELL_SANDBOX_IMAGE" \
-        python3 - <sandbox/driver/test_driver.py || failed+=("driver tests under $runtime")
+        python3 -m unittest discover -s /tests -v || failed+=("driver tests under $runtime")
 
     echo "== [$runtime] cargo test ($scope)"
     local packages=(--workspace) t

@@ -1,0 +1,70 @@
+"""The driver starts, reports ready, preloads, and exits on EOF."""
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+from harness import *  # noqa: F401,F403 (the harness is these tests' vocabulary)
+from harness import _process_running  # noqa: F401
+
+
+class TestLifecycle(unittest.TestCase):
+    def test_ready_frame_and_exit_on_eof(self):
+        driver = DriverProcess()
+        try:
+            ready = driver.ready
+            self.assertEqual(ready["type"], "ready")
+            self.assertEqual(ready["driver_version"], 3)
+            self.assertEqual(ready["kernel_isolated"], ISOLATED)
+            self.assertEqual(ready["python"].split(".")[:2], [str(sys.version_info[0]), str(sys.version_info[1])])
+            self.assertTrue(ready["ipython"].startswith("8."), ready)
+            self.assertEqual(ready["preloaded"], [])
+            self.assertIsInstance(ready["startup_ms"], (int, float))
+            self.assertGreater(ready["startup_ms"], 0)
+            driver.proc.stdin.close()
+            self.assertEqual(driver.proc.wait(20), 0)
+        finally:
+            driver.close()
+
+
+class TestPreload(unittest.TestCase):
+    def test_preloaded_modules_are_imported_not_bound(self):
+        # A workspace module that kills its importer: preloading must survive it.
+        boom = os.path.join(WORKSPACE, "t_preload_boom.py")
+        with open(boom, "w") as f:
+            f.write("raise SystemExit(3)\n")
+        spec = " wave, no_such_module_sandcell ,.relative,,t_preload_boom,wave,matplotlib.pyplot"
+        with tempfile.TemporaryFile() as diag:
+            driver = DriverProcess({"SANDCELL_PRELOAD": spec}, stderr=diag)
+            try:
+                self.assertEqual(driver.ready["preloaded"], ["wave", "matplotlib.pyplot"])
+                self.assertGreater(driver.ready["startup_ms"], 0)
+                frames = driver.execute(
+                    "import sys\nprint(all(m in sys.modules for m in ('wave', 'matplotlib.pyplot')),"
+                    " [n for n in ('wave', 'plt', 'matplotlib', 'pyplot') if n in dir()])")
+                self.assertEqual(stream_text(frames, "stdout"), "True []\n")
+                # The warm-up render left pyplot untouched: the cell's figure is number 1.
+                frames = driver.execute("import matplotlib.pyplot as plt\nplt.plot([1, 2])\n"
+                                        "print(plt.get_fignums())")
+                self.assertEqual(stream_text(frames, "stdout"), "[1]\n")
+                images = [f for f in of_type(frames, "display_data") if "image/png" in f["data"]]
+                self.assertEqual(len(images), 1)
+            finally:
+                driver.close()
+                os.remove(boom)
+            diag.seek(0)
+            log = diag.read().decode("utf-8", "replace")
+        for name in ("no_such_module_sandcell", ".relative", "t_preload_boom"):
+            self.assertIn("preload of %r failed" % name, log)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,220 @@
+"""Python cells: outputs in order, errors, interrupts, stdio."""
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+from harness import *  # noqa: F401,F403 (the harness is these tests' vocabulary)
+from harness import _process_running  # noqa: F401
+
+
+class TestPython(DriverTestCase):
+    def test_print(self):
+        frames = self.run_ok("import math\nprint(math.sqrt(15129))")
+        self.assertEqual(stream_text(frames, "stdout"), "123.0\n")
+        d = done(frames)
+        self.assertFalse(d["stdout_truncated"])
+        self.assertFalse(d["stderr_truncated"])
+        self.assertIsInstance(d["duration_ms"], (int, float))
+        self.assertIsInstance(d["execution_count"], int)
+
+    def test_state_persists_and_execute_result(self):
+        self.run_ok("x = 41")
+        frames = self.run_ok("x + 1")
+        results = of_type(frames, "execute_result")
+        self.assertEqual(len(results), 1)
+        self.assertEqual(results[0]["data"]["text/plain"], "42")
+        self.assertEqual(results[0]["execution_count"], done(frames)["execution_count"])
+        self.assertNotIn("Out[", stream_text(frames, "stdout"))
+        self.assertEqual(stream_text(frames, "stdout"), "")
+
+    def test_trailing_semicolon_suppresses_result(self):
+        frames = self.run_ok("1 + 1;")
+        self.assertEqual(of_type(frames, "execute_result"), [])
+
+    def test_dataframe_has_html(self):
+        frames = self.run_ok("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})")
+        data = of_type(frames, "execute_result")[0]["data"]
+        self.assertIn("<table", data["text/html"])
+        self.assertIn("a", data["text/plain"])
+
+    def test_display_and_output_order(self):
+        frames = self.run_ok(
+            "from IPython.display import display, Markdown\n"
+            "print('before')\n"
+            "display(Markdown('**hi**'))\n"
+            "print('after')\n"
+            "7")
+        kinds = [(f["type"], f.get("text")) for f in frames if f["type"] != "done"]
+        self.assertEqual([k for k, _ in kinds], ["stream", "display_data", "stream", "execute_result"])
+        self.assertEqual(kinds[0][1], "before\n")
+        markdown = of_type(frames, "display_data")[0]["data"]
+        self.assertEqual(markdown["text/markdown"], "**hi**")
+
+    def test_matplotlib_figure_captured(self):
+        frames = self.run_ok("import matplotlib.pyplot as plt\nplt.bar([1, 2, 3], [3, 1, 2])")
+        images = [f["data"]["image/png"] for f in of_type(frames, "display_data") if "image/png" in f["data"]]
+        self.assertEqual(len(images), 1)
+        self.assertTrue(base64.b64decode(images[0]).startswith(PNG_SIGNATURE))
+        # The figure was closed after being sent, and plt.show() on Agg is quiet.
+        frames = self.run_ok("plt.plot([1, 2]); plt.show()\nprint(len(plt.get_fignums()))")
+        self.assertEqual(stream_text(frames, "stdout"), "1\n")
+        self.assertEqual(stream_text(frames, "stderr"), "")
+        self.assertEqual(len(of_type(frames, "display_data")), 1)
+        frames = self.run_ok("print(plt.get_fignums())")
+        self.assertEqual(of_type(frames, "display_data"), [])
+        self.assertEqual(stream_text(frames, "stdout"), "[]\n")
+
+    def test_error_then_state_survives(self):
+        self.run_ok("kept = 'still here'")
+        frames = self.driver.execute("1/0")
+        d = done(frames)
+        self.assertEqual((d["status"], d["exit_code"]), ("error", 1))
+        errors = of_type(frames, "error")
+        self.assertEqual(len(errors), 1)
+        self.assertEqual(errors[0]["ename"], "ZeroDivisionError")
+        self.assertEqual(errors[0]["evalue"], "division by zero")
+        self.assertTrue(errors[0]["traceback"])
+        self.assertTrue(any("ZeroDivisionError" in line for line in errors[0]["traceback"]))
+        self.assertFalse(any("\x1b" in line for line in errors[0]["traceback"]))
+        # The traceback goes only to the error frame.
+        self.assertEqual(stream_text(frames, "stderr"), "")
+        self.assertEqual(stream_text(frames, "stdout"), "")
+        frames = self.run_ok("print(kept)")
+        self.assertEqual(stream_text(frames, "stdout"), "still here\n")
+
+    def test_error_reported_even_if_ipython_formatter_fails(self):
+        self.run_ok("ip = get_ipython()\n"
+                    "def _broken(*args, **kwargs):\n    raise RuntimeError('formatter broke')\n"
+                    "ip.InteractiveTB.structured_traceback = _broken")
+        try:
+            frames = self.driver.execute("raise ValueError('boom')")
+        finally:
+            self.run_ok("del ip.InteractiveTB.structured_traceback")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        errors = of_type(frames, "error")
+        self.assertEqual([(e["ename"], e["evalue"]) for e in errors], [("ValueError", "boom")])
+        self.assertIn("ValueError: boom", errors[0]["traceback"])
+
+    def test_syntax_error(self):
+        frames = self.driver.execute("def f(:\n    pass")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "SyntaxError")
+        self.assertEqual(stream_text(frames, "stderr"), "")
+
+    def test_stderr_stream(self):
+        frames = self.run_ok("import sys\nprint('oops', file=sys.stderr)")
+        self.assertEqual(stream_text(frames, "stderr"), "oops\n")
+
+    def test_os_system_and_c_level_writes_captured(self):
+        frames = self.run_ok("import os\nos.system('echo hi')\nos.write(1, b'raw\\n')\n_ = os.write(2, b'rawerr\\n')")
+        self.assertEqual(stream_text(frames, "stdout"), "hi\nraw\n")
+        self.assertEqual(stream_text(frames, "stderr"), "rawerr\n")
+        frames = self.run_ok("!echo bang")
+        self.assertEqual(stream_text(frames, "stdout"), "bang\n")
+
+    def test_stdio_restored_after_a_cell_breaks_it(self):
+        self.run_ok("import os\nfd = os.open(os.devnull, os.O_WRONLY)\nos.dup2(fd, 1)\nos.dup2(fd, 2)")
+        self.assertAlive()
+        self.run_ok("import sys\nsys.stdout.close()\nsys.stderr = None")
+        frames = self.run_ok("import sys\nprint('out')\nprint('err', file=sys.stderr)")
+        self.assertEqual(stream_text(frames, "stdout"), "out\n")
+        self.assertEqual(stream_text(frames, "stderr"), "err\n")
+
+    def test_many_small_writes_are_coalesced(self):
+        frames = self.run_ok("for i in range(20000):\n    print(i)")
+        out = stream_text(frames, "stdout")
+        self.assertEqual(out, "".join("%d\n" % i for i in range(20000)))
+        self.assertLess(len(of_type(frames, "stream")), 20000)
+
+    def test_stdout_limit(self):
+        frames = self.driver.execute("print('x' * 10000)\nprint('done')", stdout_limit=100)
+        d = done(frames)
+        self.assertEqual(d["status"], "ok")
+        self.assertTrue(d["stdout_truncated"])
+        self.assertFalse(d["stderr_truncated"])
+        self.assertEqual(stream_text(frames, "stdout"), "x" * 100)
+
+    def test_limit_does_not_split_utf8(self):
+        frames = self.driver.execute("print('\u00e9' * 10)", stdout_limit=5)
+        self.assertEqual(stream_text(frames, "stdout"), "\u00e9\u00e9")
+        self.assertTrue(done(frames)["stdout_truncated"])
+
+    def test_binary_garbage(self):
+        frames = self.run_ok(
+            "import os, sys\n"
+            "os.write(1, bytes(range(256)) * 16)\n"
+            "sys.stdout.buffer.write(b'\\xff\\xfe\\x00 tail\\n')\n"
+            "print('\\udcff lone surrogate')\n"
+            "print('after')")
+        out = stream_text(frames, "stdout")
+        self.assertIn("\ufffd", out)
+        self.assertTrue(out.endswith("after\n"), out[-50:])
+        self.assertAlive()
+
+    def test_exit_does_not_kill_driver(self):
+        for code in ("exit()", "quit()"):
+            frames = self.driver.execute(code)
+            self.assertEqual(done(frames)["type"], "done")
+            self.assertAlive()
+        frames = self.driver.execute("import sys\nsys.exit(3)")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "SystemExit")
+        self.assertAlive()
+
+    def test_sigint_interrupts_cell_and_is_ignored_between_cells(self):
+        driver = self.driver
+        driver.proc.send_signal(signal.SIGINT)  # idle: must be ignored
+        time.sleep(0.3)
+        self.assertAlive()
+        self.run_ok("defined_before_sigint = 'kept'")
+
+        req_id = driver.start("print('spinning', flush=True)\nwhile True:\n    pass")
+        frames = []
+        while "spinning" not in stream_text(frames, "stdout"):
+            frames.append(driver.next_frame(TIMEOUT))
+        time.sleep(0.3)
+        driver.proc.send_signal(signal.SIGINT)
+        driver.collect(req_id, timeout=30, frames=frames)
+        d = done(frames)
+        self.assertEqual((d["status"], d["exit_code"]), ("error", 1))
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "KeyboardInterrupt")
+        frames = self.run_ok("print(defined_before_sigint)")
+        self.assertEqual(stream_text(frames, "stdout"), "kept\n")
+
+    def test_repeated_sigint_still_reports_one_error(self):
+        driver = self.driver
+        for burst in (2, 5):
+            req_id = driver.start(
+                "from IPython.display import display\nimport sys\ni = 0\n"
+                "print('spinning', flush=True)\n"
+                "while True:\n    display(i); print(i); print(i, file=sys.stderr); i += 1")
+            frames = []
+            while "spinning" not in stream_text(frames, "stdout"):
+                frames.append(driver.next_frame(TIMEOUT))
+            time.sleep(0.1)
+            for _ in range(burst):
+                driver.proc.send_signal(signal.SIGINT)
+                time.sleep(0.002)
+            driver.collect(req_id, timeout=30, frames=frames)
+            self.assertEqual(done(frames)["exit_code"], 1)
+            self.assertEqual([e["ename"] for e in of_type(frames, "error")], ["KeyboardInterrupt"])
+        time.sleep(0.2)  # let any straggling signal land between cells
+        self.assertAlive()
+
+    def test_usage_error(self):
+        frames = self.driver.execute("%no_such_magic")
+        self.assertEqual(done(frames)["exit_code"], 1)
+        self.assertEqual(of_type(frames, "error")[0]["ename"], "UsageError")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
