@@ -71,7 +71,7 @@ run_pass() {
         # gVisor sandbox has no network even when its tenant is granted one.
         packages=(-p sandcell-tests)
         for t in tests/*.rs; do
-            case "$(basename "$t" .rs)" in chaos | capacity | fairness | egress) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
+            case "$(basename "$t" .rs)" in build | chaos | capacity | fairness | egress) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
         done
     fi
     # shellcheck disable=SC2086
