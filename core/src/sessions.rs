@@ -35,6 +35,29 @@ fn states(next: SessionState) -> Vec<String> {
     SessionState::sources_of(next).into_iter().map(|s| s.as_str().to_string()).collect()
 }
 
+/// What a session job's commit does to its session, in the commit's own transaction: close it
+/// (a transition, guarded like every other) or extend its keep-alive while it is active.
+pub(crate) async fn touch(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, touch: &crate::jobs::SessionTouch) -> Result<()> {
+    if touch.close {
+        sqlx::query("UPDATE sessions SET state = 'closed', ended_at = now(), last_activity_at = now() WHERE session_id = $1 AND state = ANY($2)")
+            .bind(&touch.id)
+            .bind(states(SessionState::Closed))
+            .execute(&mut **tx)
+            .await
+            .context("closing the session")?;
+    } else {
+        sqlx::query(
+            "UPDATE sessions SET last_activity_at = now(), expires_at = now() + keep_alive_s * interval '1 second'
+             WHERE session_id = $1 AND state = 'active'",
+        )
+        .bind(&touch.id)
+        .execute(&mut **tx)
+        .await
+        .context("extending the session's keep-alive")?;
+    }
+    Ok(())
+}
+
 impl SessionStore {
     /// Wrap a pool.
     pub fn new(pool: PgPool) -> Self {

@@ -164,13 +164,7 @@ impl JobStore {
             .await
             .context("releasing the artifact reservation")?;
         if let Some(touch) = &fin.session {
-            let sql = if touch.close {
-                "UPDATE sessions SET state = 'closed', ended_at = now(), last_activity_at = now() WHERE session_id = $1 AND state = 'active'"
-            } else {
-                "UPDATE sessions SET last_activity_at = now(), expires_at = now() + keep_alive_s * interval '1 second'
-                 WHERE session_id = $1 AND state = 'active'"
-            };
-            sqlx::query(sql).bind(&touch.id).execute(&mut *tx).await.context("updating session activity")?;
+            crate::sessions::touch(&mut tx, touch).await?;
         }
         tx.commit().await.context("committing job result")?;
         Ok(true)
