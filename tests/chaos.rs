@@ -114,9 +114,11 @@ async fn jobs_survive_kills_and_restarts_none_lost_none_stuck_none_run_twice_wit
     // Its job ends at once, as the code's own failure: the interpreter is gone.
     let v = final_result(&victim, Instant::now() + Duration::from_secs(20)).await.expect("the victim's result");
     assert_eq!((v.status, v.reason.as_ref().map(|r| r.code), v.attempts), (JobStatus::Failed, Some(sandcell_protocol::ErrorCode::DriverProtocol), 1), "{v:?}");
-    // The worker, SIGKILLed with jobs running.
+    // The worker, SIGKILLed with jobs running: those still `running` once it is dead (and
+    // before its next life claims anything) are exactly the jobs it was running.
+    kill_service("worker");
     ran_on_killed_worker.extend(running_now().await);
-    restart_service("worker", &[]);
+    start_service("worker", &[]);
     both_healthy().await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     // The scheduler, SIGKILLed mid-intake.
@@ -145,7 +147,7 @@ async fn jobs_survive_kills_and_restarts_none_lost_none_stuck_none_run_twice_wit
             twice.push(sub.job_id.clone());
         }
         if let (Some(i), JobStatus::Succeeded) = (session, r.status) {
-            counts[*i].push((k, r.stdout.trim().to_string()));
+            counts[*i].push((k, r.execution.stdout.trim().to_string()));
         }
         if session.is_none() && !ran_on_killed_worker.contains(&sub.job_id) && r.status != JobStatus::Failed {
             assert_eq!(r.status, JobStatus::Succeeded, "a one-off job the faults did not touch: {r:?}");

@@ -58,7 +58,7 @@ pub fn session_id(r: &JobResult) -> String {
 
 /// The `text/plain` of a result's execute_result, if any.
 pub fn value(r: &JobResult) -> Option<String> {
-    r.outputs.iter().find_map(|o| match o {
+    r.execution.outputs.iter().find_map(|o| match o {
         sandcell_protocol::Output::ExecuteResult { data, .. } => data.get("text/plain").cloned(),
         _ => None,
     })
@@ -102,7 +102,7 @@ pub async fn run(client: &Client, sub: &Submission) -> JobResult {
 
 /// The artifact path of the first `display_data` PNG in a result (a captured figure).
 pub fn displayed_png(r: &JobResult) -> Option<String> {
-    r.outputs.iter().find_map(|o| match o {
+    r.execution.outputs.iter().find_map(|o| match o {
         sandcell_protocol::Output::DisplayData { artifacts, .. } => artifacts.get("image/png").cloned(),
         _ => None,
     })
@@ -203,7 +203,7 @@ pub async fn service_db() -> sqlx::PgPool {
 pub async fn assert_worker_serves(c: &Client, tenant: &str, worker_id: &Option<String>) {
     let r = run(c, &python(tenant, "print(6 * 7)")).await;
     assert_eq!(r.status, sandcell_protocol::JobStatus::Succeeded, "the next job failed: {r:?}");
-    assert_eq!(r.stdout, "42\n");
+    assert_eq!(r.execution.stdout, "42\n");
     assert_eq!(&r.worker_id, worker_id, "the same worker runs the next job");
 }
 
@@ -218,9 +218,9 @@ pub fn under_gvisor() -> bool {
 /// code 137 (SIGKILL) — documented in docs/security.md.
 pub fn assert_oom_killed(r: &JobResult) {
     if r.status == sandcell_protocol::JobStatus::OomKilled {
-        assert!(r.limits_hit.contains(&sandcell_protocol::LimitHit::Memory), "{r:?}");
+        assert!(r.execution.limits_hit.contains(&sandcell_protocol::LimitHit::Memory), "{r:?}");
     } else {
-        assert!(under_gvisor() && r.status == sandcell_protocol::JobStatus::Failed && r.exit_code == Some(137), "not an OOM kill: {r:?}");
+        assert!(under_gvisor() && r.status == sandcell_protocol::JobStatus::Failed && r.execution.exit_code == Some(137), "not an OOM kill: {r:?}");
     }
 }
 
@@ -235,12 +235,24 @@ pub fn sh(cmd: &str) -> String {
 /// start it again, as a supervisor would, with `env` added to the test's environment. The pid
 /// file in `$SANDCELL_RUN_DIR` follows, so test.sh stops the new process at the end.
 pub fn restart_service(name: &str, env: &[(&str, &str)]) {
+    kill_service(name);
+    start_service(name, env);
+}
+
+/// SIGKILL the service `name` (`scheduler` or `worker`) started by the test harness.
+pub fn kill_service(name: &str) {
+    let dir = std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into());
+    sh(&format!("kill -9 $(cat {dir}/{name}.pid); sleep 0.5"));
+}
+
+/// Start the service `name` again, with `env` added to its environment.
+pub fn start_service(name: &str, env: &[(&str, &str)]) {
     let dir = std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into());
     let worker = std::env::var("SANDCELL_WORKER_BIN").expect("SANDCELL_WORKER_BIN (set by deploy/local/test.sh)");
     let bin = worker.replace("sandcell-worker", &format!("sandcell-{name}"));
     let log = std::env::var("SANDCELL_TEST_LOG_DIR").map(|d| format!("{d}/{name}.log")).unwrap_or_else(|_| "/dev/null".into());
     let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-    sh(&format!("kill -9 $(cat {dir}/{name}.pid); sleep 0.5; {vars}nohup {bin} >>{log} 2>&1 & echo $! > {dir}/{name}.pid"));
+    sh(&format!("{vars}nohup {bin} >>{log} 2>&1 & echo $! > {dir}/{name}.pid"));
 }
 
 /// Wait until the scheduler and the worker answer `/healthz` with 200 (panics after 2 min).
