@@ -48,10 +48,10 @@ async fn a_bash_fork_bomb_hits_the_pids_limit_and_is_cleaned_up() {
     } else {
         // The shell survives the refused forks and finishes; every copy of the bomb is killed after.
         assert!(matches!(r.status, JobStatus::Succeeded | JobStatus::Failed | JobStatus::TimedOut), "{r:?}");
-        assert!(r.limits_hit.contains(&LimitHit::Pids), "pids limit hit reported: {r:?}");
+        assert!(r.execution.limits_hit.contains(&LimitHit::Pids), "pids limit hit reported: {r:?}");
         // Ended by the cell: the driver killed the copies; timed out (bash's fork retries back
         // off, so a loaded machine can take that long): the whole sandbox was killed with them.
-        assert!(r.processes_killed > 0 || r.status == JobStatus::TimedOut, "the bomb's copies were killed when the cell ended: {r:?}");
+        assert!(r.execution.processes_killed > 0 || r.status == JobStatus::TimedOut, "the bomb's copies were killed when the cell ended: {r:?}");
     }
     by.assert_unaffected(&c).await;
     assert_worker_serves(&c, &t, &r.worker_id).await;
@@ -69,19 +69,19 @@ async fn a_python_fork_bomb_in_a_session_fails_with_pids_limit_and_the_session_g
     match r.status {
         JobStatus::Failed if !under_gvisor() => {
             assert_eq!(code_of(&r), Some(ErrorCode::PidsLimit), "{r:?}");
-            assert!(r.limits_hit.contains(&LimitHit::Pids) && !r.kernel_restarted, "{r:?}");
-            assert!(r.processes_killed > 0, "{r:?}");
+            assert!(r.execution.limits_hit.contains(&LimitHit::Pids) && !r.execution.kernel_restarted, "{r:?}");
+            assert!(r.execution.processes_killed > 0, "{r:?}");
             let next = run(&c, &in_session(&t, &sid, "import os\n(x + 1, len([p for p in os.listdir('/proc') if p.isdigit()]))")).await;
             assert_eq!(value(&next).as_deref(), Some("(42, 3)"), "state kept, only tini, the driver and its kernel left: {next:?}");
         }
         JobStatus::Failed if under_gvisor() => {
             // Under gVisor the bomb exhausts the sandbox's own threads: the kernel dies.
-            assert!(r.kernel_restarted, "{r:?}");
+            assert!(r.execution.kernel_restarted, "{r:?}");
             let next = run(&c, &in_session(&t, &sid, "'x' in globals()")).await;
             assert_eq!(value(&next).as_deref(), Some("False"), "a fresh kernel: {next:?}");
         }
         JobStatus::OomKilled => {
-            assert!(r.kernel_restarted && r.limits_hit.contains(&LimitHit::Memory), "{r:?}");
+            assert!(r.execution.kernel_restarted && r.execution.limits_hit.contains(&LimitHit::Memory), "{r:?}");
             let next = run(&c, &in_session(&t, &sid, "import os\nlen([p for p in os.listdir('/proc') if p.isdigit()])")).await;
             assert_eq!(value(&next).as_deref(), Some("3"), "a fresh kernel, with only tini and its driver: {next:?}");
         }
@@ -100,7 +100,7 @@ async fn a_memory_bomb_is_oom_killed_and_the_session_restarts_clean() {
     let sid = session_id(&run(&c, &sub).await);
     let r = run(&c, &in_session(&t, &sid, "hog = []\nwhile True:\n    hog.append(bytearray(16 << 20))")).await;
     assert_oom_killed(&r);
-    assert!(r.kernel_restarted, "{r:?}");
+    assert!(r.execution.kernel_restarted, "{r:?}");
     let next = run(&c, &in_session(&t, &sid, "'x' in globals()")).await;
     assert_eq!(value(&next).as_deref(), Some("False"), "a fresh kernel: {next:?}");
     by.assert_unaffected(&c).await;
@@ -119,7 +119,7 @@ async fn a_cpu_spin_past_the_timeout_is_interrupted_and_the_worker_stays_respons
     sub.timeout_ms = Some(2000);
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
-    assert!(r.limits_hit.contains(&LimitHit::Time));
+    assert!(r.execution.limits_hit.contains(&LimitHit::Time));
     // Spinning threads keep the old kernel busy: either it answers, or it was replaced.
     let next = run(&c, &in_session(&t, &sid, "1 + 1")).await;
     assert_eq!(next.status, JobStatus::Succeeded, "{next:?}");
@@ -134,13 +134,13 @@ async fn filling_the_workspace_fails_with_workspace_full() {
     let r = run(&c, &in_session(&t, &sid, "with open('fill.bin', 'wb') as f:\n    while True:\n        f.write(b'\\0' * (1 << 20))")).await;
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
     assert_eq!(code_of(&r), Some(ErrorCode::WorkspaceFull), "{r:?}");
-    assert!(r.limits_hit.contains(&LimitHit::Workspace));
-    assert!(r.error.as_ref().is_some_and(|e| e.evalue.contains("No space left")), "{r:?}");
+    assert!(r.execution.limits_hit.contains(&LimitHit::Workspace));
+    assert!(r.execution.error.as_ref().is_some_and(|e| e.evalue.contains("No space left")), "{r:?}");
     // The oversize file is not collected; deleting it frees the session's workspace.
     assert!(r.artifacts.iter().all(|a| a.path != "fill.bin"));
     let next = run(&c, &in_session(&t, &sid, "import os\nos.remove('fill.bin')\nopen('ok.txt', 'w').write('fine')\nx")).await;
     assert_eq!((next.status, value(&next).as_deref()), (JobStatus::Succeeded, Some("1")), "{next:?}");
-    assert!(next.limits_hit.is_empty(), "{next:?}");
+    assert!(next.execution.limits_hit.is_empty(), "{next:?}");
 }
 
 #[tokio::test]
@@ -172,8 +172,8 @@ async fn writing_outside_the_workspace_is_refused() {
                 \x20   except OSError as e:\n        out.append(p + ' ' + type(e).__name__)\nprint('\\n'.join(out))";
     let r = run(&c, &python(&t, code)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert!(!r.stdout.contains("WRITTEN"), "{}", r.stdout);
-    assert_eq!(r.stdout.lines().count(), 6, "{}", r.stdout);
+    assert!(!r.execution.stdout.contains("WRITTEN"), "{}", r.execution.stdout);
+    assert_eq!(r.execution.stdout.lines().count(), 6, "{}", r.execution.stdout);
     assert_worker_serves(&c, &t, &r.worker_id).await;
 }
 
@@ -185,9 +185,9 @@ async fn a_hundred_megabytes_of_stdout_is_truncated_and_flagged() {
     sub.timeout_ms = Some(60_000);
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert!(r.stdout_truncated && r.limits_hit.contains(&LimitHit::Output));
+    assert!(r.execution.stdout_truncated && r.execution.limits_hit.contains(&LimitHit::Output));
     let cap = r.limits.as_ref().unwrap().stdout_bytes as usize;
-    assert!(r.stdout.len() <= cap && r.stdout.len() >= cap - 4, "kept {} of a {cap} cap", r.stdout.len());
+    assert!(r.execution.stdout.len() <= cap && r.execution.stdout.len() >= cap - 4, "kept {} of a {cap} cap", r.execution.stdout.len());
     assert_worker_serves(&c, &t, &r.worker_id).await;
 }
 
@@ -198,7 +198,7 @@ async fn a_single_fifty_megabyte_line_is_truncated_and_flagged() {
     let sid = session_id(&run(&c, &open_session(&t, "y = 2", Some(60))).await);
     let r = run(&c, &in_session(&t, &sid, "print('y' * (50 << 20))")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert!(r.stdout_truncated && r.stdout.bytes().all(|b| b == b'y'));
+    assert!(r.execution.stdout_truncated && r.execution.stdout.bytes().all(|b| b == b'y'));
     let next = run(&c, &in_session(&t, &sid, "y * 21")).await;
     assert_eq!(value(&next).as_deref(), Some("42"));
 }
@@ -210,8 +210,8 @@ async fn binary_garbage_on_stdout_arrives_as_valid_text() {
     let r = run(&c, &bash(&t, "head -c 2000000 /dev/urandom; printf '\\377\\376\\0end'")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     // A Rust String: valid UTF-8 by construction; invalid bytes became U+FFFD, NULs are gone.
-    assert!(r.stdout.contains('\u{FFFD}') && !r.stdout.contains('\0'));
-    assert!(r.stdout_truncated);
+    assert!(r.execution.stdout.contains('\u{FFFD}') && !r.execution.stdout.contains('\0'));
+    assert!(r.execution.stdout_truncated);
     assert_worker_serves(&c, &t, &r.worker_id).await;
 }
 
@@ -227,9 +227,9 @@ async fn network_egress_fails_for_tcp_and_dns() {
                 import os\nres.append(','.join(sorted(os.listdir('/sys/class/net'))) if os.path.isdir('/sys/class/net') else 'lo')\nprint(' '.join(res))";
     let r = run(&c, &python(&t, code)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.stdout.trim(), "blocked blocked blocked blocked no-dns lo", "{r:?}");
+    assert_eq!(r.execution.stdout.trim(), "blocked blocked blocked blocked no-dns lo", "{r:?}");
     let r2 = run(&c, &bash(&t, "exec 3<>/dev/tcp/1.1.1.1/80 && echo open || echo blocked")).await;
-    assert!(r2.stdout.contains("blocked"), "{r2:?}");
+    assert!(r2.execution.stdout.contains("blocked"), "{r2:?}");
 }
 
 #[tokio::test]
@@ -242,13 +242,13 @@ async fn proc_1_environ_and_host_paths_reveal_nothing() {
                 print(env.replace('\\0', '\\n'))\nprint('SEEN', seen)\nprint('SHADOW', shadow)";
     let r = run(&c, &python(&t, code)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert!(r.stdout.contains("SEEN []"), "host paths visible: {}", r.stdout);
-    assert!(r.stdout.contains("SHADOW denied"), "{}", r.stdout);
+    assert!(r.execution.stdout.contains("SEEN []"), "host paths visible: {}", r.execution.stdout);
+    assert!(r.execution.stdout.contains("SHADOW denied"), "{}", r.execution.stdout);
     // No secret of the host or the services is in the sandbox's environment.
     for var in ["SANDCELL_AMQP_URL", "SANDCELL_DATABASE_URL", "SANDCELL_S3_SECRET_ACCESS_KEY", "SANDCELL_S3_ACCESS_KEY_ID"] {
-        assert!(!r.stdout.contains(var), "{var} leaked");
+        assert!(!r.execution.stdout.contains(var), "{var} leaked");
         if let Ok(secret) = std::env::var(var) {
-            assert!(!r.stdout.contains(&secret), "the value of {var} leaked");
+            assert!(!r.execution.stdout.contains(&secret), "the value of {var} leaked");
         }
     }
     assert_worker_serves(&c, &t, &r.worker_id).await;
@@ -271,9 +271,9 @@ async fn setuid_and_capability_escalation_attempts_fail() {
     if under_gvisor() {
         // gVisor's devices are its own (a node made in a tmpfs reaches no host device), and its
         // /proc does not show NoNewPrivs.
-        assert_eq!(r.stdout.trim(), "denied denied denied allowed 0000000000000000 0000000000000000 00000000000000c0 ? 1000", "{r:?}");
+        assert_eq!(r.execution.stdout.trim(), "denied denied denied allowed 0000000000000000 0000000000000000 00000000000000c0 ? 1000", "{r:?}");
     } else {
-        assert_eq!(r.stdout.trim(), "denied denied denied denied 0000000000000000 0000000000000000 00000000000000c0 1 1000", "{r:?}");
+        assert_eq!(r.execution.stdout.trim(), "denied denied denied denied 0000000000000000 0000000000000000 00000000000000c0 1 1000", "{r:?}");
     }
     // Setuid binaries do not raise privileges either (no_new_privs), nor do namespaces or mounts.
     let r = run(
@@ -288,9 +288,9 @@ async fn setuid_and_capability_escalation_attempts_fail() {
     if under_gvisor() {
         // gVisor implements user namespaces in its own kernel: root inside one is root over
         // nothing but that namespace, inside the sandbox. Setuid and mounts still fail.
-        assert_eq!(r.stdout.trim(), "uid=0(root) gid=0(root) groups=0(root)\nunshare-ok\n1000", "{r:?}");
+        assert_eq!(r.execution.stdout.trim(), "uid=0(root) gid=0(root) groups=0(root)\nunshare-ok\n1000", "{r:?}");
     } else {
-        assert_eq!(r.stdout.trim(), "1000", "{r:?}");
+        assert_eq!(r.execution.stdout.trim(), "1000", "{r:?}");
     }
     assert_worker_serves(&c, &t, &r.worker_id).await;
 }
@@ -305,10 +305,10 @@ async fn killing_the_kernel_restarts_it_and_neither_pid_1_nor_the_driver_can_be_
                 try:\n            os.kill(pid, sig)\n        except PermissionError:\n            refused += 1\nrefused";
     let r = run(&c, &in_session(&t, &sid, code)).await;
     assert_eq!(value(&r).as_deref(), Some("8"), "{r:?}");
-    assert!(!r.kernel_restarted, "{r:?}");
+    assert!(!r.execution.kernel_restarted, "{r:?}");
     let r = run(&c, &in_session(&t, &sid, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")).await;
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
-    assert!(r.kernel_restarted);
+    assert!(r.execution.kernel_restarted);
     assert_eq!(code_of(&r), Some(ErrorCode::KernelRestarted));
     let next = run(&c, &in_session(&t, &sid, "'x' in globals()")).await;
     assert_eq!(value(&next).as_deref(), Some("False"));
@@ -323,17 +323,17 @@ async fn signals_the_code_sends_its_own_kernel_end_the_cell_and_the_session_goes
     // SIGINT is the interrupt: a KeyboardInterrupt, state kept.
     let r = run(&c, &in_session(&t, &sid, "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)")).await;
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
-    assert_eq!(r.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
+    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
     assert_eq!(value(&run(&c, &in_session(&t, &sid, "x")).await).as_deref(), Some("5"));
     // SIGSTOP from a child: the kernel freezes; the deadline, the interrupt, then a kill and a fresh kernel.
     let mut sub = in_session(&t, &sid, "import subprocess\nsubprocess.run(['bash', '-c', 'kill -STOP $PPID'])\n'unreachable'");
     sub.timeout_ms = Some(1500);
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
-    assert!(r.kernel_restarted, "{r:?}");
+    assert!(r.execution.kernel_restarted, "{r:?}");
     // SIGTERM: the kernel dies, its driver exits with it, and the kernel is replaced.
     let r = run(&c, &in_session(&t, &sid, "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)")).await;
-    assert!(r.kernel_restarted, "{r:?}");
+    assert!(r.execution.kernel_restarted, "{r:?}");
     let next = run(&c, &in_session(&t, &sid, "1 + 1")).await;
     assert_eq!(value(&next).as_deref(), Some("2"));
     assert_worker_serves(&c, &t, &r.worker_id).await;
@@ -348,12 +348,12 @@ async fn a_background_process_does_not_outlive_its_cell() {
                 subprocess.Popen(['bash', '-c', 'setsid nohup sleep 601 >/dev/null 2>&1 &'])\nimport time; time.sleep(0.5)";
     let r = run(&c, &in_session(&t, &sid, code)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.processes_killed, 2, "{r:?}");
+    assert_eq!(r.execution.processes_killed, 2, "{r:?}");
     let check = "import os\nsorted(open(f'/proc/{p}/cmdline').read().split('\\0')[0] for p in os.listdir('/proc') if p.isdigit() and p not in ('1', str(os.getpid()), str(os.getppid())))";
     // Nothing but PID 1 (tini), the driver and its kernel.
     let next = run(&c, &in_session(&t, &sid, check)).await;
     assert_eq!(value(&next).as_deref(), Some("[]"), "{next:?}");
-    assert_eq!(next.processes_killed, 0);
+    assert_eq!(next.execution.processes_killed, 0);
 }
 
 #[tokio::test]
@@ -368,7 +368,7 @@ async fn a_symlink_to_a_host_file_is_never_collected() {
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     assert_eq!(r.artifacts.iter().map(|a| a.path.as_str()).collect::<Vec<_>>(), ["real.txt"], "{r:?}");
-    let mut skipped: Vec<_> = r.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+    let mut skipped: Vec<_> = r.execution.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
     skipped.sort();
     assert_eq!(
         skipped,
@@ -398,7 +398,7 @@ async fn a_symlink_into_another_session_reaches_nothing() {
     let r = run(&c, &sub).await;
     assert_eq!(value(&r).as_deref(), Some("[]"), "{r:?}");
     assert!(r.artifacts.is_empty(), "{r:?}");
-    assert!(r.skipped_files.iter().any(|s| s.path == "link"), "{r:?}");
+    assert!(r.execution.skipped_files.iter().any(|s| s.path == "link"), "{r:?}");
     // A's file is intact and still only A's.
     let again = run(&c, &in_session(&ta, &session_id(&a), "open('secret.txt').read()")).await;
     assert_eq!(value(&again).as_deref(), Some("'A-only'"));

@@ -163,7 +163,7 @@ async fn a_granted_tenant_installs_a_package_through_the_proxy_and_reaches_nothi
     sub.timeout_ms = Some(120_000);
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let got = outcomes(&r.stdout);
+    let got = outcomes(&r.execution.stdout);
     eprintln!("{got:#?}");
     assert_eq!(got.len(), targets.len(), "{r:?}");
     assert_eq!(got[0].1, "reached", "the allowed host is reachable: {got:?}");
@@ -187,19 +187,19 @@ async fn granted_tenants_cannot_reach_each_others_sandboxes_and_others_have_no_n
     let ip = value(&open).expect("A's address").trim_matches('\'').to_string();
     let sid = session_id(&open);
     let itself = run(&c, &in_session(&a, &sid, &probes(&[("itself", "tcp('127.0.0.1', 8000)".to_string())]))).await;
-    assert_eq!(outcomes(&itself.stdout), [("itself".to_string(), "reached".to_string())], "{itself:?}");
+    assert_eq!(outcomes(&itself.execution.stdout), [("itself".to_string(), "reached".to_string())], "{itself:?}");
 
     // B, also granted egress, on its own network: neither directly nor through the proxy.
     let targets = [("A, direct", format!("tcp('{ip}', 8000)")), ("A, through the proxy", format!("url('http://{ip}:8000/')"))];
     let r = run(&c, &python(&b, &probes(&targets))).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let got = outcomes(&r.stdout);
+    let got = outcomes(&r.execution.stdout);
     assert_eq!(got.len(), 2, "{r:?}");
     assert!(got.iter().all(|(_, o)| o != "reached"), "{got:?}");
 
     // A tenant without egress: no network, no proxy.
     let r = run(&c, &python(&tenant(), &probes(&[("the proxy", "url('http://example.com/')".to_string()), ("A", format!("tcp('{ip}', 8000)"))]))).await;
-    let got = outcomes(&r.stdout);
+    let got = outcomes(&r.execution.stdout);
     assert_eq!(got.len(), 2, "{r:?}");
     assert!(got.iter().all(|(_, o)| o == "failed"), "{got:?}");
 }

@@ -10,9 +10,9 @@ async fn sqrt_prints_exact_value_and_succeeds() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "import math\nprint(math.sqrt(15129))")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.stdout, "123.0\n");
-    assert_eq!(r.exit_code, Some(0));
-    assert!(r.error.is_none());
+    assert_eq!(r.execution.stdout, "123.0\n");
+    assert_eq!(r.execution.exit_code, Some(0));
+    assert!(r.execution.error.is_none());
     assert_eq!(r.attempts, 1);
     let t = &r.timings;
     assert!(t.started_at.unwrap() >= t.queued_at && t.finished_at.unwrap() >= t.started_at.unwrap());
@@ -32,7 +32,7 @@ async fn uploaded_csv_grouped_with_pandas_gives_exact_sums() {
     sub.files.push(input("data/transactions.csv", csv.as_bytes()));
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.stdout, "groceries=49.75\nrent=1200.00\ntransport=6.00\n");
+    assert_eq!(r.execution.stdout, "groceries=49.75\nrent=1200.00\ntransport=6.00\n");
     assert!(r.artifacts.iter().all(|a| a.path != "data/transactions.csv"), "an unchanged input is not an artifact");
 }
 
@@ -41,7 +41,7 @@ async fn zero_division_is_failed_with_exception_and_traceback() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "x = 1\n1/0")).await;
     assert_eq!(r.status, JobStatus::Failed);
-    let e = r.error.expect("error");
+    let e = r.execution.error.expect("error");
     assert_eq!(e.ename, "ZeroDivisionError");
     assert_eq!(e.evalue, "division by zero");
     let tb = e.traceback.join("\n");
@@ -70,7 +70,7 @@ async fn last_expression_value_is_returned() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "a = 6\na * 7")).await;
     assert_eq!(r.status, JobStatus::Succeeded);
-    match r.outputs.as_slice() {
+    match r.execution.outputs.as_slice() {
         [Output::ExecuteResult { data, .. }] => assert_eq!(data["text/plain"], "42"),
         other => panic!("unexpected outputs {other:?}"),
     }
@@ -83,9 +83,9 @@ async fn bash_reports_its_exit_code() {
     sub.language = Language::Bash;
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Failed);
-    assert_eq!(r.exit_code, Some(3));
-    assert_eq!(r.stdout, "hi\n");
-    assert_eq!(r.stderr, "oops\n");
+    assert_eq!(r.execution.exit_code, Some(3));
+    assert_eq!(r.execution.stdout, "hi\n");
+    assert_eq!(r.execution.stderr, "oops\n");
 }
 
 #[tokio::test]
@@ -93,9 +93,9 @@ async fn output_beyond_the_cap_is_truncated_and_flagged() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "import sys\nfor _ in range(3000): sys.stdout.write('x' * 1000 + '\\n')")).await;
     assert_eq!(r.status, JobStatus::Succeeded);
-    assert!(r.stdout_truncated);
+    assert!(r.execution.stdout_truncated);
     let cap = r.limits.unwrap().stdout_bytes as usize;
-    assert!(r.stdout.len() <= cap && r.stdout.len() > cap / 2, "kept {} of cap {cap}", r.stdout.len());
+    assert!(r.execution.stdout.len() <= cap && r.execution.stdout.len() > cap / 2, "kept {} of cap {cap}", r.execution.stdout.len());
 }
 
 #[tokio::test]
@@ -121,7 +121,7 @@ async fn the_sandbox_has_no_network_and_runs_unprivileged() {
                 try:\n    open('/etc/x', 'w')\nexcept OSError:\n    print('readonly')";
     let r = run(&c, &python(&tenant(), code)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.stdout, "1000 1000\nrefused\nreadonly\n");
+    assert_eq!(r.execution.stdout, "1000 1000\nrefused\nreadonly\n");
 }
 
 #[tokio::test]
@@ -131,10 +131,10 @@ async fn exceeding_the_memory_limit_is_reported_as_oom_killed() {
     sub.memory_mb = Some(192);
     let r = run(&c, &sub).await;
     assert_oom_killed(&r);
-    assert!(!r.stdout.contains("survived"));
+    assert!(!r.execution.stdout.contains("survived"));
     let container = container_of(&sub.tenant, &sub.job_id).await.expect("the worker records the job's container");
     assert!(!container_exists(&container).await, "container {container} must be gone");
     // The worker goes on serving.
     let next = run(&c, &python(&sub.tenant, "print('next')")).await;
-    assert_eq!(next.stdout, "next\n");
+    assert_eq!(next.execution.stdout, "next\n");
 }

@@ -52,7 +52,7 @@ async fn a_tenants_flood_does_not_delay_another_tenants_job() {
     let mut longest = Duration::ZERO;
     for (i, s) in flood.iter().enumerate() {
         let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
-        assert_eq!((r.status, r.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{i}\n"), 1), "{r:?}");
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{i}\n"), 1), "{r:?}");
         let (started, finished) = (r.timings.started_at.expect("started"), r.timings.finished_at.expect("finished"));
         longest = longest.max((finished - started).to_std().unwrap_or_default());
         timings.push((r.timings.queued_at, started));

@@ -25,7 +25,11 @@ impl Bystander {
     /// It ran exactly once and succeeded.
     async fn assert_unharmed(&self, c: &sandcell_client::Client) {
         let r = c.wait(&self.tenant, &self.job_id, JOB_WAIT).await.expect("bystander result");
-        assert_eq!((r.status, r.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "bystander done\n", 1), "the other tenant's job was harmed: {r:?}");
+        assert_eq!(
+            (r.status, r.execution.stdout.as_str(), r.attempts),
+            (JobStatus::Succeeded, "bystander done\n", 1),
+            "the other tenant's job was harmed: {r:?}"
+        );
     }
 }
 
@@ -56,15 +60,15 @@ async fn nul_and_control_characters_in_every_output_kind_are_stored() {
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
     assert_eq!(code_of(&r), None, "the job's own exception, not an infrastructure failure: {r:?}");
     assert_eq!(r.attempts, 1, "run once, never again: {r:?}");
-    assert_eq!(r.stdout, "out\u{FFFD}put\n");
-    assert_eq!(r.stderr, "err\u{FFFD}\n");
-    let err = r.error.as_ref().expect("the exception");
+    assert_eq!(r.execution.stdout, "out\u{FFFD}put\n");
+    assert_eq!(r.execution.stderr, "err\u{FFFD}\n");
+    let err = r.execution.error.as_ref().expect("the exception");
     assert_eq!(err.ename, "ValueError");
     assert!(err.evalue.contains("bad\u{FFFD}value"), "{err:?}");
     // Every display output is there: NUL became U+FFFD in text, and JSON data keeps its own
     // escaped form (`\u0000` as six characters).
-    let dump = serde_json::to_string(&r.outputs).unwrap();
-    assert_eq!(r.outputs.len(), 3, "{dump}");
+    let dump = serde_json::to_string(&r.execution.outputs).unwrap();
+    assert_eq!(r.execution.outputs.len(), 3, "{dump}");
     assert!(dump.contains("<b>\u{FFFD}") && dump.contains("p\u{FFFD}") && dump.contains("r\u{FFFD}"), "{dump}");
 
     // In a session the job ends too (it used to stay `running`), and the session goes on.
@@ -174,7 +178,7 @@ plt.plot([1, 2, 3])
 "#;
     let r = run(&c, &python(&tenant(), code)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let skipped: Vec<_> = r.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+    let skipped: Vec<_> = r.execution.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
     assert_eq!(skipped, [("a\u{FFFD}", "invalid_name"), ("a\u{FFFD}", "invalid_name")], "{r:?}");
     let file = r.artifacts.iter().find(|a| a.path == "_display/1.png").expect("the job's own file");
     assert_eq!(file.size_bytes, 4, "the job's file keeps its own bytes: {r:?}");
@@ -192,7 +196,7 @@ async fn figures_count_against_the_tenants_stored_bytes() {
     let r = run(&c, &python(&tenant.name, "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     assert!(displayed_png(&r).is_none(), "a figure beyond the quota is not stored: {r:?}");
-    let skipped: Vec<_> = r.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+    let skipped: Vec<_> = r.execution.skipped_files.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
     assert_eq!(skipped, [("_display/1.png", "quota_exceeded")], "{r:?}");
     let stored: i64 = sqlx::query_scalar("SELECT COALESCE(sum(size_bytes), 0)::bigint FROM artifacts WHERE tenant = $1")
         .bind(&tenant.name)

@@ -24,7 +24,7 @@ async fn the_same_job_id_submitted_twice_runs_once() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let again = c.result(&sub.tenant, &sub.job_id).await.unwrap().unwrap();
     assert_eq!(again.attempts, 1);
-    assert_eq!(again.stdout, first.stdout);
+    assert_eq!(again.execution.stdout, first.execution.stdout);
     assert_eq!(again.timings, first.timings);
 }
 
@@ -50,7 +50,7 @@ async fn malformed_json_is_recorded_and_dead_lettered() {
     .await;
     assert_eq!(code.as_deref(), Some("malformed_json"));
     let next = run(&c, &python(&tenant(), "print('still serving')")).await;
-    assert_eq!(next.stdout, "still serving\n");
+    assert_eq!(next.execution.stdout, "still serving\n");
 }
 
 async fn rejected_with(body: serde_json::Value) -> sandcell_protocol::JobResult {
@@ -118,7 +118,7 @@ async fn bad_messages_do_not_stop_the_service() {
     c.submit_raw(missing.to_string().as_bytes(), None).await.unwrap();
     let r = run(&c, &python(&tenant(), "print(2 + 2)")).await;
     assert_eq!(r.status, JobStatus::Succeeded);
-    assert_eq!(r.stdout, "4\n");
+    assert_eq!(r.execution.stdout, "4\n");
 }
 
 /// One submission per validation error the table in docs/protocol.md §4 lists as `rejected`
@@ -177,5 +177,5 @@ async fn the_broker_refuses_a_message_over_its_limit_before_it_reaches_the_sched
     // The client reconnects; the service goes on.
     let c = client().await;
     let next = run(&c, &python(&tenant(), "print('still serving')")).await;
-    assert_eq!(next.stdout, "still serving\n");
+    assert_eq!(next.execution.stdout, "still serving\n");
 }

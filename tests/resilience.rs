@@ -33,7 +33,7 @@ async fn jobs_run_after_a_broker_restart() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "print('after broker restart')")).await;
     assert_eq!(r.status, JobStatus::Succeeded);
-    assert_eq!(r.stdout, "after broker restart\n");
+    assert_eq!(r.execution.stdout, "after broker restart\n");
 }
 
 /// Jobs that sleep `secs` and print their own id, submitted at once; returns them once all run.
@@ -75,7 +75,7 @@ async fn a_broker_restart_does_not_rerun_jobs_running_on_a_healthy_worker() {
     let reruns = results.iter().filter(|r| r.attempts > 1).count();
     eprintln!("jobs run again after the broker restart: {reruns} of {}", results.len());
     for (i, r) in results.iter().enumerate() {
-        assert_eq!((r.status, r.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("sleeper {i}\n"), 1), "run once: {r:?}");
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("sleeper {i}\n"), 1), "run once: {r:?}");
     }
     let absorbed = worker_metric("sandcell_worker_redeliveries_absorbed_total").await.unwrap_or(0.0) - absorbed_before;
     eprintln!("redelivered copies absorbed by the worker: {absorbed}");
@@ -93,7 +93,7 @@ async fn a_database_restart_mid_run_loses_no_result() {
     both_healthy_again().await;
     for (i, s) in subs.iter().enumerate() {
         let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
-        assert_eq!((r.status, r.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("sleeper {i}\n"), 1), "{r:?}");
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("sleeper {i}\n"), 1), "{r:?}");
     }
 }
 
@@ -106,7 +106,7 @@ async fn jobs_run_after_a_database_restart() {
     // The client's own pool reconnects too.
     let r = run(&c, &python(&tenant(), "print('after database restart')")).await;
     assert_eq!(r.status, JobStatus::Succeeded);
-    assert_eq!(r.stdout, "after database restart\n");
+    assert_eq!(r.execution.stdout, "after database restart\n");
 }
 
 #[tokio::test]

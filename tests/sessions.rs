@@ -27,7 +27,7 @@ async fn a_variable_set_in_one_job_is_seen_by_the_next() {
     assert_eq!(second.status, JobStatus::Succeeded, "{second:?}");
     assert_eq!(value(&second).as_deref(), Some("42"));
     assert_eq!(second.worker_id, first.worker_id, "a session's jobs run on the worker that holds it");
-    assert!(!second.kernel_restarted);
+    assert!(!second.execution.kernel_restarted);
 }
 
 #[tokio::test]
@@ -42,7 +42,7 @@ async fn an_uploaded_csv_is_loaded_in_one_cell_and_grouped_in_the_next() {
     let id = session_id(&first);
     let r = run(&c, &in_session(&t, &id, "df.groupby('category')['amount'].sum().to_frame()")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let Some(Output::ExecuteResult { data, .. }) = r.outputs.first() else { panic!("no execute_result: {r:?}") };
+    let Some(Output::ExecuteResult { data, .. }) = r.execution.outputs.first() else { panic!("no execute_result: {r:?}") };
     let plain = &data["text/plain"];
     for (cat, sum) in [("food", "19.75"), ("fun", "30.00"), ("rent", "1000.00")] {
         assert!(plain.lines().any(|l| l.contains(cat) && l.contains(sum)), "{cat} {sum} missing in {plain}");
@@ -74,7 +74,7 @@ async fn an_exception_keeps_the_sessions_earlier_variables() {
     let id = session_id(&run(&c, &open_session(&t, "total = 7", None)).await);
     let err = run(&c, &in_session(&t, &id, "1/0")).await;
     assert_eq!(err.status, JobStatus::Failed);
-    let e = err.error.expect("error");
+    let e = err.execution.error.expect("error");
     assert_eq!(e.ename, "ZeroDivisionError");
     assert!(e.traceback.iter().any(|l| l.contains("ZeroDivisionError")), "{:?}", e.traceback);
     let next = run(&c, &in_session(&t, &id, "total * 6")).await;
@@ -90,8 +90,8 @@ async fn a_timed_out_cell_is_interrupted_and_the_session_keeps_its_state() {
     spin.timeout_ms = Some(1000);
     let r = run(&c, &spin).await;
     assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
-    assert!(!r.kernel_restarted, "an interruptible cell must not cost the kernel: {r:?}");
-    assert_eq!(r.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
+    assert!(!r.execution.kernel_restarted, "an interruptible cell must not cost the kernel: {r:?}");
+    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
     let next = run(&c, &in_session(&t, &id, "x")).await;
     assert_eq!(value(&next).as_deref(), Some("'still here'"), "{next:?}");
 }
@@ -104,7 +104,7 @@ async fn a_kernel_that_exits_is_restarted_and_the_session_goes_on() {
     let id = session_id(&first);
     let old = container_of(&t, &first.job_id).await.expect("container recorded");
     let r = run(&c, &in_session(&t, &id, "import os; os._exit(1)")).await;
-    assert!(r.kernel_restarted, "{r:?}");
+    assert!(r.execution.kernel_restarted, "{r:?}");
     assert_eq!(reason_code(&r), Some(ErrorCode::KernelRestarted));
     assert_ne!(r.status, JobStatus::Succeeded);
     // The new kernel runs the next cell; the old state is gone, as the result said.
@@ -123,7 +123,7 @@ async fn an_out_of_memory_kernel_is_reported_and_restarted() {
     let id = session_id(&run(&c, &open).await);
     let r = run(&c, &in_session(&t, &id, "b = bytearray(1024 * 1024 * 1024)")).await;
     assert_oom_killed(&r);
-    assert!(r.kernel_restarted);
+    assert!(r.execution.kernel_restarted);
     let next = run(&c, &in_session(&t, &id, "1 + 1")).await;
     assert_eq!(value(&next).as_deref(), Some("2"), "{next:?}");
 }
@@ -187,7 +187,7 @@ async fn another_tenants_session_cannot_be_named() {
     let r = run(&c, &in_session(&intruder, &id, "secret")).await;
     assert_eq!(r.status, JobStatus::Rejected);
     assert_eq!(reason_code(&r), Some(ErrorCode::SessionNotFound), "{r:?}");
-    assert!(r.session.is_none() && r.stdout.is_empty() && r.outputs.is_empty());
+    assert!(r.session.is_none() && r.execution.stdout.is_empty() && r.execution.outputs.is_empty());
     assert!(c.session(&intruder, &id).await.unwrap().is_none(), "the intruder cannot read the session");
     // And the owner's session is untouched.
     let mine = run(&c, &in_session(&owner, &id, "secret")).await;
@@ -254,7 +254,7 @@ async fn bash_runs_in_the_sessions_workspace() {
     sh.language = Language::Bash;
     let r = run(&c, &sh).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.stdout, "from python/home/user\n");
+    assert_eq!(r.execution.stdout, "from python/home/user\n");
     let back = run(&c, &in_session(&t, &id, "open('note.txt').read()")).await;
     assert_eq!(value(&back).as_deref(), Some("'from python and bash\\n'"));
 }
@@ -269,7 +269,7 @@ async fn files_can_be_listed_and_fetched_as_artifacts() {
     get.list_files = true;
     let r = run(&c, &get).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let listing = r.files.as_ref().expect("listing");
+    let listing = r.execution.files.as_ref().expect("listing");
     let entry = listing.entries.iter().find(|e| e.path == "out/report.txt").expect("listed");
     assert_eq!(entry.size, 5);
     let a = r.artifacts.iter().find(|a| a.path == "out/report.txt").expect("fetched artifact");
@@ -297,7 +297,7 @@ async fn a_large_file_uploaded_by_reference_lands_in_the_workspace() {
     let r = run(&c, &missing).await;
     assert_eq!(r.status, JobStatus::Rejected);
     assert_eq!(reason_code(&r), Some(ErrorCode::UploadFailed));
-    assert!(r.stdout.is_empty());
+    assert!(r.execution.stdout.is_empty());
 }
 
 #[tokio::test]
@@ -305,7 +305,7 @@ async fn a_large_html_output_is_stored_in_full_and_previewed_inline() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "from IPython.display import HTML\nHTML('<b>row</b>' * 10000)")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let Some(Output::ExecuteResult { data, artifacts }) = r.outputs.first() else { panic!("no execute_result: {r:?}") };
+    let Some(Output::ExecuteResult { data, artifacts }) = r.execution.outputs.first() else { panic!("no execute_result: {r:?}") };
     assert!(data["text/html"].ends_with("[truncated by sandcell]") && data["text/html"].len() < 70_000);
     let path = artifacts.get("text/html").expect("full HTML stored as an artifact");
     let a = r.artifacts.iter().find(|a| &a.path == path).expect("artifact row");

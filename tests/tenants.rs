@@ -69,7 +69,7 @@ async fn a_second_tenant_reads_nothing_of_the_first_through_postgres() {
         assert!(err.to_string().contains("permission denied"), "{table}: {err}");
     }
     // No writes either.
-    let err = sqlx::query("UPDATE jobs SET stdout = 'x'").execute(&db).await.expect_err("update");
+    let err = sqlx::query("UPDATE jobs SET execution = '{}'").execute(&db).await.expect_err("update");
     assert!(err.to_string().contains("permission denied"), "{err}");
 
     // B's row does not reveal A's notification channel; listening on B's own channel, or on the
@@ -194,9 +194,9 @@ async fn a_tenant_naming_another_tenants_session_or_job_id_gets_nothing_of_it() 
     let mut sub = python(&b.name, "print('b owns this id too')");
     sub.job_id = ra.job_id.clone();
     let rb = run(&bc, &sub).await;
-    assert_eq!((rb.status, rb.stdout.as_str()), (JobStatus::Succeeded, "b owns this id too\n"));
+    assert_eq!((rb.status, rb.execution.stdout.as_str()), (JobStatus::Succeeded, "b owns this id too\n"));
     let ra2 = ac.result(&a.name, &ra.job_id).await.unwrap().expect("A's job");
-    assert_eq!(ra2.outputs, ra.outputs);
+    assert_eq!(ra2.execution.outputs, ra.execution.outputs);
     assert_eq!(ra2.artifacts.len(), 2);
 }
 
@@ -243,9 +243,9 @@ async fn artifact_bytes_over_quota_are_skipped_then_refused() {
     let r = run(&c, &python(&t.name, "open('a.txt', 'w').write('a' * 600)\nopen('b.txt', 'w').write('b' * 600)")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     assert_eq!(r.artifacts.iter().map(|a| a.path.as_str()).collect::<Vec<_>>(), ["a.txt"]);
-    assert_eq!(r.skipped_files.len(), 1, "{r:?}");
-    assert_eq!((r.skipped_files[0].path.as_str(), r.skipped_files[0].reason.as_str()), ("b.txt", "quota_exceeded"));
-    assert!(r.limits_hit.contains(&LimitHit::Artifacts));
+    assert_eq!(r.execution.skipped_files.len(), 1, "{r:?}");
+    assert_eq!((r.execution.skipped_files[0].path.as_str(), r.execution.skipped_files[0].reason.as_str()), ("b.txt", "quota_exceeded"));
+    assert!(r.execution.limits_hit.contains(&LimitHit::Artifacts));
     // 400 bytes left: exactly that fits.
     let r = run(&c, &python(&t.name, "open('c.txt', 'w').write('c' * 400)")).await;
     assert_eq!(r.artifacts.len(), 1, "{r:?}");
@@ -276,7 +276,7 @@ async fn a_tenants_jobs_committing_at_once_store_no_more_than_its_quota() {
         let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
         assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
         stored += r.artifacts.iter().map(|a| a.size_bytes).sum::<i64>();
-        refused += r.skipped_files.iter().filter(|f| f.reason == "quota_exceeded").count();
+        refused += r.execution.skipped_files.iter().filter(|f| f.reason == "quota_exceeded").count();
     }
     assert_eq!((stored, refused), (3 * FILE, 1), "stored {stored} bytes against a quota of {}", 3 * FILE);
 }
@@ -293,7 +293,7 @@ async fn the_admin_command_creates_a_tenant_that_can_run_a_job() {
     assert_eq!(get("SANDCELL_TENANT"), name);
     let c = sandcell_client::Client::connect(&get("SANDCELL_AMQP_URL"), &get("SANDCELL_DATABASE_URL")).await.expect("connect as the new tenant");
     let r = run(&c, &python(&name, "print(sum(range(10)))")).await;
-    assert_eq!((r.status, r.stdout.as_str()), (JobStatus::Succeeded, "45\n"));
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "45\n"));
     let show = std::process::Command::new(&bin).args(["tenant", "show", &name]).output().unwrap();
     assert!(String::from_utf8_lossy(&show.stdout).contains("max_sessions=3"));
 }

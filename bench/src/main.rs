@@ -221,7 +221,7 @@ async fn main() -> Result<()> {
     // Every job ran, in order: each session counted to jobs_per_session.
     for id in &sessions {
         let (_, r) = b.run(&b.in_session(id, "n")).await?;
-        let got = r.outputs.iter().find_map(|o| match o {
+        let got = r.execution.outputs.iter().find_map(|o| match o {
             sandcell_protocol::Output::ExecuteResult { data, .. } => data.get("text/plain").cloned(),
             _ => None,
         });
@@ -399,7 +399,12 @@ fig.tight_layout(); fig.savefig('latency.png', dpi=110)
     let mut sub = b.job(code, None);
     sub.files = vec![InputFile::inline("samples.csv", csv.as_bytes())];
     let (_, r) = b.run(&sub).await?;
-    let url = r.artifacts.iter().find(|a| a.path == "latency.png").and_then(|a| a.download_url.clone()).with_context(|| format!("no chart: {:?}", r.error))?;
+    let url = r
+        .artifacts
+        .iter()
+        .find(|a| a.path == "latency.png")
+        .and_then(|a| a.download_url.clone())
+        .with_context(|| format!("no chart: {:?}", r.execution.error))?;
     let png = http_get(&url).await?;
     std::fs::write(out.join("latency.png"), png)?;
     Ok(())

@@ -1,8 +1,9 @@
 //! The result record: what a client reads back from Postgres (`job_results.result`).
 //!
-//! The JSON is assembled by the `job_results` view (see `migrations/`); [`JobResult`] is its
-//! exact shape, and the integration tests decode every result they read into it with
-//! `deny_unknown_fields`, so the view and this type cannot drift apart unnoticed.
+//! The JSON is assembled by the `job_results` view (see `migrations/`): the job row's identity
+//! and bookkeeping, merged with the [`Execution`] document the worker committed. [`JobResult`]
+//! is its exact shape, and every read decodes it with [`JobResult::from_document`], which
+//! refuses unknown fields, so the view and this type cannot drift apart unnoticed.
 
 use std::collections::BTreeMap;
 
@@ -16,9 +17,11 @@ use crate::session::Session;
 use crate::status::JobStatus;
 use crate::submission::Language;
 
-/// Everything known about one job.
+/// Everything known about one job: who and where (`job_id` … `session`, kept by the job's
+/// row) and what its code did ([`Execution`], one document written by the worker). The record
+/// is flat: a client reads `stdout` next to `status`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[schemars(extend("additionalProperties" = false))]
 pub struct JobResult {
     /// The client's job id.
     pub job_id: String,
@@ -28,22 +31,8 @@ pub struct JobResult {
     pub status: JobStatus,
     /// Language, when the submission was valid enough to tell.
     pub language: Option<Language>,
-    /// Captured standard output (UTF-8, invalid bytes replaced), at most `limits.stdout_bytes`.
-    pub stdout: String,
-    /// Captured standard error, at most `limits.stderr_bytes`.
-    pub stderr: String,
-    /// Output beyond the cap was dropped.
-    pub stdout_truncated: bool,
-    /// Error output beyond the cap was dropped.
-    pub stderr_truncated: bool,
-    /// Process exit code: 0/1 for Python (exception), the script's code for bash.
-    pub exit_code: Option<i32>,
-    /// The exception the code raised, if any.
-    pub error: Option<ExecError>,
     /// Why the job was rejected or could not run, if so.
     pub reason: Option<Reason>,
-    /// Rich outputs in order: the last expression's value, displayed objects, figures.
-    pub outputs: Vec<Output>,
     /// Files the job produced, stored in the object store.
     pub artifacts: Vec<Artifact>,
     /// The limits the job ran under (absent for rejected jobs).
@@ -56,6 +45,48 @@ pub struct JobResult {
     pub attempts: i32,
     /// The session the job ran in, as it is now (absent for one-off jobs).
     pub session: Option<Session>,
+    /// What the code did: its output, errors, figures and what it left behind.
+    #[serde(flatten)]
+    pub execution: Execution,
+}
+
+impl JobResult {
+    /// Decode a result record strictly: a field this type does not know is an error, so the
+    /// `job_results` view and this type cannot drift apart unnoticed. (`deny_unknown_fields`
+    /// does not combine with the flattened [`Execution`].)
+    pub fn from_document(document: serde_json::Value) -> Result<JobResult, String> {
+        let result: JobResult = serde_json::from_value(document.clone()).map_err(|e| format!("decoding a job result: {e}"))?;
+        let known = serde_json::to_value(&result).map_err(|e| format!("encoding a job result: {e}"))?;
+        if let (Some(got), Some(known)) = (document.as_object(), known.as_object()) {
+            let unknown: Vec<&str> = got.keys().filter(|k| !known.contains_key(*k)).map(String::as_str).collect();
+            if !unknown.is_empty() {
+                return Err(format!("a job result has fields this client does not know: {unknown:?}"));
+            }
+        }
+        Ok(result)
+    }
+}
+
+/// What a job's code did: the execution part of a result. The worker produces it from the
+/// driver's events and stores it as one document (`jobs.execution`), which the `job_results`
+/// view merges into the record as it is — a field added here needs no SQL. Empty (the
+/// default) until the job has run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Execution {
+    /// Captured standard output (UTF-8, invalid bytes replaced), at most `limits.stdout_bytes`.
+    pub stdout: String,
+    /// Captured standard error, at most `limits.stderr_bytes`.
+    pub stderr: String,
+    /// Output beyond the cap was dropped.
+    pub stdout_truncated: bool,
+    /// Error output beyond the cap was dropped.
+    pub stderr_truncated: bool,
+    /// Process exit code: 0/1 for Python (exception), the script's code for bash.
+    pub exit_code: Option<i32>,
+    /// The exception the code raised, if any.
+    pub error: Option<ExecError>,
+    /// Rich outputs in order: the last expression's value, displayed objects, figures.
+    pub outputs: Vec<Output>,
     /// The session's kernel died or had to be killed during this job and was replaced by a
     /// fresh one: variables, imports and workspace files are gone (`reason` says why).
     pub kernel_restarted: bool,
@@ -216,4 +247,47 @@ pub struct Timings {
     pub started_at: Option<DateTime<Utc>>,
     /// When the result was committed.
     pub finished_at: Option<DateTime<Utc>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn queued() -> serde_json::Value {
+        let mut v = json!({
+            "job_id": "j", "tenant": "t", "status": "queued", "language": "python", "reason": null,
+            "artifacts": [], "limits": null, "timings": {"queued_at": "2026-11-22T12:00:00Z", "started_at": null, "finished_at": null},
+            "worker_id": null, "attempts": 0, "session": null,
+        });
+        let execution = serde_json::to_value(Execution::default()).unwrap();
+        v.as_object_mut().unwrap().extend(execution.as_object().unwrap().clone());
+        v
+    }
+
+    #[test]
+    fn a_record_is_its_row_merged_with_the_execution_document() {
+        let mut v = queued();
+        v["stdout"] = json!("4\n");
+        v["processes_killed"] = json!(2);
+        let r = JobResult::from_document(v).unwrap();
+        assert_eq!(r.execution.stdout, "4\n");
+        assert_eq!(r.execution.processes_killed, 2);
+        assert_eq!(r.status, JobStatus::Queued);
+    }
+
+    #[test]
+    fn a_field_the_type_does_not_know_is_refused() {
+        let mut v = queued();
+        v["cpu_seconds"] = json!(1.5);
+        let err = JobResult::from_document(v).unwrap_err();
+        assert!(err.contains("cpu_seconds"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_execution_field_is_refused() {
+        let mut v = queued();
+        v.as_object_mut().unwrap().remove("stderr");
+        assert!(JobResult::from_document(v).is_err());
+    }
 }

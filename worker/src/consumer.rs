@@ -26,7 +26,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
@@ -37,16 +37,12 @@ use sandcell_core::broker;
 use sandcell_protocol::{ErrorCode, ExecutionJob, Reason, SessionState};
 
 use crate::context::WorkerContext;
-use crate::kernel::OnTimeout;
 use crate::ledger::{self, Disposition, Ticket};
-use crate::run::{self, Extras};
+use crate::run::{self, OneOff};
 use crate::session::Work;
 
 /// How long a worker at its session capacity holds an opening job before returning it.
 const FULL_REQUEUE_DELAY: Duration = Duration::from_secs(1);
-/// How long a failed handler waits before its message goes back to the queue (so that an
-/// outage does not spin the job through the broker).
-const FAILED_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
 /// Consume forever, reconnecting after broker failures.
 pub async fn run(ctx: WorkerContext, broker_up: Arc<AtomicBool>) {
@@ -120,25 +116,13 @@ async fn admit(ctx: &WorkerContext, delivery: Delivery) -> Option<(ExecutionJob,
 async fn handle_shared(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
     match &job.session {
         None => {
-            let disposition = settle_failure(&job, one_off(&ctx, &job, ticket.redelivered).await).await;
+            let result = run::job(&ctx, &job, ticket.redelivered, None, &mut OneOff::default()).await;
+            let disposition = ledger::disposition_of(&job, result).await;
             ticket.settle(disposition).await;
         }
         Some(s) if s.new => open_session(ctx, job, ticket).await,
         // Jobs of existing sessions travel on workers' own queues; accept one here all the same.
         Some(_) => route_to_session(&ctx, Work { job, ticket, claim: None }).await,
-    }
-}
-
-/// The disposition of a handler's result: a failed handler committed nothing, so its message
-/// goes back to the queue after a pause.
-async fn settle_failure(job: &ExecutionJob, result: Result<Disposition>) -> Disposition {
-    match result {
-        Ok(d) => d,
-        Err(e) => {
-            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "job handler failed; returning the job to the queue");
-            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
-            Disposition::Requeue
-        }
     }
 }
 
@@ -159,7 +143,7 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
                 Ok(Ok(p)) => p,
                 _ => {
                     let reason = Reason::new(ErrorCode::Capacity, format!("no worker had room for another session within {} s", wait.as_secs()));
-                    let disposition = settle_failure(&job, refuse_opening(&ctx, &job, &reason).await).await;
+                    let disposition = ledger::disposition_of(&job, refuse_opening(&ctx, &job, &reason).await).await;
                     ticket.settle(disposition).await;
                     return;
                 }
@@ -170,7 +154,7 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
         Ok(Some(claim)) => crate::session::open(ctx, Work { job, ticket, claim: Some(claim) }, permit).await,
         Ok(None) => ticket.settle(Disposition::Ack).await,
         Err(e) => {
-            let disposition = settle_failure(&job, Err(e)).await;
+            let disposition = ledger::disposition_of(&job, Err(e)).await;
             ticket.settle(disposition).await;
         }
     }
@@ -189,7 +173,7 @@ async fn refuse_opening(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason
 async fn route_to_session(ctx: &WorkerContext, work: Work) {
     let Err(work) = ctx.registry.deliver(work) else { return };
     let Work { job, ticket, .. } = *work;
-    let disposition = settle_failure(&job, refuse_unheld(ctx, &job).await).await;
+    let disposition = ledger::disposition_of(&job, refuse_unheld(ctx, &job).await).await;
     ticket.settle(disposition).await;
 }
 
@@ -203,30 +187,5 @@ async fn refuse_unheld(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Dispos
         }
     };
     run::refuse(ctx, job, &reason).await?;
-    Ok(Disposition::Ack)
-}
-
-/// Run a job without a session in its own kernel, destroyed afterwards.
-async fn one_off(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> Result<Disposition> {
-    let Some((files, claim)) = run::prepare(ctx, job, redelivered, None).await? else { return Ok(Disposition::Ack) };
-    let started = Instant::now();
-    let limits = ctx.cfg.policy.cap(&job.limits);
-    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, attempt = claim.attempt, "running job");
-    let (outcome, container) = {
-        let _slot = ctx.slot().await?;
-        let spec = run::spec_for(ctx, job, &limits);
-        match run::kernel_for(ctx, &spec).await {
-            Ok(mut kernel) => {
-                let cell = kernel.run(job, &files, &limits, OnTimeout::Kill).await;
-                let id = kernel.id().to_string();
-                kernel.destroy().await;
-                (cell.outcome, Some(id))
-            }
-            Err(e) => (crate::outcome::Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), None),
-        }
-    };
-    let status = run::commit(ctx, job, &limits, outcome, Extras { container_id: container, ..Default::default() }).await?;
-    ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
-    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "job finished");
     Ok(Disposition::Ack)
 }

@@ -45,6 +45,24 @@ impl Disposition {
     }
 }
 
+/// How long a failed handler waits before its message goes back to the queue, so that an
+/// outage does not spin the job through the broker.
+const FAILED_REQUEUE_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The disposition of a handler's result: a handler that failed committed nothing, so its
+/// message goes back to the queue, after a pause. The one rule for failed handlers, one-off,
+/// opening or in a session: a job never takes the consumer, the session or another job down.
+pub async fn disposition_of(job: &ExecutionJob, result: anyhow::Result<Disposition>) -> Disposition {
+    match result {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "job handler failed; returning the job to the queue");
+            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
+            Disposition::Requeue
+        }
+    }
+}
+
 /// `(tenant, job_id)`: a job's identity.
 type Key = (String, String);
 

@@ -6,8 +6,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use base64::Engine as _;
+use sandcell_core::jobs::Finished;
 use sandcell_protocol::paths::validate_workspace_path;
-use sandcell_protocol::{ErrorCode, ExecError, ExecutionLimits, JobStatus, Language, LimitHit, Reason, SkippedFile};
+use sandcell_protocol::{ErrorCode, ExecError, Execution, ExecutionLimits, JobStatus, Language, LimitHit, Reason, SkippedFile};
 
 use crate::sandbox::driver::DriverEvent;
 
@@ -139,6 +140,28 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// What the commit records: the status, the reason and the execution document, with the
+    /// files and rich outputs still to upload (their stored form fills `execution.outputs`).
+    pub fn into_finished(self, extras: crate::run::Extras) -> (Finished, Vec<OutputFile>, Vec<RawOutput>) {
+        let execution = Execution {
+            stdout: self.stdout.text,
+            stderr: self.stderr.text,
+            stdout_truncated: self.stdout.truncated,
+            stderr_truncated: self.stderr.truncated,
+            exit_code: self.exit_code,
+            error: self.error,
+            outputs: Vec::new(),
+            kernel_restarted: extras.kernel_restarted,
+            files: self.listing,
+            limits_hit: self.limits_hit.into_iter().collect(),
+            skipped_files: self.skipped_files,
+            processes_killed: self.processes_killed,
+        };
+        let fin =
+            Finished { status: self.status, reason: self.reason, execution, artifacts: Vec::new(), container_id: extras.container_id, session: extras.session };
+        (fin, self.files, self.outputs)
+    }
+
     /// An empty outcome under `limits` (status `infrastructure_error` until `done` says otherwise).
     pub fn new(limits: &ExecutionLimits) -> Self {
         Outcome {

@@ -1,11 +1,19 @@
-//! The steps every job goes through, whether it runs in a one-off kernel or in a session:
-//! fetch inputs uploaded by reference, claim, get a kernel, store outputs, commit.
+//! Running a job: the one function every job goes through, one-off or in a session —
+//! [`job`]: fetch inputs uploaded by reference, claim, get a kernel and run the cell under a
+//! slot, store outputs, commit. The difference between a one-off job and a session's is the
+//! [`Host`] that owns the kernel: [`OneOff`] here, the session's task in [`crate::session`].
 //!
 //! Order matters: inputs are resolved *before* the claim, so a job whose upload is missing is
 //! `rejected` without ever running; outputs are stored *before* the commit, and the delivery is
-//! acked only after it (see [`crate::consumer`]).
+//! acked only after it (see [`crate::ledger`]).
+//!
+//! The slot rule: a job's container start and its cell hold one of the worker's slots
+//! (`SANDCELL_WORKER_SLOTS`) — starting a sandbox takes the CPU a cell would. [`kernel_for`]
+//! takes a [`Slot`] as proof, so no path starts a job's sandbox without one. The warm pool's
+//! refills are the one exception: they run in the background, one at a time.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use anyhow::Result;
 use sandcell_core::jobs::{Claim, Finished, SessionTouch};
@@ -13,10 +21,74 @@ use sandcell_core::store::Fetched;
 use sandcell_protocol::submission::is_valid_upload_key;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
 
-use crate::context::WorkerContext;
-use crate::kernel::Kernel;
+use crate::context::{Slot, WorkerContext};
+use crate::kernel::{CellRun, Kernel, OnTimeout};
+use crate::ledger::Disposition;
 use crate::outcome::Outcome;
 use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
+
+/// Who owns the kernel a job runs in: the one difference between a one-off job ([`OneOff`])
+/// and a session's (the session's task).
+pub trait Host {
+    /// What to do when the job's wall clock runs out.
+    fn on_timeout(&self, ctx: &WorkerContext) -> OnTimeout;
+    /// The kernel to run the job in, got while the job holds `slot`. An error ends the job
+    /// with `sandbox_unavailable`.
+    async fn kernel(&mut self, ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, slot: &Slot) -> Result<&mut Kernel>;
+    /// After the cell (its slot released), before the commit: what becomes of the kernel, and
+    /// what the commit carries besides the outcome.
+    async fn after(&mut self, ctx: &WorkerContext, job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras);
+}
+
+/// A one-off job's host: a kernel of its own (warm or fresh), killed at the deadline and
+/// destroyed after the cell.
+#[derive(Default)]
+pub struct OneOff {
+    kernel: Option<Kernel>,
+}
+
+impl Host for OneOff {
+    fn on_timeout(&self, _ctx: &WorkerContext) -> OnTimeout {
+        OnTimeout::Kill
+    }
+
+    async fn kernel(&mut self, ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, slot: &Slot) -> Result<&mut Kernel> {
+        let kernel = kernel_for(ctx, &spec_for(ctx, job, limits), slot).await?;
+        Ok(self.kernel.insert(kernel))
+    }
+
+    async fn after(&mut self, _ctx: &WorkerContext, _job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras) {
+        let container_id = self.kernel.as_ref().map(|k| k.id().to_string());
+        if let Some(k) = self.kernel.take() {
+            k.destroy().await;
+        }
+        (cell.outcome, Extras { container_id, ..Default::default() })
+    }
+}
+
+/// Run one job to its commit (or its refusal) in the kernel `host` provides; `claimed` when
+/// the job was claimed before it got here (a session's opening job). `Ok` is the disposition
+/// of its message; an error means nothing was committed.
+pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool, claimed: Option<Claim>, host: &mut H) -> Result<Disposition> {
+    let Some((files, claim)) = prepare(ctx, job, redelivered, claimed).await? else { return Ok(Disposition::Ack) };
+    let session_id = job.session.as_ref().map(|s| s.id.as_str());
+    let started = Instant::now();
+    let limits = ctx.cfg.policy.cap(&job.limits);
+    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id, attempt = claim.attempt, "running job");
+    let on_timeout = host.on_timeout(ctx);
+    let cell = {
+        let slot = ctx.slot().await?;
+        match host.kernel(ctx, job, &limits, &slot).await {
+            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout).await,
+            Err(e) => CellRun { outcome: Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), alive: false },
+        }
+    };
+    let (outcome, extras) = host.after(ctx, job, cell).await;
+    let status = commit(ctx, job, &limits, outcome, extras).await?;
+    ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
+    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "job finished");
+    Ok(Disposition::Ack)
+}
 
 /// Replace every `s3_key` input file by its content. A missing or oversize object is the
 /// client's error (`upload_failed`); a store failure is ours (`storage_failed`).
@@ -115,7 +187,8 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
 /// A kernel for `spec`: a warm one when the pool has one of that shape, else a fresh one. A
 /// sandbox that fails to start (it died, or never became ready) is replaced by a fresh one up
 /// to `SANDCELL_SANDBOX_START_TRIES` times before the error is final (`sandbox_unavailable`).
-pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec) -> Result<Kernel> {
+/// The caller holds a slot while it waits (the slot rule, above).
+pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec, _slot: &Slot) -> Result<Kernel> {
     if let Some(k) = ctx.pool.take(&spec.shape()) {
         return Ok(k);
     }
@@ -162,28 +235,10 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
         o.keep_within_quota(granted);
     }
     o.settle_display_paths();
-    let mut fin = Finished {
-        status: o.status,
-        stdout: o.stdout.text,
-        stderr: o.stderr.text,
-        stdout_truncated: o.stdout.truncated,
-        stderr_truncated: o.stderr.truncated,
-        exit_code: o.exit_code,
-        error: o.error,
-        reason: o.reason,
-        outputs: Vec::new(),
-        artifacts: Vec::new(),
-        kernel_restarted: extras.kernel_restarted,
-        files: o.listing,
-        container_id: extras.container_id,
-        session: extras.session,
-        limits_hit: o.limits_hit.into_iter().collect(),
-        skipped_files: o.skipped_files,
-        processes_killed: o.processes_killed,
-    };
-    match crate::artifacts::store_all(&ctx.store, &job.tenant, &job.job_id, limits, o.files, o.outputs).await {
+    let (mut fin, files, outputs) = o.into_finished(extras);
+    match crate::artifacts::store_all(&ctx.store, &job.tenant, &job.job_id, limits, files, outputs).await {
         Ok(stored) => {
-            fin.outputs = stored.outputs;
+            fin.execution.outputs = stored.outputs;
             fin.artifacts = stored.artifacts;
         }
         Err(e) => {

@@ -17,12 +17,12 @@ use std::time::Duration;
 
 use anyhow::Result;
 use sandcell_core::jobs::{Claim, SessionTouch};
-use sandcell_protocol::{ErrorCode, ExecutionJob, JobStatus, Reason, SessionState};
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, JobStatus, Reason, SessionState};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use crate::context::WorkerContext;
-use crate::kernel::{Kernel, OnTimeout};
-use crate::ledger::{Disposition, Ticket};
+use crate::context::{Slot, WorkerContext};
+use crate::kernel::{CellRun, Kernel, OnTimeout};
+use crate::ledger::{self, Disposition, Ticket};
 use crate::outcome::Outcome;
 use crate::run::{self, Extras};
 use crate::sandbox::container::SandboxSpec;
@@ -95,11 +95,7 @@ pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) 
             return;
         }
         Ok(Opened::Refused) => Disposition::Ack,
-        Err(e) => {
-            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "opening a session failed; returning the job to the queue");
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            Disposition::Requeue
-        }
+        Err(e) => ledger::disposition_of(&job, Err(e.context("opening the session"))).await,
     };
     ticket.settle(disposition).await;
 }
@@ -117,7 +113,11 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     let Some(session) = job.session.clone() else { anyhow::bail!("open called for a job without a session") };
     let limits = ctx.cfg.policy.cap(&job.limits);
     let spec = run::spec_for(ctx, job, &limits);
-    let kernel = match run::kernel_for(ctx, &spec).await {
+    let started = {
+        let slot = ctx.slot().await?;
+        run::kernel_for(ctx, &spec, &slot).await
+    };
+    let kernel = match started {
         Ok(k) => k,
         Err(e) => {
             let reason = Reason::new(ErrorCode::SandboxUnavailable, format!("{e:#}"));
@@ -150,6 +150,7 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         keep_alive: Duration::from_secs(session.keep_alive_s.max(1)),
         spec,
         kernel: Some(kernel),
+        end: None,
         ctx: ctx.clone(),
         _permit: permit,
     };
@@ -162,8 +163,60 @@ struct SessionTask {
     keep_alive: Duration,
     spec: SandboxSpec,
     kernel: Option<Kernel>,
+    /// Set by the job that ends the session (it closed it, or its kernel could not be replaced).
+    end: Option<End>,
     ctx: WorkerContext,
     _permit: OwnedSemaphorePermit,
+}
+
+/// A session's job runs in the session's kernel: interrupted at the deadline so that it keeps
+/// its variables, and replaced when it dies.
+impl run::Host for SessionTask {
+    fn on_timeout(&self, ctx: &WorkerContext) -> OnTimeout {
+        OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)
+    }
+
+    async fn kernel(&mut self, _ctx: &WorkerContext, _job: &ExecutionJob, _limits: &ExecutionLimits, _slot: &Slot) -> Result<&mut Kernel> {
+        let id = &self.id;
+        self.kernel.as_mut().ok_or_else(|| anyhow::anyhow!("session {id} has no kernel"))
+    }
+
+    async fn after(&mut self, ctx: &WorkerContext, job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras) {
+        let close = job.session.as_ref().is_some_and(|s| s.close);
+        let mut outcome = cell.outcome;
+        let container_id = self.kernel.as_ref().map(|k| k.id().to_string());
+        let mut extras = Extras { kernel_restarted: false, container_id, session: Some(SessionTouch { id: self.id.clone(), close }) };
+        self.end = close.then_some(End::Closed);
+        if cell.alive {
+            return (outcome, extras);
+        }
+        let why = match outcome.status {
+            JobStatus::OomKilled => "the kernel ran out of memory".to_string(),
+            JobStatus::TimedOut => format!("the cell did not stop within {:?} of the interrupt and the kernel was killed", ctx.cfg.kernel.interrupt_grace),
+            _ => format!("the kernel died (exit code {:?})", outcome.exit_code),
+        };
+        if close {
+            if let Some(k) = self.kernel.take() {
+                k.destroy().await;
+            }
+            return (outcome, extras);
+        }
+        match self.restart().await {
+            Ok(container) => {
+                extras.kernel_restarted = true;
+                extras.container_id = Some(container);
+                outcome.reason =
+                    Some(Reason::new(ErrorCode::KernelRestarted, format!("{why}; it was restarted: variables, imports and workspace files are gone")));
+            }
+            Err(e) => {
+                let reason = Reason::new(ErrorCode::SessionLost, format!("{why}, and no new kernel could be started: {e:#}"));
+                outcome.reason = Some(reason.clone());
+                extras.session = None;
+                self.end = Some(End::Lost(reason));
+            }
+        }
+        (outcome, extras)
+    }
 }
 
 impl SessionTask {
@@ -187,71 +240,17 @@ impl SessionTask {
         self.finish(end, mailbox).await;
     }
 
-    /// Run one job and settle its message; a failure is logged and the message returned to the
-    /// queue (a job must never take the session down).
+    /// Run one job and settle its message. A job that failed (nothing committed) goes back to
+    /// the queue and leaves the session as it was: its redelivery runs here again.
     async fn step(&mut self, work: Work) -> Option<End> {
         let Work { job, ticket, claim } = work;
-        match self.process(&job, ticket.redelivered, claim).await {
-            Ok(end) => {
-                ticket.settle(Disposition::Ack).await;
-                end
-            }
-            Err(e) => {
-                tracing::error!(session_id = %self.id, job_id = %job.job_id, error = format!("{e:#}"), "session job failed; returning it to the queue");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                ticket.settle(Disposition::Requeue).await;
-                None
-            }
-        }
-    }
-
-    /// Run one job to its commit (or its refusal). `Ok` means the message may be acked.
-    async fn process(&mut self, job: &ExecutionJob, redelivered: bool, claim: Option<Claim>) -> Result<Option<End>> {
         let ctx = self.ctx.clone();
-        let close = job.session.as_ref().is_some_and(|s| s.close);
-        let Some((files, _claim)) = run::prepare(&ctx, job, redelivered, claim).await? else { return Ok(None) };
-        let limits = ctx.cfg.policy.cap(&job.limits);
-        let Some(kernel) = self.kernel.as_mut() else { anyhow::bail!("session {} has no kernel", self.id) };
-        let started = std::time::Instant::now();
-        let cell = {
-            let _slot = ctx.slot().await?;
-            kernel.run(job, &files, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)).await
-        };
-        let mut outcome = cell.outcome;
-        let mut extras =
-            Extras { kernel_restarted: false, container_id: Some(kernel.id().to_string()), session: Some(SessionTouch { id: self.id.clone(), close }) };
-        let mut end = close.then_some(End::Closed);
-        if !cell.alive {
-            let why = match outcome.status {
-                JobStatus::OomKilled => "the kernel ran out of memory".to_string(),
-                JobStatus::TimedOut => format!("the cell did not stop within {:?} of the interrupt and the kernel was killed", ctx.cfg.kernel.interrupt_grace),
-                _ => format!("the kernel died (exit code {:?})", outcome.exit_code),
-            };
-            if close {
-                if let Some(k) = self.kernel.take() {
-                    k.destroy().await;
-                }
-            } else {
-                match self.restart().await {
-                    Ok(container) => {
-                        extras.kernel_restarted = true;
-                        extras.container_id = Some(container);
-                        outcome.reason =
-                            Some(Reason::new(ErrorCode::KernelRestarted, format!("{why}; it was restarted: variables, imports and workspace files are gone")));
-                    }
-                    Err(e) => {
-                        let reason = Reason::new(ErrorCode::SessionLost, format!("{why}, and no new kernel could be started: {e:#}"));
-                        outcome.reason = Some(reason.clone());
-                        extras.session = None;
-                        end = Some(End::Lost(reason));
-                    }
-                }
-            }
+        let result = run::job(&ctx, &job, ticket.redelivered, claim, self).await;
+        if result.is_err() {
+            self.end = None;
         }
-        let status = run::commit(&ctx, job, &limits, outcome, extras).await?;
-        ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
-        tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id = %self.id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "session job finished");
-        Ok(end)
+        ticket.settle(ledger::disposition_of(&job, result).await).await;
+        self.end.take()
     }
 
     /// Replace a dead kernel with a fresh one of the same shape; returns its container id.
@@ -259,7 +258,10 @@ impl SessionTask {
         if let Some(k) = self.kernel.take() {
             k.destroy().await;
         }
-        let kernel = run::kernel_for(&self.ctx, &self.spec).await?;
+        let kernel = {
+            let slot = self.ctx.slot().await?;
+            run::kernel_for(&self.ctx, &self.spec, &slot).await?
+        };
         let id = kernel.id().to_string();
         self.ctx.sessions.set_container(&self.id, &self.ctx.cfg.worker_id, &id).await?;
         self.ctx.metrics.kernel_restarts.inc();

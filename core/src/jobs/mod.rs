@@ -27,6 +27,14 @@ pub use results::{Finished, NewArtifact};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
 
+/// The execution document of a job that has not run: every job row has one, so a client
+/// reads `stdout: ""` for a queued job as for any other.
+fn not_run() -> serde_json::Value {
+    static EMPTY: std::sync::LazyLock<serde_json::Value> =
+        std::sync::LazyLock::new(|| serde_json::to_value(sandcell_protocol::Execution::default()).unwrap_or(serde_json::Value::Null));
+    EMPTY.clone()
+}
+
 /// Embedded migrations from `migrations/`, applied at start-up by every binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
@@ -208,8 +216,8 @@ impl JobStore {
         // one tenant's jobs are then recorded in the order they were admitted, which is the
         // order held jobs are dispatched in (`take_held`).
         let inserted = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job, queued_at)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, clock_timestamp())
+            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job, execution, queued_at)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, clock_timestamp())
              ON CONFLICT (tenant, job_id) DO NOTHING",
         )
         .bind(&sub.tenant)
@@ -220,6 +228,7 @@ impl JobStore {
         .bind(session_id)
         .bind(shared.is_some())
         .bind(held_job)
+        .bind(not_run())
         .execute(&mut *tx)
         .await
         .context("inserting job")?
@@ -273,13 +282,14 @@ impl JobStore {
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
         tenants::ensure(&mut tx, tenant, &self.tenant_defaults).await?;
         let n = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, reason, finished_at)
-             VALUES ($1, $2, 'rejected', $3, now())
+            "INSERT INTO jobs (tenant, job_id, status, reason, execution, finished_at)
+             VALUES ($1, $2, 'rejected', $3, $4, now())
              ON CONFLICT (tenant, job_id) DO NOTHING",
         )
         .bind(tenant)
         .bind(job_id)
         .bind(storable::json(reason)?)
+        .bind(not_run())
         .execute(&mut *tx)
         .await
         .context("recording rejection")?

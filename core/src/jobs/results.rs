@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use sandcell_protocol::storable;
-use sandcell_protocol::{ArtifactKind, ExecError, FileListing, JobResult, JobStatus, LimitHit, Output, Reason, SkippedFile};
+use sandcell_protocol::{ArtifactKind, Execution, JobResult, JobStatus, Reason};
 use sqlx::Row;
 
 use super::{status_list, JobStore, SessionTouch};
@@ -35,36 +35,14 @@ pub struct NewArtifact {
 pub struct Finished {
     /// Terminal status.
     pub status: JobStatus,
-    /// Captured stdout.
-    pub stdout: String,
-    /// Captured stderr.
-    pub stderr: String,
-    /// stdout was cut at the cap.
-    pub stdout_truncated: bool,
-    /// stderr was cut at the cap.
-    pub stderr_truncated: bool,
-    /// Exit code.
-    pub exit_code: Option<i32>,
-    /// Exception raised by the code.
-    pub error: Option<ExecError>,
     /// Infrastructure reason, if any.
     pub reason: Option<Reason>,
-    /// Rich outputs.
-    pub outputs: Vec<Output>,
+    /// What the code did, stored as one document (`jobs.execution`).
+    pub execution: Execution,
     /// Stored artifacts.
     pub artifacts: Vec<NewArtifact>,
-    /// The session's kernel was replaced during the job.
-    pub kernel_restarted: bool,
-    /// Workspace listing, when asked for.
-    pub files: Option<FileListing>,
     /// The container that ran the job.
     pub container_id: Option<String>,
-    /// Sandbox limits the job ran into.
-    pub limits_hit: Vec<LimitHit>,
-    /// Files not stored, and why.
-    pub skipped_files: Vec<SkippedFile>,
-    /// Processes left running by the cell and killed at its end.
-    pub processes_killed: u32,
     /// The session to extend or close in the same transaction.
     pub session: Option<SessionTouch>,
 }
@@ -73,25 +51,7 @@ impl Finished {
     /// A result with a status and a reason and nothing else (the fallback when the full result
     /// cannot be stored).
     pub fn bare(status: JobStatus, reason: Reason, container_id: Option<String>, session: Option<SessionTouch>) -> Self {
-        Finished {
-            status,
-            stdout: String::new(),
-            stderr: String::new(),
-            stdout_truncated: false,
-            stderr_truncated: false,
-            exit_code: None,
-            error: None,
-            reason: Some(reason),
-            outputs: Vec::new(),
-            artifacts: Vec::new(),
-            kernel_restarted: false,
-            files: None,
-            container_id,
-            limits_hit: Vec::new(),
-            skipped_files: Vec::new(),
-            processes_killed: 0,
-            session,
-        }
+        Finished { status, reason: Some(reason), execution: Execution::default(), artifacts: Vec::new(), container_id, session }
     }
 }
 
@@ -101,30 +61,16 @@ impl JobStore {
     pub async fn finish(&self, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
         let mut tx = self.pool.begin().await.context("beginning result transaction")?;
         let n = sqlx::query(
-            "UPDATE jobs SET status = $3, stdout = $4, stderr = $5, stdout_truncated = $6, stderr_truncated = $7,
-                    exit_code = $8, error = $9, reason = $10, outputs = $11, finished_at = now(),
-                    kernel_restarted = $13, files = $14, container_id = $15,
-                    limits_hit = $16, skipped_files = $17, processes_killed = $18
-             WHERE tenant = $1 AND job_id = $2 AND status = ANY($12)",
+            "UPDATE jobs SET status = $3, reason = $4, execution = $5, container_id = $6, finished_at = now()
+             WHERE tenant = $1 AND job_id = $2 AND status = ANY($7)",
         )
         .bind(tenant)
         .bind(job_id)
         .bind(fin.status.as_str())
-        .bind(storable::text(&fin.stdout))
-        .bind(storable::text(&fin.stderr))
-        .bind(fin.stdout_truncated)
-        .bind(fin.stderr_truncated)
-        .bind(fin.exit_code)
-        .bind(fin.error.as_ref().map(storable::json).transpose()?)
         .bind(fin.reason.as_ref().map(storable::json).transpose()?)
-        .bind(storable::json(&fin.outputs)?)
-        .bind(status_list(fin.status))
-        .bind(fin.kernel_restarted)
-        .bind(fin.files.as_ref().map(storable::json).transpose()?)
+        .bind(storable::json(&fin.execution)?)
         .bind(&fin.container_id)
-        .bind(storable::json(&fin.limits_hit)?)
-        .bind(storable::json(&fin.skipped_files)?)
-        .bind(i32::try_from(fin.processes_killed).unwrap_or(i32::MAX))
+        .bind(status_list(fin.status))
         .execute(&mut *tx)
         .await
         .context("updating job result")?
@@ -182,7 +128,7 @@ impl JobStore {
             None => Ok(None),
             Some(r) => {
                 let v: serde_json::Value = r.try_get("result")?;
-                Ok(Some(serde_json::from_value(v).context("decoding job result")?))
+                Ok(Some(JobResult::from_document(v).map_err(anyhow::Error::msg)?))
             }
         }
     }
