@@ -284,7 +284,7 @@ async fn a_large_file_uploaded_by_reference_lands_in_the_workspace() {
     let t = tenant();
     let store = ArtifactStore::new(&sandcell_core::config::Services::from_env().unwrap().s3);
     let big: Vec<u8> = (0..20_000_000u32).map(|i| (i % 251) as u8).collect();
-    let key = sandcell_client::upload(&store, &t, "big.bin", big.clone()).await.unwrap();
+    let key = store.upload_input(&t, "big.bin", big.clone()).await.unwrap();
     let mut open = open_session(&t, "import hashlib\nhashlib.sha256(open('data/big.bin','rb').read()).hexdigest()", None);
     open.files.push(sandcell_protocol::InputFile { path: "data/big.bin".into(), content_b64: None, s3_key: Some(key) });
     let r = run(&c, &open).await;

@@ -3,19 +3,29 @@
 //! Each module owns one concern so that the binaries never talk to a service directly:
 //! - [`config`]: environment variables, their defaults, and the operator's limit policy;
 //! - [`broker`]: RabbitMQ connection, the queue topology, confirmed publishing;
+//! - [`reads`]: a client's read (a job's result, a session, the notification channel);
+//!
+//! and, with the `services` feature (on by default; a client turns it off and does without the
+//! S3 SDK, the HTTP server and the stores' write paths):
 //! - [`jobs`]: the job store in Postgres — every status transition goes through it;
-//! - [`store`]: the S3 artifact store (upload, presign, delete, lifecycle backstop);
-//! - [`sessions`]: session ownership and routing;
+//! - [`sessions`]: the session store — every session write, through the session state machine;
 //! - [`tenants`]: quotas, tenant database roles, the admission check;
+//! - [`store`]: the S3 artifact store (upload, presign, delete, lifecycle backstop);
 //! - [`telemetry`]: structured logs, the Prometheus registry, `/metrics` and `/healthz`.
 #![warn(missing_docs)]
 
 pub mod broker;
 pub mod config;
+#[cfg(feature = "services")]
 pub mod jobs;
+pub mod reads;
+#[cfg(feature = "services")]
 pub mod sessions;
+#[cfg(feature = "services")]
 pub mod store;
+#[cfg(feature = "services")]
 pub mod telemetry;
+#[cfg(feature = "services")]
 pub mod tenants;
 
 /// Run `f` until it succeeds, waiting with capped exponential backoff between tries and logging

@@ -3,7 +3,7 @@
 //! Every session state change happens here, through a guarded `UPDATE` whose source states come
 //! from [`SessionState::sources_of`]. Who may call what:
 //! - the scheduler records a session as `starting` together with the job that opens it
-//!   ([`crate::jobs::JobStore::record_queued`]) and reads [`SessionStore::route`] to place later jobs;
+//!   ([`crate::jobs::JobStore::record_queued`] calls [`create`] in its transaction) and reads [`SessionStore::route`] to place later jobs;
 //! - only the worker running the opening job may [`bind`](SessionStore::bind) it (→ `active`);
 //! - only the worker holding it may [`end`](SessionStore::end) it (→ `expired`, `closed`, `lost`);
 //! - a starting worker, or the sweeper for a worker whose heartbeat stopped, declares that worker's
@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use sandcell_protocol::{ErrorCode, JobStatus, Reason, Session, SessionState};
+use sandcell_protocol::{ErrorCode, Reason, Session, SessionState};
 use sqlx::postgres::PgPool;
 use sqlx::Row;
 
@@ -33,6 +33,21 @@ pub struct SessionStore {
 
 fn states(next: SessionState) -> Vec<String> {
     SessionState::sources_of(next).into_iter().map(|s| s.as_str().to_string()).collect()
+}
+
+/// Record a session as `starting`, in the transaction that records the job opening it (so
+/// a duplicate submission never creates a second session).
+pub(crate) async fn create(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, session_id: &str, tenant: &str, keep_alive_s: u64, job_id: &str) -> Result<()> {
+    sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job) VALUES ($1, $2, $3, $4, $5)")
+        .bind(session_id)
+        .bind(tenant)
+        .bind(SessionState::Starting.as_str())
+        .bind(i32::try_from(keep_alive_s).unwrap_or(i32::MAX))
+        .bind(job_id)
+        .execute(&mut **tx)
+        .await
+        .context("inserting session")?;
+    Ok(())
 }
 
 /// What a session job's commit does to its session, in the commit's own transaction: close it
@@ -168,7 +183,7 @@ impl SessionStore {
         .await
         .context("marking sessions lost")?;
         if !lost.is_empty() {
-            refuse_session_jobs(&mut tx, &lost, &reason_json).await?;
+            crate::jobs::refuse_jobs_of_sessions(&mut tx, &lost, &reason_json).await?;
         }
         tx.commit().await.context("committing lost sessions")?;
         Ok(lost.len() as u64)
@@ -203,19 +218,9 @@ impl SessionStore {
         Ok(rows)
     }
 
-    /// One session as its tenant sees it.
+    /// One session as its tenant sees it ([`crate::reads::session`]).
     pub async fn get(&self, tenant: &str, session_id: &str) -> Result<Option<Session>> {
-        let row = sqlx::query("SELECT document FROM session_documents WHERE session_id = $1 AND tenant = $2")
-            .bind(session_id)
-            .bind(tenant)
-            .fetch_optional(&self.pool)
-            .await
-            .context("reading session")?;
-        row.map(|r| {
-            let v: serde_json::Value = r.try_get("document")?;
-            serde_json::from_value(v).context("decoding session")
-        })
-        .transpose()
+        crate::reads::session(&self.pool, tenant, session_id).await
     }
 }
 
@@ -224,7 +229,7 @@ impl SessionStore {
     /// dispatched: such a job's message was lost (dead-lettered, or its queue deleted), and it
     /// must not hold its tenant's quota forever. Jobs held for fair share are waiting, not lost,
     /// and are left alone. Sessions become `failed`, their unfinished jobs end by the rule of
-    /// [`crate::jobs::REFUSE_SET`]; queued jobs become `rejected`. All with reason `stuck`.
+    /// [`crate::jobs::refuse_jobs_of_sessions`]; queued jobs become `rejected`. All with reason `stuck`.
     /// Returns (jobs, sessions) ended.
     pub async fn end_stuck(&self, after: Duration) -> Result<(u64, u64)> {
         let millis = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
@@ -244,40 +249,12 @@ impl SessionStore {
         .await
         .context("failing stuck sessions")?;
         if !sessions.is_empty() {
-            refuse_session_jobs(&mut tx, &sessions, &reason).await?;
+            crate::jobs::refuse_jobs_of_sessions(&mut tx, &sessions, &reason).await?;
         }
-        debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected));
-        let jobs = sqlx::query(
-            "UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now()
-             WHERE status = 'queued' AND held_job IS NULL
-               AND COALESCE(dispatched_at, queued_at) < now() - $1 * interval '1 millisecond'",
-        )
-        .bind(millis)
-        .bind(&reason)
-        .execute(&mut *tx)
-        .await
-        .context("ending stuck jobs")?
-        .rows_affected();
+        let jobs = crate::jobs::reject_stuck(&mut tx, millis, &reason).await?;
         tx.commit().await.context("committing stuck jobs and sessions")?;
         Ok((jobs, sessions.len() as u64))
     }
-}
-
-/// End the unfinished jobs of ended sessions, by the rule of [`crate::jobs::REFUSE_SET`].
-async fn refuse_session_jobs(tx: &mut sqlx::PgConnection, sessions: &[String], reason: &serde_json::Value) -> Result<()> {
-    debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected) && JobStatus::Running.can_become(JobStatus::InfrastructureError));
-    // Composed from constants only.
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE jobs SET {}, reason = $2, finished_at = now() WHERE session_id = ANY($1) AND {}",
-        crate::jobs::REFUSE_SET,
-        crate::jobs::REFUSE_WHERE
-    )))
-    .bind(sessions)
-    .bind(reason)
-    .execute(tx)
-    .await
-    .context("ending the jobs of lost sessions")?;
-    Ok(())
 }
 
 fn parse_state(s: String) -> Result<SessionState> {

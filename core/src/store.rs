@@ -61,6 +61,16 @@ impl ArtifactStore {
         ArtifactStore { client: Client::from_conf(conf), bucket: s.bucket.clone() }
     }
 
+    /// Store a large input file for `tenant` and return the `s3_key` a job names it by
+    /// (`<tenant>/_uploads/<name>`). Needs the store's own credentials: for an operator's
+    /// trusted backend, not for tenants.
+    pub async fn upload_input(&self, tenant: &str, name: &str, bytes: Vec<u8>) -> Result<String> {
+        let key = format!("{}{name}", sandcell_protocol::submission::upload_prefix(tenant));
+        anyhow::ensure!(sandcell_protocol::submission::is_valid_upload_key(tenant, &key), "{name:?} is not a valid upload name");
+        self.put(&key, bytes, "application/octet-stream").await?;
+        Ok(key)
+    }
+
     /// Store an object.
     pub async fn put(&self, key: &str, body: Vec<u8>, content_type: &str) -> Result<()> {
         self.client

@@ -259,16 +259,6 @@ impl TenantStore {
     }
 }
 
-/// The secret notification channel of `tenant` (readable by the service role, and by the
-/// tenant's own role through row-level security).
-pub async fn notify_channel(pool: &PgPool, tenant: &str) -> Result<Option<String>> {
-    sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1")
-        .bind(tenant)
-        .fetch_optional(pool)
-        .await
-        .context("reading the tenant's notification channel")
-}
-
 fn is_tenant_role(role: &str) -> bool {
     role.strip_prefix(TENANT_ROLE_PREFIX).is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }

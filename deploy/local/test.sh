@@ -3,7 +3,8 @@
 # scheduler and a worker, and run every test against the real services:
 #   - Rust unit tests (pure logic) and end-to-end tests (tests/) with `cargo test --workspace`;
 #   - the in-sandbox driver's tests, inside the real sandbox image;
-#   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run).
+#   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run), and
+#     the client library's dependencies (no S3 SDK, no metrics server).
 # Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity,
 # fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
@@ -36,6 +37,11 @@ failed=()
 echo "== style: cargo fmt --check, cargo clippy -D warnings"
 cargo fmt --all -- --check || failed+=("cargo fmt --check (run cargo fmt --all)")
 cargo clippy --workspace --all-targets --all-features -- -D warnings || failed+=("cargo clippy")
+# The client library reads and publishes: it must not pull in the S3 SDK, the metrics server
+# or the stores' write paths (sandcell-core without its `services` feature).
+if cargo tree -p sandcell-client -e normal --prefix none | grep -E '^(aws-sdk-s3|prometheus|hyper) '; then
+    failed+=("sandcell-client depends on a service-side crate (above)")
+fi
 
 echo "== building"
 cargo build --workspace --bins --tests --features sandcell-tests/e2e

@@ -16,12 +16,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use lapin::Channel;
-use sandcell_core::broker;
-use sandcell_core::jobs::JobStore;
-use sandcell_core::sessions::SessionStore;
-use sandcell_core::store::ArtifactStore;
+use sandcell_core::{broker, reads};
 use sandcell_protocol::{ArtifactState, JobResult, Session, Submission};
-use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
 /// What can go wrong for a client.
 #[derive(Debug, thiserror::Error)]
@@ -52,7 +49,7 @@ pub enum ClientError {
 pub struct Client {
     _conn: lapin::Connection,
     publisher: Channel,
-    jobs: JobStore,
+    db: PgPool,
     database_url: String,
     /// The broker user, sent as `user_id` on every submission.
     user: Option<String>,
@@ -67,7 +64,7 @@ impl Client {
         let publisher = broker::publisher_channel(&conn).await?;
         let pool =
             PgPoolOptions::new().max_connections(4).connect(database_url).await.with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
-        Ok(Client { _conn: conn, publisher, jobs: JobStore::new(pool), database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
+        Ok(Client { _conn: conn, publisher, db: pool, database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
     }
 
     /// Connect using `SANDCELL_AMQP_URL` and `SANDCELL_DATABASE_URL`.
@@ -107,7 +104,7 @@ impl Client {
     async fn channel_of(&self, tenant: &str, timeout: Duration) -> Result<Option<String>, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if let Some(c) = sandcell_core::tenants::notify_channel(self.jobs.pool(), tenant).await? {
+            if let Some(c) = reads::notify_channel(&self.db, tenant).await? {
                 return Ok(Some(c));
             }
             if tokio::time::Instant::now() >= deadline {
@@ -119,7 +116,7 @@ impl Client {
 
     /// The job's current result record, if the job exists.
     pub async fn result(&self, tenant: &str, job_id: &str) -> Result<Option<JobResult>, ClientError> {
-        Ok(self.jobs.result(tenant, job_id).await?)
+        Ok(reads::result(&self.db, tenant, job_id).await?)
     }
 
     /// Wait until the job reaches a terminal status and return its result.
@@ -167,7 +164,7 @@ impl Client {
 
     /// A session's current state, if the tenant has that session.
     pub async fn session(&self, tenant: &str, session_id: &str) -> Result<Option<Session>, ClientError> {
-        Ok(SessionStore::new(self.jobs.pool().clone()).get(tenant, session_id).await?)
+        Ok(reads::session(&self.db, tenant, session_id).await?)
     }
 
     /// The download URL of one artifact, or [`ClientError::ArtifactExpired`] once it expired.
@@ -232,16 +229,4 @@ impl Drop for Watcher {
     fn drop(&mut self) {
         self.task.abort();
     }
-}
-
-/// Upload a large input file for `tenant` and return the `s3_key` a job names it by
-/// (`<tenant>/_uploads/<name>`). Needs store credentials, so this is for trusted clients
-/// (an agent platform's backend), not for tenants' own code.
-pub async fn upload(store: &ArtifactStore, tenant: &str, name: &str, bytes: Vec<u8>) -> Result<String, ClientError> {
-    let key = format!("{}{name}", sandcell_protocol::submission::upload_prefix(tenant));
-    if !sandcell_protocol::submission::is_valid_upload_key(tenant, &key) {
-        return Err(anyhow::anyhow!("{name:?} is not a valid upload name").into());
-    }
-    store.put(&key, bytes, "application/octet-stream").await?;
-    Ok(key)
 }

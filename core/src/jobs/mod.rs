@@ -199,14 +199,7 @@ impl JobStore {
         };
         let session_id = match session {
             Some(JobSessionRecord::Open(id, keep_alive_s)) => {
-                sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job) VALUES ($1, $2, 'starting', $3, $4)")
-                    .bind(id)
-                    .bind(&sub.tenant)
-                    .bind(i32::try_from(keep_alive_s).unwrap_or(i32::MAX))
-                    .bind(&sub.job_id)
-                    .execute(&mut *tx)
-                    .await
-                    .context("inserting session")?;
+                crate::sessions::create(&mut tx, id, &sub.tenant, keep_alive_s, &sub.job_id).await?;
                 Some(id)
             }
             Some(JobSessionRecord::Existing(id)) => Some(id),
@@ -379,10 +372,43 @@ impl JobStore {
 
 /// How a job that cannot run because its session or input is gone ends: `queued` (never ran) →
 /// `rejected`, `running` (its kernel went away under it) → `infrastructure_error`. Shared by
-/// [`JobStore::refuse`] and the session store's bulk refusal.
-pub(crate) const REFUSE_SET: &str = "status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END";
+/// [`JobStore::refuse`] and [`refuse_jobs_of_sessions`].
+const REFUSE_SET: &str = "status = CASE WHEN status = 'queued' THEN 'rejected' ELSE 'infrastructure_error' END";
 /// The jobs [`REFUSE_SET`] applies to.
-pub(crate) const REFUSE_WHERE: &str = "status IN ('queued', 'running')";
+const REFUSE_WHERE: &str = "status IN ('queued', 'running')";
+
+/// End the unfinished jobs of ended sessions by the rule of [`REFUSE_SET`], in the session
+/// store's transaction that ends them.
+pub(crate) async fn refuse_jobs_of_sessions(tx: &mut sqlx::PgConnection, sessions: &[String], reason: &serde_json::Value) -> Result<()> {
+    debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected) && JobStatus::Running.can_become(JobStatus::InfrastructureError));
+    // Composed from constants only.
+    sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE jobs SET {REFUSE_SET}, reason = $2, finished_at = now() WHERE session_id = ANY($1) AND {REFUSE_WHERE}")))
+        .bind(sessions)
+        .bind(reason)
+        .execute(tx)
+        .await
+        .context("ending the jobs of ended sessions")?;
+    Ok(())
+}
+
+/// Reject the jobs that stayed `queued` longer than `millis` since they were dispatched (their
+/// message was lost), in the sweeper's transaction; fair share's held jobs are waiting, not
+/// lost. Returns how many.
+pub(crate) async fn reject_stuck(tx: &mut sqlx::PgConnection, millis: i64, reason: &serde_json::Value) -> Result<u64> {
+    debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected));
+    let n = sqlx::query(
+        "UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now()
+         WHERE status = 'queued' AND held_job IS NULL
+           AND COALESCE(dispatched_at, queued_at) < now() - $1 * interval '1 millisecond'",
+    )
+    .bind(millis)
+    .bind(reason)
+    .execute(tx)
+    .await
+    .context("ending stuck jobs")?
+    .rows_affected();
+    Ok(n)
+}
 
 #[cfg(test)]
 mod tests {

@@ -5,7 +5,6 @@ use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use sandcell_protocol::storable;
 use sandcell_protocol::{ArtifactKind, Execution, JobResult, JobStatus, Reason};
-use sqlx::Row;
 
 use super::{status_list, JobStore, SessionTouch};
 
@@ -116,20 +115,8 @@ impl JobStore {
         Ok(true)
     }
 
-    /// The result record of one job, as a client sees it.
+    /// The result record of one job, as a client sees it ([`crate::reads::result`]).
     pub async fn result(&self, tenant: &str, job_id: &str) -> Result<Option<JobResult>> {
-        let row = sqlx::query("SELECT result FROM job_results WHERE tenant = $1 AND job_id = $2")
-            .bind(tenant)
-            .bind(job_id)
-            .fetch_optional(&self.pool)
-            .await
-            .context("reading job result")?;
-        match row {
-            None => Ok(None),
-            Some(r) => {
-                let v: serde_json::Value = r.try_get("result")?;
-                Ok(Some(JobResult::from_document(v).map_err(anyhow::Error::msg)?))
-            }
-        }
+        crate::reads::result(&self.pool, tenant, job_id).await
     }
 }
