@@ -3,12 +3,15 @@
 //! commits each result and its artifacts.
 //!
 //! The data path through this crate: [`consumer`] (the shared and the worker's own queue) →
-//! [`session`] (one task per held session) or a one-off kernel → [`run`] (inputs, claim,
-//! commit) → [`kernel`] (cells under a wall clock, interrupts) → [`outcome`] (driver events into
-//! an outcome) → [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
+//! [`run`] (`run::job`, the one function every job goes through: inputs, claim, a kernel under a
+//! slot, the cell, commit), with the kernel's [`run::Host`]: a one-off kernel, or
+//! [`session`] (one task per held session) → [`kernel`] (cells under a wall clock, interrupts)
+//! → [`outcome`] (driver events into an outcome, then the result's `Execution` document) →
+//! [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
 //! [`pool`] keeps started kernels ready for the next session or one-off job.
 //! Around them: [`config`] (every setting, from the environment), [`context`] (what every
-//! handler shares; slots as guards), [`ledger`] (the one place deliveries are acked), [`metrics`].
+//! handler shares; slots as guards), [`ledger`] (the one place deliveries are acked), [`metrics`],
+//! and [`service`] (start-up, health, heartbeat, shutdown: the wiring of the above).
 #![warn(missing_docs)]
 
 mod artifacts;
@@ -22,108 +25,8 @@ mod outcome;
 mod pool;
 mod run;
 mod sandbox;
+mod service;
 mod session;
 
 pub use config::{is_valid_worker_id, Config};
-
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
-
-use anyhow::{Context, Result};
-
-use sandcell_core::jobs::JobStore;
-use sandcell_core::sessions::SessionStore;
-use sandcell_core::store::ArtifactStore;
-use tokio::sync::Semaphore;
-
-/// Connect to Docker (whatever API version the daemon speaks) and check it answers.
-pub async fn connect_docker() -> Result<bollard::Docker> {
-    let docker = bollard::Docker::connect_with_defaults().context("configuring the Docker client")?;
-    let docker = docker.negotiate_version().await.context("negotiating the Docker API version")?;
-    docker.ping().await.context("pinging Docker")?;
-    Ok(docker)
-}
-
-/// Run the worker until a fatal error. Services that are down are waited for, not fatal.
-pub async fn run(cfg: Config) -> Result<()> {
-    let metrics = metrics::Metrics::new().context("registering metrics")?;
-    metrics.slots.set(i64::from(cfg.slots));
-    let docker = sandcell_core::retry_forever("docker", |_| connect_docker()).await;
-    let removed = sandbox::remove_leftovers(&docker, &cfg.worker_id).await?;
-    if removed > 0 {
-        tracing::warn!(removed, worker_id = %cfg.worker_id, "removed sandboxes left by a previous run");
-    }
-    let db_url = cfg.services.database_url.clone();
-    let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, u32::from(cfg.slots) + 4)).await;
-    let jobs = JobStore::new(pool.clone());
-    let sessions = SessionStore::new(pool);
-    // The containers of this worker's previous run are gone, and its sessions with them.
-    let lost = sandcell_core::retry_forever("postgres", |_| sessions.lose_worker(&cfg.worker_id, "the worker holding it restarted")).await;
-    if lost > 0 {
-        tracing::warn!(lost, worker_id = %cfg.worker_id, "sessions of a previous run declared lost");
-    }
-    let store = ArtifactStore::new(&cfg.services.s3);
-    let warm = pool::WarmPool::new(cfg.warm_pool, &cfg.kernel, cfg.policy.default.clone(), &cfg.worker_id, metrics.clone());
-    tokio::spawn(warm.clone().refill_forever(docker.clone(), cfg.kernel.clone()));
-    tokio::spawn(heartbeat_forever(sessions.clone(), cfg.worker_id.clone(), cfg.slots, cfg.max_sessions, cfg.heartbeat));
-
-    let broker_up = Arc::new(AtomicBool::new(false));
-    let health: sandcell_core::telemetry::HealthCheck = {
-        let (jobs, docker, broker_up) = (jobs.clone(), docker.clone(), broker_up.clone());
-        Arc::new(move || {
-            let (jobs, docker) = (jobs.clone(), docker.clone());
-            let up = broker_up.load(Ordering::Relaxed);
-            Box::pin(async move {
-                jobs.ping().await?;
-                docker.ping().await.context("docker ping")?;
-                anyhow::ensure!(up, "not connected to RabbitMQ");
-                Ok(())
-            })
-        })
-    };
-    let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
-    let ctx = context::WorkerContext {
-        ledger: ledger::Ledger::new(metrics.clone()),
-        slots: Arc::new(Semaphore::new(usize::from(cfg.slots))),
-        session_capacity: Arc::new(Semaphore::new(usize::from(cfg.max_sessions))),
-        cfg: Arc::new(cfg),
-        docker: docker.clone(),
-        tenants: sandcell_core::tenants::TenantStore::new(jobs.pool().clone()),
-        jobs,
-        sessions: sessions.clone(),
-        store,
-        metrics,
-        pool: warm.clone(),
-        registry: session::Registry::default(),
-    };
-    let worker_id = ctx.cfg.worker_id.clone();
-    let consuming = tokio::spawn(consumer::run(ctx, broker_up));
-    let result = tokio::select! {
-        r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
-        r = consuming => r.context("consumer task panicked"),
-        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted; stopping"); Ok(()) }
-    };
-    // Sessions die with the worker: say so now rather than after the heartbeat times out.
-    if let Err(e) = sessions.lose_worker(&worker_id, "the worker holding it stopped").await {
-        tracing::warn!(error = format!("{e:#}"), "could not mark this worker's sessions lost");
-    }
-    warm.drain().await;
-    if let Err(e) = sandbox::remove_leftovers(&docker, &worker_id).await {
-        tracing::warn!(error = format!("{e:#}"), "could not remove this worker's sandboxes");
-    }
-    result
-}
-
-/// Tell Postgres this worker is alive, forever. The sweeper declares the sessions of a worker
-/// that stops beating lost.
-async fn heartbeat_forever(sessions: SessionStore, worker_id: String, slots: u16, max_sessions: u16, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        if let Err(e) = sessions.heartbeat(&worker_id, i32::from(slots), i32::from(max_sessions)).await {
-            tracing::warn!(error = format!("{e:#}"), "heartbeat failed");
-        }
-    }
-}
+pub use service::{connect_docker, run};
