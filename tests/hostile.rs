@@ -266,11 +266,13 @@ async fn a_job_stuck_in_queued_is_ended_and_its_quota_released() {
         .await
         .unwrap();
     sqlx::query(
-        "INSERT INTO jobs (tenant, job_id, status, language, session_id, queued_at) VALUES ($1, $2, 'queued', 'python', $3, now() - interval '2 hours')",
+        "INSERT INTO jobs (tenant, job_id, status, language, session_id, execution, queued_at)
+         VALUES ($1, $2, 'queued', 'python', $3, $4, now() - interval '2 hours')",
     )
     .bind(&t)
     .bind(&job_id)
     .bind(&session)
+    .bind(serde_json::to_value(sandcell_protocol::Execution::default()).unwrap())
     .execute(&pool)
     .await
     .unwrap();

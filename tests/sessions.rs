@@ -154,8 +154,8 @@ async fn a_session_expires_after_its_keep_alive_and_later_jobs_are_refused() {
 async fn every_job_extends_the_keep_alive() {
     let c = client().await;
     let t = tenant();
-    let id = session_id(&run(&c, &open_session(&t, "n = 0", Some(3))).await);
-    // Six jobs two seconds apart: ten seconds in all, never three idle ones.
+    let id = session_id(&run(&c, &open_session(&t, "n = 0", Some(4))).await);
+    // Six jobs two seconds apart: ten seconds in all, never four idle ones.
     for _ in 0..6 {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let r = run(&c, &in_session(&t, &id, "n += 1\nn")).await;

@@ -6,6 +6,8 @@
 //! - first result of a new session, with a warm-pool hit and with a cold start (pool miss);
 //! - throughput of 16 sessions fed concurrently, and CPU time of scheduler and worker per job;
 //! - memory of an idle session's container (cgroup);
+//! - one-off jobs: sequential `1+1` round trips, a burst of `1+1` jobs published at once, and a
+//!   burst of pandas jobs reading a small CSV (jobs/s);
 //! - the baseline: `docker run --rm` of the same image per job, through the Docker API.
 //!
 //! The PNG is drawn by sandcell itself: the samples go in as a CSV, matplotlib draws, the
@@ -35,6 +37,15 @@ struct Args {
     /// Jobs per session in the throughput run.
     #[arg(long, default_value_t = 100)]
     jobs_per_session: usize,
+    /// Sequential one-off `1+1` jobs (one tenant: its sandbox is reused).
+    #[arg(long, default_value_t = 200)]
+    oneoff_jobs: usize,
+    /// One-off `1+1` jobs published at once.
+    #[arg(long, default_value_t = 200)]
+    oneoff_burst: usize,
+    /// One-off pandas jobs reading a small CSV, published at once.
+    #[arg(long, default_value_t = 50)]
+    pandas_burst: usize,
     /// Baseline `docker run` jobs.
     #[arg(long, default_value_t = 20)]
     baseline_jobs: usize,
@@ -92,6 +103,12 @@ struct Report {
     cpu_ms_per_job_worker: Option<f64>,
     idle_session_memory_mib: f64,
     idle_session_memory_without_cache_mib: f64,
+    oneoff_round_trip: Summary,
+    oneoff_burst_jobs: usize,
+    oneoff_burst_jobs_per_s: f64,
+    pandas_burst_jobs: usize,
+    pandas_burst_jobs_per_s: f64,
+    pandas_burst_latency: Summary,
     baseline_docker_run: Summary,
 }
 
@@ -132,6 +149,25 @@ impl Bench {
         let sub = self.job("", Some(SessionRequest { id: Some(id.to_string()), close: true, ..Default::default() }));
         self.run(&sub).await?;
         Ok(())
+    }
+
+    /// Publish every job at once and wait for all: the seconds from the first publish to the
+    /// last result, and each job's publish → terminal notification latency. Every job must
+    /// succeed.
+    async fn burst(&self, subs: &[Submission]) -> Result<(f64, Vec<Duration>)> {
+        let t0 = Instant::now();
+        let mut waits = Vec::with_capacity(subs.len());
+        for sub in subs {
+            waits.push((Instant::now(), self.watcher.watch(&sub.tenant, &sub.job_id)));
+            self.client.submit(sub).await?;
+        }
+        let mut latencies = Vec::with_capacity(subs.len());
+        for (published, w) in waits {
+            let status = tokio::time::timeout(Duration::from_secs(600), w).await.context("burst job timed out")??;
+            anyhow::ensure!(status == "succeeded", "a burst job ended {status}");
+            latencies.push(published.elapsed());
+        }
+        Ok((t0.elapsed().as_secs_f64(), latencies))
     }
 
     fn in_session(&self, id: &str, code: &str) -> Submission {
@@ -232,7 +268,34 @@ async fn main() -> Result<()> {
     println!("throughput: {total} jobs in {:.2} s over {} sessions = {jobs_per_s} jobs/s", elapsed.as_secs_f64(), args.sessions);
     println!("CPU per job: scheduler {cpu_sched:?} ms, worker {cpu_worker:?} ms");
 
-    // 5. Baseline: a container per job.
+    // 5. One-off jobs: sequential round trips, then bursts published at once.
+    for _ in 0..20 {
+        b.run(&b.job("1+1", None)).await?;
+    }
+    let mut oneoff = Vec::with_capacity(args.oneoff_jobs);
+    for _ in 0..args.oneoff_jobs {
+        let (d, r) = b.run(&b.job("1+1", None)).await?;
+        anyhow::ensure!(r.status == JobStatus::Succeeded, "one-off job failed: {r:?}");
+        oneoff.push(d);
+    }
+    println!("one-off 1+1 round trip: {:?}", summarize(&oneoff));
+    let burst: Vec<Submission> = (0..args.oneoff_burst).map(|_| b.job("1+1", None)).collect();
+    let (burst_s, _) = b.burst(&burst).await?;
+    let burst_per_s = round(burst.len() as f64 / burst_s);
+    println!("one-off burst: {} jobs in {burst_s:.2} s = {burst_per_s} jobs/s", burst.len());
+    let csv: String = std::iter::once("category,amount\n".to_string()).chain((0..200).map(|i| format!("c{},{}\n", i % 7, i))).collect();
+    let pandas: Vec<Submission> = (0..args.pandas_burst)
+        .map(|_| {
+            let mut sub = b.job("import pandas as pd\npd.read_csv('sales.csv').groupby('category')['amount'].sum().to_dict()", None);
+            sub.files = vec![InputFile::inline("sales.csv", csv.as_bytes())];
+            sub
+        })
+        .collect();
+    let (pandas_s, pandas_latency) = b.burst(&pandas).await?;
+    let pandas_per_s = round(pandas.len() as f64 / pandas_s);
+    println!("one-off pandas burst: {} jobs in {pandas_s:.2} s = {pandas_per_s} jobs/s; latency {:?}", pandas.len(), summarize(&pandas_latency));
+
+    // 6. Baseline: a container per job.
     let baseline = docker_run_baseline(args.baseline_jobs).await?;
     println!("baseline docker run --rm: {:?}", summarize(&baseline));
 
@@ -252,13 +315,29 @@ async fn main() -> Result<()> {
         cpu_ms_per_job_worker: cpu_worker,
         idle_session_memory_mib: round(mem),
         idle_session_memory_without_cache_mib: round(mem_nocache),
+        oneoff_round_trip: summarize(&oneoff),
+        oneoff_burst_jobs: burst.len(),
+        oneoff_burst_jobs_per_s: burst_per_s,
+        pandas_burst_jobs: pandas.len(),
+        pandas_burst_jobs_per_s: pandas_per_s,
+        pandas_burst_latency: summarize(&pandas_latency),
         baseline_docker_run: summarize(&baseline),
     };
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("latest.json"), serde_json::to_string_pretty(&report)? + "\n")?;
     std::fs::write(args.out.join("README.md"), markdown(&report))?;
-    plot(&b, &args.out, &[("in-session 1+1", &in_session), ("new session (warm)", &warm), ("new session (cold)", &cold), ("docker run --rm", &baseline)])
-        .await?;
+    plot(
+        &b,
+        &args.out,
+        &[
+            ("in-session 1+1", &in_session),
+            ("one-off 1+1", &oneoff),
+            ("new session (warm)", &warm),
+            ("new session (cold)", &cold),
+            ("docker run --rm", &baseline),
+        ],
+    )
+    .await?;
     println!("wrote {}/latest.json, README.md, latency.png", args.out.display());
     Ok(())
 }
@@ -360,6 +439,8 @@ fn markdown(r: &Report) -> String {
     m += &row("in-session `1+1`", &r.in_session_round_trip, "p50 ≤ 5, p99 ≤ 25");
     m += &row("new session, warm pool hit", &r.new_session_warm_pool_hit, "p50 ≤ 40");
     m += &row("new session, cold start (pool miss)", &r.new_session_cold_start, "—");
+    m += &row("one-off `1+1` (sequential, one tenant)", &r.oneoff_round_trip, "p50 ≤ 15, p99 ≤ 50");
+    m += &row("one-off pandas CSV job, in a burst (publish → notified)", &r.pandas_burst_latency, "—");
     m += &row("baseline: `docker run --rm` per job (Docker API, no queue or store)", &r.baseline_docker_run, "—");
     m += &format!("\nWarm-pool hits observed during the warm case: {} of {}.\n\n", r.warm_pool_hits_observed, r.new_session_warm_pool_hit.n);
     m += "## Throughput and cost\n\n| figure | value | target |\n|---|---|---|\n";
@@ -367,6 +448,8 @@ fn markdown(r: &Report) -> String {
         "| in-session throughput, {} sessions, {} jobs | {:.1} jobs/s ({:.2} s) | ≥ 300 jobs/s |\n",
         r.throughput_sessions, r.throughput_jobs, r.throughput_jobs_per_s, r.throughput_seconds
     );
+    m += &format!("| one-off `1+1` burst, {} jobs published at once | {:.1} jobs/s | ≥ 100 jobs/s |\n", r.oneoff_burst_jobs, r.oneoff_burst_jobs_per_s);
+    m += &format!("| one-off pandas CSV burst, {} jobs | {:.1} jobs/s | — |\n", r.pandas_burst_jobs, r.pandas_burst_jobs_per_s);
     let opt = |v: Option<f64>| v.map(|x| format!("{x:.2} ms")).unwrap_or_else(|| "n/a".into());
     m += &format!("| scheduler CPU per job | {} | — |\n", opt(r.cpu_ms_per_job_scheduler));
     m += &format!("| worker CPU per job (excluding the sandbox) | {} | — |\n", opt(r.cpu_ms_per_job_worker));

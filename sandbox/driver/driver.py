@@ -22,7 +22,9 @@ and which processes it left running (all killed, except the kernel).
 Started as any other uid (outside a container, in tests), the driver runs
 the kernel under its own uid and says so in ready ("kernel_isolated": false).
 When the kernel exits (exit() does not: it only ends a cell), the driver
-exits with status 1 after the frames already produced.
+exits with status 1 after the frames already produced; when a fresh job's
+process ends before its cell does, the driver exits with that process's
+status (128+N for signal N).
 
 Framing (both directions)
 -------------------------
@@ -91,7 +93,7 @@ stats           {"id", "rss_kb": int, "children": int}
 done            {"id", "status": "ok"|"error"|"input_error",
                  "exit_code": int|null, "stdout_truncated", "stderr_truncated",
                  "execution_count", "duration_ms", "processes_killed",
-                 "workspace_full"}
+                 "workspace_full"[, "reusable"]}
                 the last frame of a request.  exit_code: python 0/1; bash
                 the exit status (128+N if killed by signal N); null for
                 input_error.  execution_count: the cell's IPython number
@@ -102,7 +104,10 @@ done            {"id", "status": "ok"|"error"|"input_error",
                 when it ended: after a request, only the driver, its kernel
                 and PID 1 are alive.  workspace_full: the workspace or /tmp had less
                 than 1% (at least 64 KiB) free after the code ran, or the
-                code's exception was ENOSPC.
+                code's exception was ENOSPC.  reusable (fresh requests
+                only): the workspace, /tmp and /dev/shm were emptied, the
+                job's IPC objects removed, no process of it is left and the
+                kernel lives -- the sandbox may take its tenant's next job.
 protocol_error  {"message"[, "id"]}
                 a malformed/unknown request or a driver bug.  When it
                 carries the id of a request, it ends that request instead
@@ -114,9 +119,16 @@ execute         {"id", "language": "python"|"bash", "code",
                  "files": [{"path", "content_b64"}],
                  "timeout_ms", "stdout_limit", "stderr_limit",
                  "max_file_bytes", "max_artifact_files", "max_artifact_bytes",
-                 "get_files": [path], "list_files": bool}
+                 "get_files": [path], "list_files": bool, "fresh": bool}
                 "id" is opaque and echoed as "id" on every frame of the
                 request.  Only id/language/code are required.
+                fresh (a one-off job in a sandbox reused for its tenant):
+                the code runs in a process forked for it from the kernel,
+                which has never run user code, and after the request the
+                workspace and /tmp are emptied -- nothing of the job is
+                left for the next (its processes are killed as after every
+                request).  Otherwise the code runs in the kernel itself and
+                its state persists (a session).
                 get_files: at most 64 workspace-relative paths to send
                 after the code ran even if unchanged, in this order, after
                 the new/changed files and under the same limits (a repeated
@@ -131,7 +143,8 @@ Frames of one execute request are either
     (stream | execute_result | display_data | error)*  in the order produced,
     (file | file_skipped)*  (changed files sorted by path, then get_files),
     file_list?,  done.
-Requests are handled one at a time; python state persists between them.
+Requests are handled one at a time; python state persists between them
+unless they are fresh.
 EOF on stdin makes the driver exit with status 0.  SIGINT interrupts a
 running cell (python: KeyboardInterrupt; bash: SIGINT to its process group,
 SIGKILL after 2 s) and is ignored between cells.
@@ -166,7 +179,7 @@ from sandcell_capture import Capture  # noqa: E402
 from sandcell_frames import (DRIVER_VERSION, MAX_KERNEL_FRAME_BYTES, MAX_REQUEST_BYTES,  # noqa: E402
                              Channel, FrameTooLarge, cap_error, cap_text, clean_mime_bundle, safe_str)
 from sandcell_workspace import (collect_files, decode_input_files, describe_write_error,  # noqa: E402
-                                file_listing, snapshot, space_exhausted, write_input_file,
+                                empty_dir, file_listing, snapshot, space_exhausted, write_input_file,
                                 InputFileError)
 
 WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
@@ -262,6 +275,71 @@ def kill_strays(existing, rounds=100):
     return len(killed)
 
 
+def remove_sysv_ipc():
+    """Remove the System V shared memory segments, message queues and
+    semaphore sets of the container's IPC namespace (a job's are the sandbox
+    user's; call as the sandbox user).  Returns whether none is left."""
+    libc = _libc()
+    if libc is None:
+        return False
+    ipc_rmid, ipc_private = 0, 0
+    kinds = {
+        "shm": (lambda i: libc.shmctl(i, ipc_rmid, None), lambda: libc.shmget(ipc_private, 1, 0o600)),
+        "msg": (lambda i: libc.msgctl(i, ipc_rmid, None), lambda: libc.msgget(ipc_private, 0o600)),
+        "sem": (lambda i: libc.semctl(i, 0, ipc_rmid), lambda: libc.semget(ipc_private, 1, 0o600)),
+    }
+    clean = True
+    for kind, (remove, probe) in kinds.items():
+        ids = sysv_ipc_ids(kind)
+        if ids is None:
+            # No /proc/sysvipc (gVisor): ids there are handed out in
+            # increasing order, so a new object's id bounds every live one.
+            newest = probe()
+            if newest < 0 or newest > MAX_PROBED_IPC_ID:
+                clean = False
+            ids = range(max(newest, -1) + 1) if 0 <= newest <= MAX_PROBED_IPC_ID else [newest]
+            for ipc_id in ids:
+                remove(ipc_id)
+            continue
+        for ipc_id in ids:
+            remove(ipc_id)
+        clean = clean and not sysv_ipc_ids(kind)
+    return clean
+
+
+# Above this id, the namespace is not swept id by id (the sandbox is not reused).
+MAX_PROBED_IPC_ID = 65536
+
+
+def sysv_ipc_ids(kind):
+    """The ids in /proc/sysvipc/<kind>, or None when it cannot be read."""
+    try:
+        with open("/proc/sysvipc/%s" % kind) as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return None
+    ids = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 1 and fields[1].isdigit():
+            ids.append(int(fields[1]))
+    return ids
+
+
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            import ctypes
+
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
 def vm_rss_kb(pid):
     try:
         with open("/proc/%d/status" % pid) as f:
@@ -281,9 +359,11 @@ def vm_rss_kb(pid):
 class KernelGone(Exception):
     """The kernel exited, or broke the framing (`broken`) and was ended."""
 
-    def __init__(self, message, broken=False):
+    def __init__(self, message, broken=False, exit_status=1):
         super().__init__(message)
         self.broken = broken
+        # The driver's own exit status when this ends it.
+        self.exit_status = exit_status
 
 
 class KernelProcess:
@@ -426,9 +506,15 @@ def parse_execute(obj):
         list_files = False
     if not isinstance(list_files, bool):
         raise RequestError("execute: list_files must be a boolean")
+    fresh = obj.get("fresh")
+    if fresh is None:
+        fresh = False
+    if not isinstance(fresh, bool):
+        raise RequestError("execute: fresh must be a boolean")
     limits = {name: _int_field(obj, name, default) for name, default in DEFAULT_LIMITS.items()}
     return {"id": req_id, "language": obj["language"], "code": obj["code"],
-            "files": files, "limits": limits, "get_files": get_files, "list_files": list_files}
+            "files": files, "limits": limits, "get_files": get_files, "list_files": list_files,
+            "fresh": fresh}
 
 
 class Driver:
@@ -509,16 +595,17 @@ class Driver:
             os.makedirs(WORKSPACE, exist_ok=True)
             ok = self.write_inputs(req_id, req["files"])
             before = snapshot(WORKSPACE) if ok else None
-        if not ok:
-            self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0, 0, False))
-            return
-
         existing = set(other_processes())
         existing.add(self.kernel.pid)
+        if not ok:
+            reusable = self.leave_nothing_behind(existing) if req["fresh"] else None
+            self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0, 0, False, reusable))
+            return
+
         self.capture.begin(req_id, limits["stdout_limit"], limits["stderr_limit"])
         started = time.monotonic()
         try:
-            exit_code, error_errno = self.run(req_id, req["language"], req["code"])
+            exit_code, error_errno = self.run(req_id, req["language"], req["code"], req["fresh"])
             duration_ms = (time.monotonic() - started) * 1000.0
             self.capture.sync()
         finally:
@@ -533,41 +620,41 @@ class Driver:
             collect_files(WORKSPACE, before, after, limits, req["get_files"], lambda f: self.send(req_id, f))
         if req["list_files"]:
             self.send(req_id, file_listing(after))
+        reusable = None
+        if req["fresh"]:
+            reusable = self.leave_nothing_behind(existing)
         status = "ok" if exit_code == 0 else "error"
-        self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms, killed, full))
+        self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms, killed, full, reusable))
 
-    def run(self, req_id, language, code):
-        """Have the kernel run one cell; forward its outputs.  Returns
-        (exit_code, errno of the python exception it ended with)."""
+    def leave_nothing_behind(self, existing):
+        """After a fresh request: empty every place a job can write (the
+        workspace, /tmp, /dev/shm) and remove its System V IPC objects.
+        Returns whether the sandbox is as the next job of the tenant must
+        find it: those places empty, no process of the job left (`existing`:
+        those alive before it, the kernel among them), the kernel alive."""
+        with sandbox_user():
+            emptied = all([empty_dir(WORKSPACE), empty_dir("/tmp"), empty_dir("/dev/shm") or not os.path.isdir("/dev/shm")])
+            ipc_clean = remove_sysv_ipc()
+        alone = not other_processes(existing)
+        alive = self.kernel.proc.poll() is None
+        if not (emptied and ipc_clean and alone and alive):
+            self.channel.log("the sandbox is not reusable: emptied=%s ipc_clean=%s alone=%s kernel_alive=%s"
+                             % (emptied, ipc_clean, alone, alive))
+        return emptied and ipc_clean and alone and alive
+
+    def run(self, req_id, language, code, fresh=False):
+        """Have the kernel run one cell (fresh: in a process forked for it);
+        forward its outputs.  Returns (exit_code, errno of the python
+        exception it ended with)."""
         self._runs += 1
         run_id = "run-%d" % self._runs
         self.running = run_id
         try:
-            self.kernel.send({"type": "run", "id": run_id, "language": language, "code": code})
-            while True:
-                frame = self.kernel.recv()
-                kind = frame["type"]
-                if kind == "log":
-                    self.channel.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
-                    continue
-                if frame.get("id") != run_id:
-                    self.channel.log("dropped a kernel %s frame of another run" % cap_text(kind, 64))
-                    continue
-                if kind == "cell_done":
-                    exit_code = _int(frame.get("exit_code"))
-                    if language == "python":
-                        self.execution_count = max(_int(frame.get("execution_count")) or 0, 0)
-                        exit_code = 0 if exit_code == 0 else 1
-                    return (1 if exit_code is None else exit_code), _int(frame.get("errno"))
-                output = checked_output(frame)
-                if output is None:
-                    self.channel.log("dropped a kernel frame of type %r" % cap_text(kind, 64))
-                    continue
-                # Output printed before the frame is framed before it (the kernel
-                # waits for the ack before it goes on).
-                self.capture.sync()
-                self.send(req_id, output)
-                self.kernel.send({"type": "ack"})
+            self.kernel.send({"type": "run", "id": run_id, "language": language, "code": code, "fresh": fresh})
+            result = self.forward(req_id, run_id, language)
+            if fresh:
+                self.await_child_exit(run_id)
+            return result
         except KernelGone as exc:
             self.capture.sync()  # what it printed before it went
             if exc.broken:
@@ -579,13 +666,65 @@ class Driver:
         finally:
             self.running = None
 
-    def done_frame(self, status, exit_code, truncated, duration_ms, killed, full):
-        return {"type": "done", "status": status, "exit_code": exit_code,
-                "stdout_truncated": truncated[0], "stderr_truncated": truncated[1],
-                # For bash/input errors: the last python cell's number.
-                "execution_count": self.execution_count,
-                "duration_ms": round(duration_ms, 3),
-                "processes_killed": killed, "workspace_full": bool(full)}
+    def await_child_exit(self, run_id):
+        """After a fresh run's cell_done: wait for the zygote to report its
+        child gone (so that nothing of the job runs on unseen)."""
+        while True:
+            frame = self.kernel.recv()
+            if frame["type"] == "log":
+                self.channel.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
+            elif frame["type"] == "child_exit" and frame.get("id") == run_id:
+                return
+            else:
+                self.channel.log("dropped a kernel %s frame after the cell" % cap_text(frame["type"], 64))
+
+    def forward(self, req_id, run_id, language):
+        """Forward the kernel's frames for run_id until its cell_done."""
+        while True:
+            frame = self.kernel.recv()
+            kind = frame["type"]
+            if kind == "log":
+                self.channel.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
+                continue
+            if frame.get("id") != run_id:
+                self.channel.log("dropped a kernel %s frame of another run" % cap_text(kind, 64))
+                continue
+            if kind == "cell_done":
+                exit_code = _int(frame.get("exit_code"))
+                if language == "python":
+                    self.execution_count = max(_int(frame.get("execution_count")) or 0, 0)
+                    exit_code = 0 if exit_code == 0 else 1
+                return (1 if exit_code is None else exit_code), _int(frame.get("errno"))
+            if kind == "child_exit":
+                # A fresh run's process ended before its cell did (the OOM
+                # killer, os._exit): as when a kernel dies, the driver ends and
+                # the worker reads why from the container.
+                status = _int(frame.get("status"))
+                # The driver exits as the job's process did (128+N for signal N), so the
+                # worker reads from the container what it would from a kernel's death.
+                exit_status = 128 - status if status is not None and status < 0 else (status or 1)
+                raise KernelGone("the job's process exited with status %s before its cell ended" % status,
+                                 exit_status=min(exit_status, 255))
+            output = checked_output(frame)
+            if output is None:
+                self.channel.log("dropped a kernel frame of type %r" % cap_text(kind, 64))
+                continue
+            # Output printed before the frame is framed before it (the kernel
+            # waits for the ack before it goes on).
+            self.capture.sync()
+            self.send(req_id, output)
+            self.kernel.send({"type": "ack"})
+
+    def done_frame(self, status, exit_code, truncated, duration_ms, killed, full, reusable=None):
+        frame = {"type": "done", "status": status, "exit_code": exit_code,
+                 "stdout_truncated": truncated[0], "stderr_truncated": truncated[1],
+                 # For bash/input errors: the last python cell's number.
+                 "execution_count": self.execution_count,
+                 "duration_ms": round(duration_ms, 3),
+                 "processes_killed": killed, "workspace_full": bool(full)}
+        if reusable is not None:
+            frame["reusable"] = reusable
+        return frame
 
     def write_inputs(self, req_id, files):
         decoded, errors = decode_input_files(files)
@@ -660,7 +799,7 @@ def main():
         driver.serve()
     except KernelGone as exc:
         channel.log(safe_str(exc))
-        os._exit(1)
+        os._exit(exc.exit_status)
     # EOF from the worker: the kernel goes with the driver.
     try:
         kernel.proc.kill()

@@ -13,8 +13,9 @@ import os
 import re
 import struct
 import threading
+from json import dumps as _json_dumps  # bound now: a cell that replaces json.dumps cannot break framing
 
-DRIVER_VERSION = 3
+DRIVER_VERSION = 4
 
 # A request carries its input files inline; anything bigger than this is
 # certainly not a request we want to hold in memory.
@@ -86,9 +87,24 @@ class Channel:
         # A process forked from the kernel (os.fork, multiprocessing) inherits
         # these fds: only the process that made the channel may speak on it.
         self.owner = os.getpid()
+        self._bequeath = False
         os.register_at_fork(after_in_child=self._disown)
 
+    def fork_heir(self):
+        """Fork a child that inherits this channel and speaks on it in the
+        parent's place (the kernel's process for a fresh job); returns what
+        os.fork() returns.  Processes the heir forks disown it as usual."""
+        self._bequeath = True
+        try:
+            return os.fork()
+        finally:
+            self._bequeath = False
+
     def _disown(self):
+        if self._bequeath:
+            self._bequeath = False
+            self.owner = os.getpid()
+            return
         for fd in (self.in_fd, self.out_fd):
             try:
                 os.close(fd)
@@ -158,7 +174,7 @@ def encode(frame):
     # ensure_ascii=False keeps frames compact; "replace" turns lone
     # surrogates (possible in user strings) into "?" so the output is
     # always valid UTF-8 for the Rust side.
-    payload = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    payload = _json_dumps(frame, ensure_ascii=False, separators=(",", ":"))
     return payload.encode("utf-8", "replace")
 
 
@@ -184,7 +200,7 @@ def clean_mime_bundle(data):
                 continue
         elif mime == "application/json":
             try:
-                json.dumps(value)
+                _json_dumps(value)
             except (TypeError, ValueError, RecursionError):
                 continue
         elif isinstance(value, (bytes, bytearray)):
@@ -194,7 +210,7 @@ def clean_mime_bundle(data):
         if mime == "image/png" and len(value) > MAX_DISPLAY_VALUE_BYTES:
             continue  # an image cut short is no image
         if mime == "application/json":
-            if len(json.dumps(value)) > MAX_DISPLAY_VALUE_BYTES:
+            if len(_json_dumps(value)) > MAX_DISPLAY_VALUE_BYTES:
                 continue
         else:
             value = cap_text(value, MAX_DISPLAY_VALUE_BYTES)

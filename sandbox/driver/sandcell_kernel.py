@@ -22,9 +22,20 @@ cell_done       {"id", "exit_code": int, "execution_count": int,
                 cell's number; errno: that of the exception a python cell
                 ended with, if any.
 
+child_exit      {"id", "status": int}   after a fresh run: how the run's
+                process ended (0 after its cell_done; else its exit status,
+                -N for signal N).  Sent by the zygote, which user code never
+                reaches.
+
 Driver -> kernel
 ----------------
-run             {"id", "language": "python"|"bash", "code"}
+run             {"id", "language": "python"|"bash", "code", "fresh": bool}
+                fresh: run the cell in a child forked for it (a one-off
+                job), which exits after its cell_done: this process -- the
+                zygote, with its pre-imported modules and a pristine
+                namespace -- never runs user code, so nothing one job does
+                to the interpreter (variables, modules, builtins,
+                environment, sys.path, threads) reaches the next.
 ack             {}  the rich output or error just sent was forwarded (the
                 kernel waits for it, so output it prints later cannot be
                 framed before that frame)
@@ -301,15 +312,46 @@ class Kernel:
             # The processes the driver killed after the last cell were children of this
             # process: reap them (as a notebook's kernel would never need to).
             _reap_children()
-            self.reassert()
-            if req["language"] == "python":
-                self.shell.sandcell_last_exc = None
-                exit_code = self.run_python(req["id"], req["code"])
+            if req.get("fresh"):
+                self.run_fresh(req)
             else:
-                exit_code = self.run_bash(req["code"])
-            self.flush()
-            self.channel.send({"type": "cell_done", "id": req["id"], "exit_code": exit_code,
-                               "execution_count": self.execution_count, "errno": self.last_error_errno})
+                self.run_cell(req)
+
+    def run_cell(self, req):
+        self.reassert()
+        if req["language"] == "python":
+            self.shell.sandcell_last_exc = None
+            exit_code = self.run_python(req["id"], req["code"])
+        else:
+            exit_code = self.run_bash(req["code"])
+        self.flush()
+        self.channel.send({"type": "cell_done", "id": req["id"], "exit_code": exit_code,
+                           "execution_count": self.execution_count, "errno": self.last_error_errno})
+
+    def run_fresh(self, req):
+        """Run the cell in a child forked for it; this process waits, then
+        says how the child ended.  The child never returns here."""
+        pid = self.channel.fork_heir()
+        if pid == 0:
+            status = 70  # EX_SOFTWARE: the cell's machinery failed
+            try:
+                self.run_cell(req)
+                status = 0
+            except BaseException as exc:
+                try:
+                    self.channel.log("fresh run failed: %r" % (exc,))
+                except BaseException:
+                    pass
+            finally:
+                # Not sys.exit: no atexit handler or thread of the job's runs on.
+                os._exit(status)
+        while True:
+            try:
+                _, wait_status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        self.channel.send({"type": "child_exit", "id": req["id"], "status": os.waitstatus_to_exitcode(wait_status)})
 
     def await_ack(self):
         """Block until the driver has forwarded the frame just sent."""
@@ -526,6 +568,14 @@ def main(req_fd, rep_fd):
     # After the shell exists, so a preloaded pyplot hooks into IPython
     # exactly as if a cell had imported it.
     preloaded = preload(os.environ.get("SANDCELL_PRELOAD", ""), log)
+    # Neither ptrace nor /proc/<pid>/mem of this process for the code it runs or forks (same
+    # uid): a fresh job's process cannot reach into the zygote that forks the next one.
+    libc = _load_libc()
+    if libc is not None:
+        try:
+            libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+        except Exception as exc:
+            log("cannot clear the dumpable flag: %r" % (exc,))
     channel.send({"type": "ready", "ipython": IPython.__version__, "preloaded": preloaded})
     Kernel(channel, shell).serve()
     # os._exit: don't wait for threads a job may have left running.

@@ -11,6 +11,7 @@ import base64
 import errno
 import heapq
 import os
+import shutil
 import stat
 
 from sandcell_frames import FILE_CHUNK_BYTES, safe_str, write_all
@@ -346,3 +347,40 @@ def describe_write_error(exc):
     if exc.errno == errno.ENXIO:
         return "destination exists and is not a regular file"
     return "cannot write file: %s" % (exc.strerror or exc,)
+
+
+
+def empty_dir(root):
+    """Remove everything under root (root itself stays), never following a
+    symlink (rmtree works from directory fds); a directory the code made
+    unwritable or unreadable is made accessible again first.  Returns
+    whether root is empty afterwards."""
+    def make_accessible_and_retry(func, path, exc_info):
+        try:
+            os.chmod(os.path.dirname(path), 0o700)
+            if func in (os.rmdir, os.open, os.scandir, os.listdir) and not os.path.islink(path) and os.path.isdir(path):
+                os.chmod(path, 0o700)
+                shutil.rmtree(path, onerror=lambda *args: None)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return False
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.chmod(path, 0o700)
+                shutil.rmtree(path, onerror=make_accessible_and_retry)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+    try:
+        return not os.listdir(root)
+    except OSError:
+        return False

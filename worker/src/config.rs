@@ -29,6 +29,9 @@ pub struct Config {
     pub session_prefetch: u16,
     /// `SANDCELL_WARM_POOL`, default 2: started kernels kept ready.
     pub warm_pool: usize,
+    /// When one-off sandboxes bound to a tenant are recycled (`SANDCELL_ONEOFF_REUSE_JOBS`,
+    /// `SANDCELL_ONEOFF_REUSE_S`, `SANDCELL_ONEOFF_IDLE_S`, `SANDCELL_ONEOFF_IDLE_MAX`).
+    pub reuse: crate::bound::ReuseSettings,
     /// Kernel settings (`SANDCELL_SANDBOX_IMAGE` required, `SANDCELL_DOCKER_RUNTIME`,
     /// `SANDCELL_SANDBOX_START_TIMEOUT_MS`, `SANDCELL_PRELOAD`, `SANDCELL_INTERRUPT_GRACE_MS`).
     pub kernel: KernelSettings,
@@ -87,6 +90,12 @@ impl Config {
             max_sessions: config::parse_or("SANDCELL_WORKER_MAX_SESSIONS", 32u16)?.max(1),
             session_prefetch: config::parse_or("SANDCELL_SESSION_PREFETCH", 256u16)?.max(1),
             warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
+            reuse: crate::bound::ReuseSettings {
+                max_jobs: config::parse_or("SANDCELL_ONEOFF_REUSE_JOBS", 100u32)?.max(1),
+                max_age: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_REUSE_S", 600.0f64)?.max(0.0)),
+                max_idle: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_IDLE_S", 60.0f64)?.max(0.0)),
+                max_waiting: config::parse_or("SANDCELL_ONEOFF_IDLE_MAX", 8usize)?,
+            },
             kernel: KernelSettings {
                 image: config::var_required("SANDCELL_SANDBOX_IMAGE")?,
                 runtime: config::var_or("SANDCELL_DOCKER_RUNTIME", "runc"),

@@ -35,6 +35,8 @@ pub struct WorkerContext {
     pub metrics: Metrics,
     /// Warm kernels.
     pub pool: WarmPool,
+    /// One-off sandboxes waiting for their tenant's next job.
+    pub bound: crate::bound::BoundPool,
     /// Sessions held here.
     pub registry: Registry,
     /// The job messages held here, and the one place they are settled.

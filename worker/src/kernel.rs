@@ -101,10 +101,11 @@ impl Kernel {
         self.sandbox.id()
     }
 
-    /// Run `job`'s code (with `files` already resolved to inline content) under `limits`.
-    pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, on_timeout: OnTimeout) -> CellRun {
+    /// Run `job`'s code (with `files` already resolved to inline content) under `limits`;
+    /// `fresh`: in a process forked for it, leaving nothing behind (a one-off job).
+    pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, on_timeout: OnTimeout, fresh: bool) -> CellRun {
         let mut out = Outcome::new(limits);
-        let request = ExecuteRequest::new(&job.job_id, job.language, &job.code, files, limits, &job.get_files, job.list_files);
+        let request = ExecuteRequest::new(job, files, limits, fresh);
         let sent = match serde_json::to_vec(&request) {
             Ok(payload) => self.sandbox.send(&payload).await,
             Err(e) => Err(e.into()),

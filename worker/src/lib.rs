@@ -8,13 +8,15 @@
 //! [`session`] (one task per held session) → [`kernel`] (cells under a wall clock, interrupts)
 //! → [`outcome`] (driver events into an outcome, then the result's `Execution` document) →
 //! [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
-//! [`pool`] keeps started kernels ready for the next session or one-off job.
+//! [`pool`] keeps started kernels ready for the next session or one-off job; [`bound`] keeps a
+//! one-off job's sandbox for its tenant's next one-off job (each runs in a process forked for it).
 //! Around them: [`config`] (every setting, from the environment), [`context`] (what every
 //! handler shares; slots as guards), [`ledger`] (the one place deliveries are acked), [`metrics`],
 //! and [`service`] (start-up, health, heartbeat, shutdown: the wiring of the above).
 #![warn(missing_docs)]
 
 mod artifacts;
+mod bound;
 mod config;
 mod consumer;
 mod context;

@@ -26,6 +26,15 @@ pub struct Metrics {
     /// `sandcell_warm_pool_takes_total{outcome}`: `hit`, `empty` (miss: pool empty) or `shape`
     /// (miss: the job needs limits or a network the pool's kernels do not have).
     pub pool_takes: IntCounterVec,
+    /// `sandcell_oneoff_sandboxes_total{outcome}`: how one-off jobs got their sandbox:
+    /// `reused` (one bound to the job's tenant, waiting idle) or `new` (warm pool or fresh).
+    pub oneoff_sandboxes: IntCounterVec,
+    /// `sandcell_oneoff_idle_sandboxes`: one-off sandboxes waiting for their tenant's next job.
+    pub oneoff_idle: IntGauge,
+    /// `sandcell_oneoff_recycled_total{why}`: one-off sandboxes destroyed: `jobs`, `age`, `idle`,
+    /// `evicted` (too many idle), `dirty` (the job did not leave it clean: timeout, OOM, a
+    /// driver that could not vouch for it), `shutdown`.
+    pub oneoff_recycled: IntCounterVec,
     /// `sandcell_kernel_restarts_total`: session kernels replaced after dying or being killed.
     pub kernel_restarts: IntCounter,
     /// `sandcell_worker_ack_failures_total{disposition}`: settling a job's message failed (its
@@ -76,7 +85,17 @@ impl Metrics {
         registry.register(Box::new(ack_failures.clone()))?;
         registry.register(Box::new(redeliveries_absorbed.clone()))?;
         registry.register(Box::new(sandbox_start_retries.clone()))?;
+        let oneoff_sandboxes =
+            IntCounterVec::new(Opts::new("sandcell_oneoff_sandboxes_total", "One-off jobs by how they got a sandbox: reused, new"), &["outcome"])?;
+        let oneoff_idle = IntGauge::new("sandcell_oneoff_idle_sandboxes", "One-off sandboxes waiting for their tenant's next job")?;
+        let oneoff_recycled = IntCounterVec::new(Opts::new("sandcell_oneoff_recycled_total", "One-off sandboxes destroyed, by why"), &["why"])?;
+        registry.register(Box::new(oneoff_sandboxes.clone()))?;
+        registry.register(Box::new(oneoff_idle.clone()))?;
+        registry.register(Box::new(oneoff_recycled.clone()))?;
         Ok(Metrics {
+            oneoff_sandboxes,
+            oneoff_idle,
+            oneoff_recycled,
             registry,
             jobs,
             execution_seconds,

@@ -137,6 +137,9 @@ pub struct Outcome {
     pub skipped_files: Vec<SkippedFile>,
     /// Processes the cell left running, killed at its end.
     pub processes_killed: u32,
+    /// The driver left nothing of a fresh job behind: the sandbox may take its tenant's next
+    /// one-off job.
+    pub reusable: bool,
 }
 
 impl Outcome {
@@ -180,6 +183,7 @@ impl Outcome {
             limits_hit: BTreeSet::new(),
             skipped_files: Vec::new(),
             processes_killed: 0,
+            reusable: false,
         }
     }
 
@@ -426,7 +430,8 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             return Step::Done;
         }
         DriverEvent::Ready { .. } | DriverEvent::Unknown => {}
-        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full } => {
+        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full, reusable } => {
+            out.reusable = reusable;
             out.stdout.truncated |= stdout_truncated;
             out.stderr.truncated |= stderr_truncated;
             out.processes_killed = processes_killed;
@@ -656,6 +661,7 @@ mod tests {
             stderr_truncated: false,
             processes_killed: 0,
             workspace_full: false,
+            reusable: false,
         };
         assert_eq!(apply(&mut out, done.clone(), Language::Bash, &limits), Step::Done);
         assert_eq!(out.status, JobStatus::Failed);

@@ -21,6 +21,7 @@ use sandcell_core::store::Fetched;
 use sandcell_protocol::submission::is_valid_upload_key;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
 
+use crate::bound::Bound;
 use crate::context::{Slot, WorkerContext};
 use crate::kernel::{CellRun, Kernel, OnTimeout};
 use crate::ledger::Disposition;
@@ -32,6 +33,9 @@ use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TEN
 pub trait Host {
     /// What to do when the job's wall clock runs out.
     fn on_timeout(&self, ctx: &WorkerContext) -> OnTimeout;
+    /// Whether the job runs in a process forked for it that leaves nothing behind (one-off),
+    /// or in the kernel itself, whose state persists (a session).
+    fn fresh(&self) -> bool;
     /// The kernel to run the job in, got while the job holds `slot`. An error ends the job
     /// with `sandbox_unavailable`.
     async fn kernel(&mut self, ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, slot: &Slot) -> Result<&mut Kernel>;
@@ -40,11 +44,14 @@ pub trait Host {
     async fn after(&mut self, ctx: &WorkerContext, job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras);
 }
 
-/// A one-off job's host: a kernel of its own (warm or fresh), killed at the deadline and
-/// destroyed after the cell.
+/// A one-off job's host: a sandbox bound to the job's tenant (one that waits in
+/// [`crate::bound`] after the tenant's previous one-off job, else a warm or fresh one, bound
+/// now); the job runs in a process forked for it, the sandbox is killed at the deadline, and
+/// after the cell it goes back to wait for the tenant's next job if the driver vouched that
+/// nothing of this one is left.
 #[derive(Default)]
 pub struct OneOff {
-    kernel: Option<Kernel>,
+    bound: Option<Bound>,
 }
 
 impl Host for OneOff {
@@ -52,15 +59,28 @@ impl Host for OneOff {
         OnTimeout::Kill
     }
 
-    async fn kernel(&mut self, ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, slot: &Slot) -> Result<&mut Kernel> {
-        let kernel = kernel_for(ctx, &spec_for(ctx, job, limits), slot).await?;
-        Ok(self.kernel.insert(kernel))
+    fn fresh(&self) -> bool {
+        true
     }
 
-    async fn after(&mut self, _ctx: &WorkerContext, _job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras) {
-        let container_id = self.kernel.as_ref().map(|k| k.id().to_string());
-        if let Some(k) = self.kernel.take() {
-            k.destroy().await;
+    async fn kernel(&mut self, ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, slot: &Slot) -> Result<&mut Kernel> {
+        let spec = spec_for(ctx, job, limits);
+        let shape = spec.shape();
+        let bound = match ctx.bound.take(&job.tenant, &shape) {
+            Some(bound) => bound,
+            None => {
+                let kernel = kernel_for(ctx, &spec, slot).await?;
+                ctx.bound.count_new();
+                Bound::new(kernel, &job.tenant, shape)
+            }
+        };
+        Ok(&mut self.bound.insert(bound).kernel)
+    }
+
+    async fn after(&mut self, ctx: &WorkerContext, _job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras) {
+        let container_id = self.bound.as_ref().map(|b| b.kernel.id().to_string());
+        if let Some(bound) = self.bound.take() {
+            ctx.bound.put_back(bound, cell.alive && cell.outcome.reusable).await;
         }
         (cell.outcome, Extras { container_id, ..Default::default() })
     }
@@ -75,11 +95,11 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: 
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id, attempt = claim.attempt, "running job");
-    let on_timeout = host.on_timeout(ctx);
+    let (on_timeout, fresh) = (host.on_timeout(ctx), host.fresh());
     let cell = {
         let slot = ctx.slot().await?;
         match host.kernel(ctx, job, &limits, &slot).await {
-            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout).await,
+            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout, fresh).await,
             Err(e) => CellRun { outcome: Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), alive: false },
         }
     };

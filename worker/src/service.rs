@@ -44,6 +44,8 @@ pub async fn run(cfg: Config) -> Result<()> {
     let store = ArtifactStore::new(&cfg.services.s3);
     let warm = pool::WarmPool::new(cfg.warm_pool, &cfg.kernel, cfg.policy.default.clone(), &cfg.worker_id, metrics.clone());
     tokio::spawn(warm.clone().refill_forever(docker.clone(), cfg.kernel.clone()));
+    let bound = crate::bound::BoundPool::new(cfg.reuse.clone(), metrics.clone());
+    tokio::spawn(bound.clone().reap_forever());
     tokio::spawn(heartbeat_forever(sessions.clone(), cfg.worker_id.clone(), cfg.slots, cfg.max_sessions, cfg.heartbeat));
 
     let broker_up = Arc::new(AtomicBool::new(false));
@@ -73,6 +75,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         store,
         metrics,
         pool: warm.clone(),
+        bound: bound.clone(),
         registry: session::Registry::default(),
     };
     let worker_id = ctx.cfg.worker_id.clone();
@@ -87,6 +90,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         tracing::warn!(error = format!("{e:#}"), "could not mark this worker's sessions lost");
     }
     warm.drain().await;
+    bound.drain().await;
     if let Err(e) = sandbox::remove_leftovers(&docker, &worker_id).await {
         tracing::warn!(error = format!("{e:#}"), "could not remove this worker's sandboxes");
     }

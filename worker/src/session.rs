@@ -176,6 +176,10 @@ impl run::Host for SessionTask {
         OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)
     }
 
+    fn fresh(&self) -> bool {
+        false
+    }
+
     async fn kernel(&mut self, _ctx: &WorkerContext, _job: &ExecutionJob, _limits: &ExecutionLimits, _slot: &Slot) -> Result<&mut Kernel> {
         let id = &self.id;
         self.kernel.as_mut().ok_or_else(|| anyhow::anyhow!("session {id} has no kernel"))

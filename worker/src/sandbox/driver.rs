@@ -6,11 +6,11 @@
 
 use std::collections::BTreeMap;
 
-use sandcell_protocol::{ExecutionLimits, InputFile, Language};
+use sandcell_protocol::{ExecutionJob, ExecutionLimits, InputFile, Language};
 use serde::{Deserialize, Serialize};
 
 /// Version of the driver protocol this worker speaks.
-pub const DRIVER_PROTOCOL_VERSION: u32 = 3;
+pub const DRIVER_PROTOCOL_VERSION: u32 = 4;
 
 /// Run one cell.
 #[derive(Debug, Serialize)]
@@ -42,24 +42,21 @@ pub struct ExecuteRequest<'a> {
     pub get_files: &'a [String],
     /// Send a workspace listing after the cell.
     pub list_files: bool,
+    /// Run the code in a process forked for it from a kernel that never ran user code, and
+    /// empty everything the job could write afterwards (a one-off job in a sandbox reused for
+    /// its tenant); otherwise the code runs in the kernel and its state persists (a session).
+    pub fresh: bool,
 }
 
 impl<'a> ExecuteRequest<'a> {
-    /// The request for `code` under `limits`.
-    pub fn new(
-        id: &'a str,
-        language: Language,
-        code: &'a str,
-        files: &'a [InputFile],
-        limits: &ExecutionLimits,
-        get_files: &'a [String],
-        list_files: bool,
-    ) -> Self {
+    /// The request for `job`'s code, with its inputs `files` (resolved to inline content)
+    /// under `limits`; `fresh` for a one-off job.
+    pub fn new(job: &'a ExecutionJob, files: &'a [InputFile], limits: &ExecutionLimits, fresh: bool) -> Self {
         ExecuteRequest {
             kind: "execute",
-            id,
-            language,
-            code,
+            id: &job.job_id,
+            language: job.language,
+            code: &job.code,
             files,
             timeout_ms: limits.timeout_ms,
             stdout_limit: limits.stdout_bytes,
@@ -67,8 +64,9 @@ impl<'a> ExecuteRequest<'a> {
             max_file_bytes: limits.artifact_bytes,
             max_artifact_files: limits.artifact_files,
             max_artifact_bytes: limits.artifact_bytes,
-            get_files,
-            list_files,
+            get_files: &job.get_files,
+            list_files: job.list_files,
+            fresh,
         }
     }
 }
@@ -173,6 +171,10 @@ pub enum DriverEvent {
         /// The workspace or `/tmp` filled up.
         #[serde(default)]
         workspace_full: bool,
+        /// After a fresh request: nothing of the job is left (files, processes, IPC objects)
+        /// and the kernel lives, so the sandbox may take its tenant's next one-off job.
+        #[serde(default)]
+        reusable: bool,
     },
     /// A message type this worker does not know; ignored.
     #[serde(other)]
@@ -198,7 +200,8 @@ mod tests {
                 stdout_truncated: false,
                 stderr_truncated: true,
                 processes_killed: 0,
-                workspace_full: false
+                workspace_full: false,
+                reusable: false
             }
         );
         let e: DriverEvent = serde_json::from_str(r#"{"type":"something_new","x":1}"#).unwrap();

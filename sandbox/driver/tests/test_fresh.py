@@ -1,0 +1,134 @@
+"""Fresh requests (one-off jobs in a sandbox reused for their tenant): each
+runs in a process forked from a kernel that never ran user code, and nothing
+it leaves -- files, processes, threads, interpreter state, environment, IPC
+objects -- reaches the next."""
+
+import json
+import os
+import unittest
+
+from harness import *  # noqa: F401,F403 (the harness is these tests' vocabulary)
+
+# A hostile job: it tries to leave something behind everywhere it can.
+LEAVE_TRACES = r"""
+import builtins, ctypes, json, os, subprocess, sys, threading, time
+open('left_in_workspace.txt', 'w').write('x')
+os.makedirs('locked/deeper', exist_ok=True)
+open('locked/deeper/f', 'w').write('x')
+os.chmod('locked/deeper', 0o500)
+os.chmod('locked', 0o000)
+open('/tmp/left_in_tmp', 'w').write('x')
+if os.path.isdir('/dev/shm'):
+    open('/dev/shm/left_in_shm', 'w').write('x')
+libc = ctypes.CDLL(None, use_errno=True)
+shm_id = libc.shmget(0x5ca11, 4096, 0o1600)  # IPC_CREAT | 0600
+subprocess.Popen(['sleep', '300'], start_new_session=True)
+threading.Thread(target=lambda: time.sleep(300), daemon=False).start()
+json.dumps = None
+builtins.input = lambda *a: 'patched'
+builtins.sandcell_left = True
+os.environ['SANDCELL_LEFT'] = '1'
+sys.path.append('/left/in/sys/path')
+left_variable = 1
+print('left', shm_id >= 0)
+"""
+
+# The next job: what it finds.
+FIND_TRACES = r"""
+import builtins, ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+found = {
+    'workspace': sorted(n for n in os.listdir('.') if n != '.local'),
+    'tmp': sorted(n for n in os.listdir('/tmp') if n not in ('.mpl', '.ipython')),
+    'shm': sorted(os.listdir('/dev/shm')) if os.path.isdir('/dev/shm') else [],
+    'ipc_segment': libc.shmget(0x5ca11, 4096, 0o600) >= 0,
+    'json_dumps_broken': json.dumps is None,
+    'builtins_patched': builtins.input.__name__ == '<lambda>' or hasattr(builtins, 'sandcell_left'),
+    'env': 'SANDCELL_LEFT' in os.environ,
+    'sys_path': '/left/in/sys/path' in sys.path,
+    'variable': 'left_variable' in globals(),
+}
+print(json.dumps(found, sort_keys=True))
+"""
+
+
+class TestFresh(DriverTestCase):
+    """A driver of its own that runs only fresh requests, as a one-off
+    sandbox does."""
+
+    driver = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.driver = DriverProcess()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.driver.close()
+
+    def test_nothing_a_fresh_job_leaves_reaches_the_next(self):
+        frames = self.run_ok(LEAVE_TRACES, fresh=True)
+        self.assertEqual(stream_text(frames, "stdout"), "left True\n")
+        d = done(frames)
+        self.assertTrue(d["reusable"], d)
+        self.assertEqual(d["processes_killed"], 1)  # the sleep; the thread died with its process
+        frames = self.run_ok(FIND_TRACES, fresh=True)
+        found = json.loads(stream_text(frames, "stdout"))
+        self.assertEqual(found, {"workspace": [], "tmp": [], "shm": [], "ipc_segment": False, "json_dumps_broken": False,
+                                 "builtins_patched": False, "env": False, "sys_path": False, "variable": False})
+
+    def test_each_fresh_job_is_cell_one_in_a_process_of_its_own(self):
+        pids = set()
+        for _ in range(3):
+            frames = self.run_ok("import os\nos.getpid()", fresh=True)
+            d = done(frames)
+            self.assertEqual(d["execution_count"], 1)
+            pids.add(of_type(frames, "execute_result")[0]["data"]["text/plain"])
+        self.assertEqual(len(pids), 3)
+
+    def test_a_fresh_job_cannot_reach_into_the_kernel_that_forks_the_next(self):
+        frames = self.run_ok(
+            "import os\n"
+            "try:\n"
+            "    open('/proc/%d/mem' % os.getppid(), 'rb').close()\n"
+            "    print('reached')\n"
+            "except OSError as e:\n"
+            "    print('refused')\n", fresh=True)
+        self.assertEqual(stream_text(frames, "stdout"), "refused\n")
+
+    def test_fresh_must_be_a_boolean(self):
+        req_id = self.driver.start("1", fresh="yes")
+        frames = self.driver.collect(req_id)
+        self.assertEqual(frames[-1]["type"], "protocol_error")
+        self.assertIn("fresh", frames[-1]["message"])
+        self.assertAlive()
+
+
+class TestSessionCells(DriverTestCase):
+    def test_state_persists_between_requests_that_are_not_fresh(self):
+        self.run_ok("kept = 41", fresh=False)
+        frames = self.run_ok("kept + 1")
+        self.assertEqual(of_type(frames, "execute_result")[0]["data"]["text/plain"], "42")
+
+
+class TestFreshProcessDeath(unittest.TestCase):
+    def test_a_fresh_job_whose_process_dies_ends_the_driver(self):
+        # As when a kernel dies: no done, the driver exits, and the worker
+        # reads why from the container (and never reuses it).
+        driver = DriverProcess()
+        try:
+            driver.start("import os\nos._exit(3)", fresh=True)
+            self.assertEqual(driver.proc.wait(60), 3)  # as the job's process exited
+            frames = []
+            while True:
+                frame = driver.frames.get(timeout=10)
+                if frame is None:
+                    break
+                frames.append(frame)
+            self.assertNotIn("done", [f["type"] for f in frames])
+        finally:
+            driver.close()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,157 @@
+//! One-off jobs in sandboxes reused for their tenant (`worker/src/bound.rs`): a tenant's
+//! consecutive one-off jobs share a sandbox, each in a process forked for it, and nothing one
+//! job leaves reaches the next; two tenants never share one; limits still fire per job.
+
+use std::collections::HashSet;
+
+use sandcell_protocol::{JobStatus, LimitHit, Submission};
+use sandcell_tests::*;
+
+/// A hostile job: it tries to leave something behind everywhere it can.
+const LEAVE_TRACES: &str = r#"
+import builtins, ctypes, json, os, subprocess, sys, threading, time
+open('left_in_workspace.txt', 'w').write('x')
+os.makedirs('locked/deeper', exist_ok=True)
+open('locked/deeper/f', 'w').write('x')
+os.chmod('locked/deeper', 0o500)
+os.chmod('locked', 0o000)
+open('/tmp/left_in_tmp', 'w').write('x')
+if os.path.isdir('/dev/shm'):
+    open('/dev/shm/left_in_shm', 'w').write('x')
+libc = ctypes.CDLL(None, use_errno=True)
+shm_id = libc.shmget(0x5ca11, 4096, 0o1600)
+subprocess.Popen(['sleep', '300'], start_new_session=True)
+threading.Thread(target=lambda: time.sleep(300)).start()
+json.dumps = None
+builtins.input = lambda *a: 'patched'
+builtins.sandcell_left = True
+os.environ['SANDCELL_LEFT'] = '1'
+sys.path.append('/left/in/sys/path')
+left_variable = 1
+print('left', shm_id >= 0)
+"#;
+
+/// The next job: what it finds (as JSON on stdout).
+const FIND_TRACES: &str = r#"
+import builtins, ctypes, json, os, subprocess, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def comm(pid):
+    try:
+        return open('/proc/%s/comm' % pid).read().strip()
+    except OSError:
+        return None
+ps = [comm(p) for p in os.listdir('/proc') if p.isdigit()]
+found = {
+    'workspace': sorted(n for n in os.listdir('.') if n != '.local'),
+    'tmp': sorted(n for n in os.listdir('/tmp') if n not in ('.mpl', '.ipython')),
+    'shm': sorted(os.listdir('/dev/shm')) if os.path.isdir('/dev/shm') else [],
+    'ipc_segment': libc.shmget(0x5ca11, 4096, 0o600) >= 0,
+    'json_dumps_broken': json.dumps is None,
+    'builtins_patched': builtins.input.__name__ == '<lambda>' or hasattr(builtins, 'sandcell_left'),
+    'env': 'SANDCELL_LEFT' in os.environ,
+    'sys_path': '/left/in/sys/path' in sys.path,
+    'variable': 'left_variable' in globals(),
+    'sleep_running': 'sleep' in ps,
+}
+print(json.dumps(found, sort_keys=True))
+"#;
+
+const NOTHING_FOUND: &str = r#"{"builtins_patched": false, "env": false, "ipc_segment": false, "json_dumps_broken": false, "shm": [], "sleep_running": false, "sys_path": false, "tmp": [], "variable": false, "workspace": []}"#;
+
+fn bash(tenant: &str, code: &str) -> Submission {
+    Submission::new(tenant, unique("job"), sandcell_protocol::Language::Bash, code)
+}
+
+async fn container(sub: &Submission) -> String {
+    container_of(&sub.tenant, &sub.job_id).await.expect("the worker records the job's container")
+}
+
+#[tokio::test]
+async fn a_tenants_next_one_off_job_reuses_the_sandbox_and_finds_nothing_the_last_one_left() {
+    let c = client().await;
+    let t = tenant();
+    let leave = python(&t, LEAVE_TRACES);
+    let r = run(&c, &leave).await;
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "left True\n"), "{r:?}");
+    assert_eq!(r.execution.processes_killed, 1, "the background sleep is killed when the job ends: {r:?}");
+    let find = python(&t, FIND_TRACES);
+    let r = run(&c, &find).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.execution.stdout.trim(), NOTHING_FOUND);
+    // The point: the same sandbox ran both.
+    assert_eq!(container(&leave).await, container(&find).await, "the tenant's second one-off job reuses its sandbox");
+    // Each one-off job is the first cell of a pristine interpreter.
+    assert_eq!(r.execution.outputs.len(), 0);
+    let r = run(&c, &python(&t, "get_ipython().execution_count")).await;
+    assert_eq!(value(&r).as_deref(), Some("1"), "{r:?}");
+}
+
+#[tokio::test]
+async fn a_bash_job_leaves_neither_files_nor_processes_for_the_next() {
+    let c = client().await;
+    let t = tenant();
+    let leave = bash(&t, "echo x > left.txt; echo y > /tmp/left; (sleep 300 &); export LEFT=1; echo ok");
+    let r = run(&c, &leave).await;
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "ok\n"), "{r:?}");
+    let find = bash(&t, "ls -A | grep -v '^.local$' | wc -l; ls -A /tmp | grep -v '^\\.mpl$\\|^\\.ipython$' | wc -l; for p in /proc/[0-9]*; do cat $p/comm; done 2>/dev/null | grep -c '^sleep$'; echo \"${LEFT:-unset}\"");
+    let r = run(&c, &find).await;
+    assert_eq!(r.execution.stdout, "0\n0\n0\nunset\n", "{r:?}");
+    assert_eq!(container(&leave).await, container(&find).await);
+}
+
+#[tokio::test]
+async fn two_tenants_one_off_jobs_never_share_a_sandbox() {
+    let c = client().await;
+    let (a, b) = (tenant(), tenant());
+    let mut containers = [HashSet::new(), HashSet::new()];
+    for i in 0..6 {
+        for (k, t) in [&a, &b].into_iter().enumerate() {
+            let sub = python(t, &format!("{i} * 2"));
+            let r = run(&c, &sub).await;
+            assert_eq!(value(&r), Some((i * 2).to_string()), "{r:?}");
+            containers[k].insert(container(&sub).await);
+        }
+    }
+    assert!(containers[0].is_disjoint(&containers[1]), "tenants shared a sandbox: {containers:?}");
+    // And the reuse the test is about happened: 6 jobs of a tenant, fewer sandboxes.
+    assert!(containers[0].len() < 6 && containers[1].len() < 6, "no reuse: {containers:?}");
+}
+
+#[tokio::test]
+async fn limits_still_fire_per_job_and_the_tenants_next_job_runs_clean() {
+    let c = client().await;
+    let t = tenant();
+    let warm = python(&t, "1");
+    run(&c, &warm).await;
+
+    let mut hog = python(&t, "hog = b'x' * (600 << 20)\nprint('survived')");
+    hog.memory_mb = Some(192);
+    let r = run(&c, &hog).await;
+    assert_oom_killed(&r);
+    let next = python(&t, "print('next')");
+    assert_eq!(run(&c, &next).await.execution.stdout, "next\n");
+
+    let mut slow = python(&t, "while True: pass");
+    slow.timeout_ms = Some(1500);
+    let r = run(&c, &slow).await;
+    assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
+    assert!(r.execution.limits_hit.contains(&LimitHit::Time));
+    let slow_container = container(&slow).await;
+    assert!(!container_exists(&slow_container).await, "a sandbox killed at the deadline is not reused");
+    let next = python(&t, FIND_TRACES);
+    let r = run(&c, &next).await;
+    assert_eq!(r.execution.stdout.trim(), NOTHING_FOUND, "{r:?}");
+    assert_ne!(container(&next).await, slow_container);
+
+    if !under_gvisor() {
+        // Under runc a fork bomb is refused by the pids limit and the cell goes on; its copies are
+        // killed when it ends, and the next job finds none of them.
+        let mut bomb = bash(&t, "bomb() { bomb | bomb & }; bomb; sleep 2; echo done");
+        bomb.timeout_ms = Some(10_000);
+        let r = run(&c, &bomb).await;
+        assert!(r.execution.limits_hit.contains(&LimitHit::Pids), "{r:?}");
+        let after = python(&t, "import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and os.path.exists('/proc/%s/comm' % p) and open('/proc/%s/comm' % p).read().strip() == 'bash'))");
+        let r = run(&c, &after).await;
+        assert_eq!(r.execution.stdout.trim(), "0", "no copy of the bomb runs on: {r:?}");
+    }
+}

@@ -1,0 +1,161 @@
+//! One-off sandboxes bound to a tenant: after a one-off job whose driver left nothing of it
+//! behind, its sandbox waits here for the same tenant's next one-off job of the same container
+//! shape. That job then starts in a process forked from the sandbox's pre-imported kernel
+//! (milliseconds) instead of a container start (most of a second with the libraries imported).
+//!
+//! Invariants:
+//! - **a sandbox serves one tenant for life**: it is bound to the tenant of its first job, and
+//!   only [`BoundPool::take`] for that tenant and shape returns it;
+//! - **its kernel never runs user code**: a bound sandbox runs only fresh requests (each job in
+//!   a process forked for it, see `sandbox/driver/driver.py`), never a session's cells;
+//! - **nothing of one job reaches the next**: a sandbox goes back only when the driver vouched
+//!   for it (`reusable`: the workspace, `/tmp` and `/dev/shm` emptied, the job's processes and
+//!   IPC objects gone, the kernel alive); a job that timed out, ran out of memory or broke the
+//!   protocol destroys it;
+//! - **bounded**: a sandbox is destroyed after `SANDCELL_ONEOFF_REUSE_JOBS` jobs,
+//!   `SANDCELL_ONEOFF_REUSE_S` of life or `SANDCELL_ONEOFF_IDLE_S` idle; at most
+//!   `SANDCELL_ONEOFF_IDLE_MAX` wait at once (the longest idle is destroyed first).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::kernel::Kernel;
+use crate::metrics::Metrics;
+use crate::sandbox::container::ContainerShape;
+
+/// When bound sandboxes are recycled.
+#[derive(Debug, Clone)]
+pub struct ReuseSettings {
+    /// `SANDCELL_ONEOFF_REUSE_JOBS`, default 100: jobs one sandbox runs before it is destroyed
+    /// (1: every one-off job gets a sandbox of its own, as without reuse).
+    pub max_jobs: u32,
+    /// `SANDCELL_ONEOFF_REUSE_S`, default 600: longest life of a bound sandbox.
+    pub max_age: Duration,
+    /// `SANDCELL_ONEOFF_IDLE_S`, default 60: longest wait for the tenant's next job.
+    pub max_idle: Duration,
+    /// `SANDCELL_ONEOFF_IDLE_MAX`, default 8: most bound sandboxes waiting at once.
+    pub max_waiting: usize,
+}
+
+/// A one-off sandbox and its binding.
+pub struct Bound {
+    /// The sandbox's kernel.
+    pub kernel: Kernel,
+    tenant: String,
+    shape: ContainerShape,
+    jobs: u32,
+    born: Instant,
+}
+
+impl Bound {
+    /// Bind a kernel that never ran a job to `tenant`.
+    pub fn new(kernel: Kernel, tenant: &str, shape: ContainerShape) -> Self {
+        Bound { kernel, tenant: tenant.to_string(), shape, jobs: 0, born: Instant::now() }
+    }
+}
+
+struct Waiting {
+    bound: Bound,
+    since: Instant,
+}
+
+/// The bound sandboxes waiting for their tenant's next job, cheap to clone.
+#[derive(Clone)]
+pub struct BoundPool {
+    waiting: Arc<Mutex<Vec<Waiting>>>,
+    settings: ReuseSettings,
+    metrics: Metrics,
+}
+
+impl BoundPool {
+    /// An empty pool.
+    pub fn new(settings: ReuseSettings, metrics: Metrics) -> Self {
+        BoundPool { waiting: Arc::new(Mutex::new(Vec::new())), settings, metrics }
+    }
+
+    /// A sandbox bound to `tenant` of `shape`, if one waits (the one idle the shortest: its
+    /// caches are warmest). Counts a reuse.
+    pub fn take(&self, tenant: &str, shape: &ContainerShape) -> Option<Bound> {
+        let mut waiting = self.waiting.lock().ok()?;
+        let i = waiting.iter().rposition(|w| w.bound.tenant == tenant && w.bound.shape == *shape)?;
+        let w = waiting.remove(i);
+        self.metrics.oneoff_idle.set(waiting.len() as i64);
+        self.metrics.oneoff_sandboxes.with_label_values(&["reused"]).inc();
+        Some(w.bound)
+    }
+
+    /// Count a one-off job that got a sandbox of its own (warm pool or fresh).
+    pub fn count_new(&self) {
+        self.metrics.oneoff_sandboxes.with_label_values(&["new"]).inc();
+    }
+
+    /// After a job: keep the sandbox for its tenant's next job when the driver vouched for it
+    /// (`clean`) and it is within its bounds; else destroy it.
+    pub async fn put_back(&self, mut bound: Bound, clean: bool) {
+        bound.jobs += 1;
+        let why = if !clean {
+            Some("dirty")
+        } else if bound.jobs >= self.settings.max_jobs {
+            Some("jobs")
+        } else if bound.born.elapsed() >= self.settings.max_age {
+            Some("age")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return self.recycle(bound, why).await;
+        }
+        let evicted = match self.waiting.lock() {
+            Ok(mut waiting) => {
+                waiting.push(Waiting { bound, since: Instant::now() });
+                // The longest idle first: it is the least likely to be asked for.
+                let excess = waiting.len().saturating_sub(self.settings.max_waiting);
+                let evicted: Vec<Waiting> = waiting.drain(..excess).collect();
+                self.metrics.oneoff_idle.set(waiting.len() as i64);
+                evicted
+            }
+            Err(_) => return,
+        };
+        for w in evicted {
+            self.recycle(w.bound, "evicted").await;
+        }
+    }
+
+    /// Destroy sandboxes idle or alive too long, forever (every second).
+    pub async fn reap_forever(self) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let expired: Vec<(Waiting, &'static str)> = match self.waiting.lock() {
+                Ok(mut waiting) => {
+                    let (keep, expired): (Vec<Waiting>, Vec<Waiting>) = std::mem::take(&mut *waiting)
+                        .into_iter()
+                        .partition(|w| w.since.elapsed() < self.settings.max_idle && w.bound.born.elapsed() < self.settings.max_age);
+                    *waiting = keep;
+                    self.metrics.oneoff_idle.set(waiting.len() as i64);
+                    expired.into_iter().map(|w| if w.since.elapsed() >= self.settings.max_idle { (w, "idle") } else { (w, "age") }).collect()
+                }
+                Err(_) => return,
+            };
+            for (w, why) in expired {
+                self.recycle(w.bound, why).await;
+            }
+        }
+    }
+
+    /// Destroy every waiting sandbox (shutdown).
+    pub async fn drain(&self) {
+        let waiting = self.waiting.lock().map(|mut w| std::mem::take(&mut *w)).unwrap_or_default();
+        self.metrics.oneoff_idle.set(0);
+        for w in waiting {
+            self.recycle(w.bound, "shutdown").await;
+        }
+    }
+
+    async fn recycle(&self, bound: Bound, why: &'static str) {
+        tracing::debug!(tenant = %bound.tenant, jobs = bound.jobs, why, container = %bound.kernel.id(), "one-off sandbox recycled");
+        self.metrics.oneoff_recycled.with_label_values(&[why]).inc();
+        bound.kernel.destroy().await;
+    }
+}
