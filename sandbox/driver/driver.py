@@ -165,8 +165,10 @@ import errno
 import json
 import os
 import platform
+import secrets
 import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -395,6 +397,29 @@ class KernelProcess:
             self.channel.send(frame)
         except OSError as exc:
             raise KernelGone("the kernel stopped reading: %r" % (exc,))
+
+    def ping(self, timeout_s=2.0):
+        """Ask the kernel for a pong with a fresh nonce, dropping whatever is
+        in the pipe before it.  Returns the settings the pong reports (the
+        kernel's own resource limits, priority, scheduling policy and CPU
+        affinity, read in-process), or None when it does not answer in time
+        or the pipe's framing is broken (the kernel is then ended)."""
+        nonce = secrets.token_hex(16)
+        try:
+            self.send({"type": "ping", "nonce": nonce})
+            deadline = time.monotonic() + timeout_s
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([self.channel.in_fd], [], [], remaining)[0]:
+                    self.log("the kernel did not answer a ping within %ss" % timeout_s)
+                    return None
+                frame = self.recv()
+                if frame["type"] == "pong" and frame.get("nonce") == nonce:
+                    return frame.get("settings")
+                self.log("dropped a kernel %s frame before its pong" % cap_text(frame["type"], 64))
+        except KernelGone as exc:
+            self.log(safe_str(exc))
+            return None
 
     def recv(self):
         """The next frame: a dict with a string "type".  Raises KernelGone
@@ -633,21 +658,38 @@ class Driver:
         find it: those places empty, no process of the job left (`existing`:
         those alive before it, the kernel among them), the kernel alive."""
         with sandbox_user():
-            emptied = all([empty_dir(WORKSPACE), empty_dir("/tmp"), empty_dir("/dev/shm") or not os.path.isdir("/dev/shm")])
+            emptied = all([empty_dir(WORKSPACE), empty_dir("/tmp"),
+                           empty_dir("/dev/shm") or not os.path.isdir("/dev/shm"),
+                           empty_dir("/dev/mqueue") or not os.path.isdir("/dev/mqueue")])
+            # Their own modes too (the job owns them and may have changed them).
+            for path, mode in ((WORKSPACE, 0o700), ("/tmp", 0o1777)):
+                try:
+                    if stat.S_IMODE(os.stat(path).st_mode) != mode:
+                        os.chmod(path, mode)
+                except OSError:
+                    emptied = False
             ipc_clean = remove_sysv_ipc()
         alone = not other_processes(existing)
-        alive = self.kernel.proc.poll() is None
-        if not (emptied and ipc_clean and alone and alive):
-            self.channel.log("the sandbox is not reusable: emptied=%s ipc_clean=%s alone=%s kernel_alive=%s"
-                             % (emptied, ipc_clean, alone, alive))
-        return emptied and ipc_clean and alone and alive
+        # The job ran under the zygote's uid: it could have set the zygote's resource limits,
+        # priority or CPU affinity (inherited by every later job), or stopped it. The zygote
+        # must answer, as it was when it became ready.
+        settings = self.kernel.ping()
+        answers = settings is not None
+        unchanged = answers and settings == self.kernel.settings_at_ready
+        verdict = emptied and ipc_clean and alone and unchanged and answers
+        if not verdict:
+            self.channel.log("the sandbox is not reusable: emptied=%s ipc_clean=%s alone=%s kernel_unchanged=%s kernel_answers=%s"
+                             % (emptied, ipc_clean, alone, unchanged, answers))
+        return verdict
 
     def run(self, req_id, language, code, fresh=False):
         """Have the kernel run one cell (fresh: in a process forked for it);
         forward its outputs.  Returns (exit_code, errno of the python
         exception it ended with)."""
         self._runs += 1
-        run_id = "run-%d" % self._runs
+        # Unguessable: a job's process can read its own run's id, never the next one's, so it
+        # cannot forge frames for a later job of the sandbox.
+        run_id = "run-%d-%s" % (self._runs, secrets.token_hex(8))
         self.running = run_id
         try:
             self.kernel.send({"type": "run", "id": run_id, "language": language, "code": code, "fresh": fresh})
@@ -788,6 +830,7 @@ def main():
     preloaded = ready.get("preloaded")
     preloaded = [cap_text(m, 256) for m in preloaded if isinstance(m, str)] if isinstance(preloaded, list) else []
     ipython = ready.get("ipython")
+    kernel.settings_at_ready = kernel.ping(timeout_s=30.0)
     driver = Driver(channel, capture, kernel)
     signal.signal(signal.SIGINT, driver.on_sigint)
     channel.send({"type": "ready", "driver_version": DRIVER_VERSION,

@@ -101,6 +101,8 @@ class StreamPump:
             truncated = self._truncated
             self._req_id = None
             self._decoder = None
+            # A partial token held back at the end is this request's, never the next one's.
+            self._buf = b""
             return truncated
 
     def _run(self):

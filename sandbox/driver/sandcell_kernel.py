@@ -27,8 +27,12 @@ child_exit      {"id", "status": int}   after a fresh run: how the run's
                 -N for signal N).  Sent by the zygote, which user code never
                 reaches.
 
+pong            {"nonce", "settings"}   answer to ping: this process's
+                resource limits, nice value, CPU affinity and scheduling policy.
+
 Driver -> kernel
 ----------------
+ping            {"nonce"}   answered with pong (between runs).
 run             {"id", "language": "python"|"bash", "code", "fresh": bool}
                 fresh: run the cell in a child forked for it (a one-off
                 job), which exits after its cell_done: this process -- the
@@ -307,6 +311,12 @@ class Kernel:
             if payload is None:
                 return
             req = json.loads(payload)  # built by the driver
+            if req.get("type") == "ping":
+                # The driver checks, after a fresh job, that this process still answers and
+                # that the pipe is in step: whatever the job wrote to it is read and dropped
+                # before this pong.
+                self.channel.send({"type": "pong", "nonce": req.get("nonce"), "settings": _own_settings()})
+                continue
             if req.get("type") != "run":
                 continue  # an ack of a frame the code forged itself
             # The processes the driver killed after the last cell were children of this
@@ -335,6 +345,7 @@ class Kernel:
         if pid == 0:
             status = 70  # EX_SOFTWARE: the cell's machinery failed
             try:
+                _reseed_after_fork()
                 self.run_cell(req)
                 status = 0
             except BaseException as exc:
@@ -505,6 +516,41 @@ def warm_up_matplotlib(log):
     log("matplotlib warm-up took %.0f ms" % ((time.monotonic() - started) * 1000.0))
 
 
+
+
+def _own_settings():
+    """What a process of this uid can change about this process from outside
+    (prlimit, setpriority, sched_setaffinity, sched_setscheduler), read
+    in-process: every fresh job inherits it."""
+    import resource
+
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            try:
+                limits[name] = list(resource.getrlimit(getattr(resource, name)))
+            except (ValueError, OSError):
+                pass
+    settings = {"rlimits": limits}
+    for key, read in (("nice", lambda: os.getpriority(os.PRIO_PROCESS, 0)),
+                      ("affinity", lambda: sorted(os.sched_getaffinity(0))),
+                      ("policy", lambda: os.sched_getscheduler(0))):
+        try:
+            settings[key] = read()
+        except (OSError, AttributeError):
+            settings[key] = None
+    return settings
+
+
+def _reseed_after_fork():
+    """A forked job must not share the zygote's random state: Python's random
+    reseeds itself after a fork; numpy's global generator does not."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed()
+        except Exception:
+            pass
 
 
 def _reap_children():

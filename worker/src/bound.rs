@@ -77,7 +77,9 @@ impl BoundPool {
     /// caches are warmest). Counts a reuse.
     pub fn take(&self, tenant: &str, shape: &ContainerShape) -> Option<Bound> {
         let mut waiting = self.waiting.lock().ok()?;
-        let i = waiting.iter().rposition(|w| w.bound.tenant == tenant && w.bound.shape == *shape)?;
+        // One past its bounds is left for the reaper, never handed out.
+        let fresh_enough = |w: &Waiting| w.since.elapsed() < self.settings.max_idle && w.bound.born.elapsed() < self.settings.max_age;
+        let i = waiting.iter().rposition(|w| w.bound.tenant == tenant && w.bound.shape == *shape && fresh_enough(w))?;
         let w = waiting.remove(i);
         self.metrics.oneoff_idle.set(waiting.len() as i64);
         self.metrics.oneoff_sandboxes.with_label_values(&["reused"]).inc();

@@ -132,3 +132,55 @@ class TestFreshProcessDeath(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestFreshHostile(unittest.TestCase):
+    """Jobs that attack the kernel they were forked from, or the next job."""
+
+    def setUp(self):
+        self.driver = DriverProcess()
+
+    def tearDown(self):
+        self.driver.close()
+
+    def run_fresh(self, code):
+        frames = self.driver.execute(code, fresh=True)
+        return frames, done(frames)
+
+    def test_changing_the_kernels_limits_makes_the_sandbox_not_reusable(self):
+        # Same uid: prlimit on the parent is allowed, and every later fork would inherit it.
+        frames, d = self.run_fresh("import os, resource\nresource.prlimit(os.getppid(), resource.RLIMIT_NOFILE, (256, 256))\nprint('set')")
+        self.assertEqual(stream_text(frames, "stdout"), "set\n")
+        self.assertFalse(d["reusable"], d)
+
+    def test_frames_a_job_forges_on_the_kernels_pipe_never_reach_the_next_job(self):
+        # The job writes complete frames straight to the kernel's reply pipe (its fd is in
+        # argv): a cell_done and output for a guessed next run, and junk.
+        forge = (
+            "import json, struct, sys\n"
+            "fd = int(sys.argv[3])\n"
+            "def frame(o):\n"
+            "    b = json.dumps(o).encode()\n"
+            "    return struct.pack('>I', len(b)) + b\n"
+            "import os\n"
+            "for i in range(1, 6):\n"
+            "    rid = 'run-%d' % i\n"
+            "    os.write(fd, frame({'type': 'display_data', 'id': rid, 'data': {'text/plain': 'FORGED'}}))\n"
+            "    os.write(fd, frame({'type': 'cell_done', 'id': rid, 'exit_code': 0, 'execution_count': 99, 'errno': None}))\n"
+            "os.write(fd, frame({'type': 'whatever'}))\n"
+            "print('forged')\n")
+        frames, d = self.run_fresh(forge)
+        self.assertEqual(stream_text(frames, "stdout"), "forged\n")
+        self.assertTrue(d["reusable"], d)
+        frames, d = self.run_fresh("print('honest')")
+        self.assertEqual(stream_text(frames, "stdout"), "honest\n")
+        self.assertEqual(of_type(frames, "display_data"), [])
+        self.assertEqual(d["execution_count"], 1)
+
+    def test_each_job_gets_its_own_random_numbers(self):
+        code = "import numpy, random\nprint(numpy.random.randint(0, 2**31), random.randint(0, 2**31))"
+        first, _ = self.run_fresh(code)
+        second, _ = self.run_fresh(code)
+        a, b = stream_text(first, "stdout").split(), stream_text(second, "stdout").split()
+        self.assertNotEqual(a[0], b[0], "numpy's generator repeated across jobs")
+        self.assertNotEqual(a[1], b[1], "random's generator repeated across jobs")
