@@ -26,8 +26,9 @@ use crate::sandbox::container::ContainerShape;
 /// When bound sandboxes are recycled.
 #[derive(Debug, Clone)]
 pub struct ReuseSettings {
-    /// `SANDCELL_ONEOFF_REUSE_JOBS`, default 100: jobs one sandbox runs before it is destroyed
-    /// (1: every one-off job gets a sandbox of its own, as without reuse).
+    /// `SANDCELL_ONEOFF_REUSE_JOBS`, default 100 (1 under gVisor): jobs one sandbox runs before
+    /// it is destroyed. 1: no reuse — every one-off job gets a sandbox of its own and runs in its
+    /// kernel directly, not in a forked process.
     pub max_jobs: u32,
     /// `SANDCELL_ONEOFF_REUSE_S`, default 600: longest life of a bound sandbox.
     pub max_age: Duration,
@@ -68,6 +69,11 @@ pub struct BoundPool {
 }
 
 impl BoundPool {
+    /// Whether one-off sandboxes are reused at all (`SANDCELL_ONEOFF_REUSE_JOBS` > 1).
+    pub fn reuses(&self) -> bool {
+        self.settings.max_jobs > 1
+    }
+
     /// An empty pool.
     pub fn new(settings: ReuseSettings, metrics: Metrics) -> Self {
         BoundPool { waiting: Arc::new(Mutex::new(Vec::new())), settings, metrics }

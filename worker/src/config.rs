@@ -83,6 +83,7 @@ impl Config {
         let egress_network = Some(config::var_or("SANDCELL_EGRESS_NETWORK", "")).filter(|s| !s.is_empty());
         let egress_proxy = Some(config::var_or("SANDCELL_EGRESS_PROXY", "")).filter(|s| !s.is_empty());
         anyhow::ensure!(egress_tenants.is_empty() || egress_network.is_some(), "SANDCELL_EGRESS_TENANTS needs SANDCELL_EGRESS_NETWORK");
+        let runtime = config::var_or("SANDCELL_DOCKER_RUNTIME", "runc");
         Ok(Config {
             services: Services::from_env()?,
             worker_id,
@@ -91,14 +92,15 @@ impl Config {
             session_prefetch: config::parse_or("SANDCELL_SESSION_PREFETCH", 256u16)?.max(1),
             warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
             reuse: crate::bound::ReuseSettings {
-                max_jobs: config::parse_or("SANDCELL_ONEOFF_REUSE_JOBS", 100u32)?.max(1),
+                // Off under gVisor by default: see ARCHITECTURE.md (one-off jobs).
+                max_jobs: config::parse_or("SANDCELL_ONEOFF_REUSE_JOBS", if runtime == "runsc" { 1u32 } else { 100u32 })?.max(1),
                 max_age: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_REUSE_S", 600.0f64)?.max(0.0)),
                 max_idle: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_IDLE_S", 60.0f64)?.max(0.0)),
                 max_waiting: config::parse_or("SANDCELL_ONEOFF_IDLE_MAX", 8usize)?,
             },
             kernel: KernelSettings {
                 image: config::var_required("SANDCELL_SANDBOX_IMAGE")?,
-                runtime: config::var_or("SANDCELL_DOCKER_RUNTIME", "runc"),
+                runtime: runtime.clone(),
                 start_timeout: Duration::from_millis(config::parse_or("SANDCELL_SANDBOX_START_TIMEOUT_MS", 30_000u64)?),
                 preload: list("SANDCELL_PRELOAD", "numpy,pandas,matplotlib.pyplot"),
                 interrupt_grace: Duration::from_millis(config::parse_or("SANDCELL_INTERRUPT_GRACE_MS", 3_000u64)?),

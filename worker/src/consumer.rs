@@ -116,7 +116,7 @@ async fn admit(ctx: &WorkerContext, delivery: Delivery) -> Option<(ExecutionJob,
 async fn handle_shared(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
     match &job.session {
         None => {
-            let result = run::job(&ctx, &job, ticket.redelivered, None, &mut OneOff::default()).await;
+            let result = run::job(&ctx, &job, ticket.redelivered, None, &mut OneOff::new(ctx.bound.reuses())).await;
             let disposition = ledger::disposition_of(&job, result).await;
             ticket.settle(disposition).await;
         }

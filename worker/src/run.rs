@@ -49,9 +49,20 @@ pub trait Host {
 /// now); the job runs in a process forked for it, the sandbox is killed at the deadline, and
 /// after the cell it goes back to wait for the tenant's next job if the driver vouched that
 /// nothing of this one is left.
-#[derive(Default)]
+///
+/// With reuse off (`SANDCELL_ONEOFF_REUSE_JOBS=1`, the default under gVisor) the job runs in the
+/// sandbox's kernel itself, as a session's first cell would, and the sandbox is destroyed after.
 pub struct OneOff {
     bound: Option<Bound>,
+    /// Whether one-off sandboxes are reused (then the job runs fresh).
+    reuse: bool,
+}
+
+impl OneOff {
+    /// The host of one one-off job; `reuse`: [`crate::bound::BoundPool::reuses`].
+    pub fn new(reuse: bool) -> Self {
+        OneOff { bound: None, reuse }
+    }
 }
 
 impl Host for OneOff {
@@ -60,7 +71,7 @@ impl Host for OneOff {
     }
 
     fn fresh(&self) -> bool {
-        true
+        self.reuse
     }
 
     async fn kernel(&mut self, ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, slot: &Slot) -> Result<&mut Kernel> {
@@ -80,7 +91,8 @@ impl Host for OneOff {
     async fn after(&mut self, ctx: &WorkerContext, _job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras) {
         let container_id = self.bound.as_ref().map(|b| b.kernel.id().to_string());
         if let Some(bound) = self.bound.take() {
-            ctx.bound.put_back(bound, cell.alive && cell.outcome.reusable).await;
+            // Without reuse the sandbox is recycled for its one job (`jobs`), whatever the job did.
+            ctx.bound.put_back(bound, !self.reuse || (cell.alive && cell.outcome.reusable)).await;
         }
         (cell.outcome, Extras { container_id, ..Default::default() })
     }
