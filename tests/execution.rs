@@ -138,3 +138,46 @@ async fn exceeding_the_memory_limit_is_reported_as_oom_killed() {
     let next = run(&c, &python(&sub.tenant, "print('next')")).await;
     assert_eq!(next.execution.stdout, "next\n");
 }
+
+/// Cost per execution: each result reports the wall time, CPU time and peak memory of its
+/// code, measured by the sandbox's cgroup — for a one-off job and for a session's job alike,
+/// and for a job that was killed at its deadline.
+#[tokio::test]
+async fn each_result_reports_the_cpu_time_and_peak_memory_its_code_used() {
+    let c = client().await;
+    let t = tenant();
+    // ~300 MB touched, and ~0.5 s of CPU.
+    let heavy = "import time\nb = bytearray(300 * 1024 * 1024)\nfor i in range(0, len(b), 4096): b[i] = 1\n\
+                 t = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ndel b";
+    let r = run(&c, &python(&t, heavy)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let u = r.execution.usage.clone().expect("a job that ran reports its usage");
+    assert!(u.wall_ms >= 500.0, "{u:?}");
+    assert!(u.cpu_ms.expect("cpu time from the cgroup") >= 400.0, "{u:?}");
+    assert!(u.peak_memory_bytes.expect("peak memory from the cgroup") >= 300 << 20, "{u:?}");
+
+    let light = run(&c, &python(&t, "1+1")).await;
+    let l = light.execution.usage.clone().expect("usage");
+    assert!(l.cpu_ms.unwrap() < u.cpu_ms.unwrap() / 2.0, "1+1 costs less than the heavy job: {l:?} vs {u:?}");
+    assert!(l.peak_memory_bytes.unwrap() < u.peak_memory_bytes.unwrap(), "the peak is the job's, not the sandbox's lifetime: {l:?} vs {u:?}");
+    let tm = &light.timings;
+    let dispatched = tm.dispatched_at.expect("a dispatched job says when");
+    // The scheduler notes the dispatch once the broker confirmed it: the worker may have claimed the job by then.
+    assert!(tm.queued_at <= dispatched && dispatched <= tm.finished_at.unwrap(), "{tm:?}");
+
+    // In a session: the peak of the second job is its own, not the first's.
+    let opened = run(&c, &open_session(&t, heavy, None)).await;
+    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
+    let first = opened.execution.usage.clone().expect("usage");
+    let next = run(&c, &in_session(&t, &session_id(&opened), "x = 1")).await;
+    let second = next.execution.usage.clone().expect("usage");
+    assert!(first.peak_memory_bytes.unwrap() >= 300 << 20 && second.peak_memory_bytes.unwrap() < first.peak_memory_bytes.unwrap(), "{first:?} then {second:?}");
+
+    // Killed at its deadline: still measured (read before the kill).
+    let mut spin = python(&t, "while True: pass");
+    spin.timeout_ms = Some(1500);
+    let r = run(&c, &spin).await;
+    assert_eq!(r.status, JobStatus::TimedOut);
+    let s = r.execution.usage.clone().expect("usage");
+    assert!(s.wall_ms >= 1500.0 && s.cpu_ms.unwrap() >= 700.0, "{s:?}");
+}

@@ -8,7 +8,9 @@
 //! - memory of an idle session's container (cgroup);
 //! - one-off jobs: sequential `1+1` round trips, a burst of `1+1` jobs published at once, and a
 //!   burst of pandas jobs reading a small CSV (jobs/s);
-//! - the baseline: `docker run --rm` of the same image per job, through the Docker API.
+//! - the baseline: `docker run --rm` of the same image per job, through the Docker API;
+//! - where the time of a sequential `1+1` goes, stage by stage ([`stages`]), in a session and
+//!   one-off, and what the jobs' code used (CPU time, peak memory: the results' `usage`).
 //!
 //! The PNG is drawn by sandcell itself: the samples go in as a CSV, matplotlib draws, the
 //! chart comes back as an artifact.
@@ -22,6 +24,9 @@ use sandcell_client::{Client, Watcher};
 use sandcell_core::tenants::{Quotas, TenantStore};
 use sandcell_protocol::{InputFile, JobResult, JobStatus, Language, SessionRequest, Submission};
 use serde::Serialize;
+
+mod stages;
+use stages::{Breakdown, Cost, Stages, Trip};
 
 #[derive(Parser)]
 struct Args {
@@ -110,6 +115,11 @@ struct Report {
     pandas_burst_jobs_per_s: f64,
     pandas_burst_latency: Summary,
     baseline_docker_run: Summary,
+    in_session_stages: Breakdown,
+    oneoff_stages: Breakdown,
+    in_session_cost: Cost,
+    oneoff_cost: Cost,
+    pandas_cost: Cost,
 }
 
 struct Bench {
@@ -121,12 +131,35 @@ struct Bench {
 impl Bench {
     /// Submit and wait for the terminal result; the time is publish → result row read.
     async fn run(&self, sub: &Submission) -> Result<(Duration, JobResult)> {
+        let (d, r, _) = self.run_timed(sub).await?;
+        Ok((d, r))
+    }
+
+    /// [`Bench::run`], with the client's clock at publish, notification and read.
+    async fn run_timed(&self, sub: &Submission) -> Result<(Duration, JobResult, Trip)> {
         let done = self.watcher.watch(&sub.tenant, &sub.job_id);
         let t0 = Instant::now();
+        let published = chrono::Utc::now();
         self.client.submit(sub).await?;
         tokio::time::timeout(Duration::from_secs(120), done).await.context("no result within 120 s")?.context("watcher ended")?;
+        let notified = chrono::Utc::now();
         let r = self.client.result(&sub.tenant, &sub.job_id).await?.context("result row missing")?;
-        Ok((t0.elapsed(), r))
+        let trip = Trip { published, notified, read: chrono::Utc::now() };
+        Ok((t0.elapsed(), r, trip))
+    }
+
+    /// `n` sequential jobs of `make()`, which must succeed: their round trips, stages and
+    /// results.
+    async fn sequential(&self, n: usize, make: impl Fn() -> Submission) -> Result<(Vec<Duration>, Vec<Stages>, Vec<JobResult>)> {
+        let (mut times, mut stages, mut results) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for _ in 0..n {
+            let (d, r, trip) = self.run_timed(&make()).await?;
+            anyhow::ensure!(r.status == JobStatus::Succeeded, "job failed: {r:?}");
+            times.push(d);
+            stages.extend(Stages::of(&trip, &r));
+            results.push(r);
+        }
+        Ok((times, stages, results))
     }
 
     fn job(&self, code: &str, session: Option<SessionRequest>) -> Submission {
@@ -192,13 +225,11 @@ async fn main() -> Result<()> {
     for _ in 0..20 {
         b.run(&b.in_session(&sid, "1+1")).await?;
     }
-    let mut in_session = Vec::with_capacity(args.in_session_jobs);
-    for _ in 0..args.in_session_jobs {
-        let (d, r) = b.run(&b.in_session(&sid, "1+1")).await?;
-        anyhow::ensure!(r.status == JobStatus::Succeeded, "in-session job failed: {r:?}");
-        in_session.push(d);
-    }
+    let (in_session, in_session_stages, in_session_results) = b.sequential(args.in_session_jobs, || b.in_session(&sid, "1+1")).await?;
     println!("in-session 1+1 round trip: {:?}", summarize(&in_session));
+    let in_session_stages = stages::breakdown(&in_session_stages);
+    let in_session_cost = stages::cost(&in_session_results);
+    println!("in-session 1+1 stages: {in_session_stages:?}\ncost: {in_session_cost:?}");
 
     // 4. Idle memory of that session's container, after a moment of rest.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -272,13 +303,11 @@ async fn main() -> Result<()> {
     for _ in 0..20 {
         b.run(&b.job("1+1", None)).await?;
     }
-    let mut oneoff = Vec::with_capacity(args.oneoff_jobs);
-    for _ in 0..args.oneoff_jobs {
-        let (d, r) = b.run(&b.job("1+1", None)).await?;
-        anyhow::ensure!(r.status == JobStatus::Succeeded, "one-off job failed: {r:?}");
-        oneoff.push(d);
-    }
+    let (oneoff, oneoff_stages, oneoff_results) = b.sequential(args.oneoff_jobs, || b.job("1+1", None)).await?;
     println!("one-off 1+1 round trip: {:?}", summarize(&oneoff));
+    let oneoff_stages = stages::breakdown(&oneoff_stages);
+    let oneoff_cost = stages::cost(&oneoff_results);
+    println!("one-off 1+1 stages: {oneoff_stages:?}\ncost: {oneoff_cost:?}");
     let burst: Vec<Submission> = (0..args.oneoff_burst).map(|_| b.job("1+1", None)).collect();
     let (burst_s, _) = b.burst(&burst).await?;
     let burst_per_s = round(burst.len() as f64 / burst_s);
@@ -294,6 +323,12 @@ async fn main() -> Result<()> {
     let (pandas_s, pandas_latency) = b.burst(&pandas).await?;
     let pandas_per_s = round(pandas.len() as f64 / pandas_s);
     println!("one-off pandas burst: {} jobs in {pandas_s:.2} s = {pandas_per_s} jobs/s; latency {:?}", pandas.len(), summarize(&pandas_latency));
+    let mut pandas_results = Vec::with_capacity(pandas.len());
+    for sub in &pandas {
+        pandas_results.push(b.client.result(&sub.tenant, &sub.job_id).await?.context("pandas result row missing")?);
+    }
+    let pandas_cost = stages::cost(&pandas_results);
+    println!("pandas job cost: {pandas_cost:?}");
 
     // 6. Baseline: a container per job.
     let baseline = docker_run_baseline(args.baseline_jobs).await?;
@@ -322,6 +357,11 @@ async fn main() -> Result<()> {
         pandas_burst_jobs_per_s: pandas_per_s,
         pandas_burst_latency: summarize(&pandas_latency),
         baseline_docker_run: summarize(&baseline),
+        in_session_stages,
+        oneoff_stages,
+        in_session_cost,
+        oneoff_cost,
+        pandas_cost,
     };
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("latest.json"), serde_json::to_string_pretty(&report)? + "\n")?;
@@ -457,6 +497,23 @@ fn markdown(r: &Report) -> String {
         "| idle session memory (cgroup, without page cache) | {:.1} MiB ({:.1} MiB with cache) | ≤ 150 MiB |\n",
         r.idle_session_memory_without_cache_mib, r.idle_session_memory_mib
     );
+    m += "\n## Where a sequential `1+1` spends its time (ms)\n\n";
+    m += "Stages follow each other and add up to the round trip; see `bench/src/stages.rs` for what each one covers.\n\n";
+    m += "| stage | in-session p50 | mean | one-off p50 | mean |\n|---|---|---|---|---|\n";
+    for (s, o) in r.in_session_stages.stages.iter().zip(&r.oneoff_stages.stages) {
+        m += &format!("| {} | {:.2} | {:.2} | {:.2} | {:.2} |\n", s.stage, s.p50_ms, s.mean_ms, o.p50_ms, o.mean_ms);
+    }
+    let opt = |v: Option<f64>| v.map(|x| format!("{x:.2}")).unwrap_or_else(|| "n/a".into());
+    m += &format!(
+        "\nRecorded → dispatch confirmed by the broker (p50): {} ms in a session, {} ms one-off.\n",
+        opt(r.in_session_stages.dispatch_confirmed_p50_ms),
+        opt(r.oneoff_stages.dispatch_confirmed_p50_ms)
+    );
+    m += "\n## Cost per job (the results' `usage`: the sandbox's cgroup during the job)\n\n";
+    m += "| job | n | CPU p50 (ms) | CPU mean (ms) | peak memory p50 (MiB) |\n|---|---|---|---|---|\n";
+    for (name, c) in [("in-session `1+1`", &r.in_session_cost), ("one-off `1+1`", &r.oneoff_cost), ("one-off pandas CSV job", &r.pandas_cost)] {
+        m += &format!("| {name} | {} | {} | {} | {} |\n", c.n, opt(c.cpu_ms_p50), opt(c.cpu_ms_mean), opt(c.peak_memory_mib_p50));
+    }
     m
 }
 

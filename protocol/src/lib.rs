@@ -22,7 +22,9 @@ pub mod submission;
 pub use error::{ErrorCode, Reason};
 pub use job::ExecutionJob;
 pub use limits::{ExecutionLimits, IntakeLimits, LimitPolicy, ResourceRequest};
-pub use result::{Artifact, ArtifactKind, ArtifactState, ExecError, Execution, FileEntry, FileListing, JobResult, LimitHit, Output, SkippedFile, Timings};
+pub use result::{
+    Artifact, ArtifactKind, ArtifactState, ExecError, Execution, FileEntry, FileListing, JobResult, LimitHit, Output, SkippedFile, Timings, Usage,
+};
 pub use session::{JobSession, KeepAlivePolicy, Session, SessionState};
 pub use status::JobStatus;
 pub use submission::{parse_submission, InputFile, Language, Rejection, SessionRequest, Submission};

@@ -100,6 +100,29 @@ pub struct Execution {
     /// Processes the code left running (a background `sleep`, a daemon) that were killed when
     /// the cell ended.
     pub processes_killed: u32,
+    /// What the code used while it ran: wall time, and the sandbox's CPU time and peak memory
+    /// from its cgroup. Absent until the job has run, and for jobs that never reached a sandbox.
+    #[serde(default)]
+    pub usage: Option<Usage>,
+}
+
+/// What a job's code used: the cost of one execution. CPU time and peak memory are the
+/// sandbox container's (its cgroup's), measured from the moment the job was handed to the
+/// sandbox until its code ended: the code, the processes it started and the sandbox's own
+/// bookkeeping for the job. They are absent where the worker cannot read the sandbox's cgroup
+/// (see `SANDCELL_CGROUP_ROOT`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Usage {
+    /// Wall-clock time from handing the job to the sandbox until its code ended, in
+    /// milliseconds.
+    pub wall_ms: f64,
+    /// CPU time the sandbox used meanwhile (user and system, all its processes), in
+    /// milliseconds.
+    pub cpu_ms: Option<f64>,
+    /// The sandbox's highest memory use meanwhile, in bytes (page cache included): for a
+    /// one-off job this includes the pre-imported interpreter the job was forked from.
+    pub peak_memory_bytes: Option<u64>,
 }
 
 /// A sandbox limit a job ran into.
@@ -243,6 +266,10 @@ pub struct Artifact {
 pub struct Timings {
     /// When the scheduler recorded the submission.
     pub queued_at: DateTime<Utc>,
+    /// When the scheduler handed it to the workers' queue (absent for jobs never dispatched:
+    /// rejected or refused ones).
+    #[serde(default)]
+    pub dispatched_at: Option<DateTime<Utc>>,
     /// When a worker started running it.
     pub started_at: Option<DateTime<Utc>>,
     /// When the result was committed.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use bollard::Docker;
-use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason};
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason, Usage};
 
 use crate::outcome::{apply, Outcome, Step};
 use crate::sandbox::cgroup::Cgroup;
@@ -35,7 +35,7 @@ pub struct KernelSettings {
     pub interrupt_grace: Duration,
     /// Largest single driver frame ([`crate::sandbox::frames::MAX_FRAME_BYTES`]).
     pub max_frame: usize,
-    /// `SANDCELL_CGROUP_ROOT`: the host's cgroup filesystem, for the containers' pids counters.
+    /// `SANDCELL_CGROUP_ROOT`: the host's cgroup filesystem, for the containers' pids, CPU and memory counters.
     pub cgroup_root: std::path::PathBuf,
 }
 
@@ -106,6 +106,7 @@ impl Kernel {
     pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, on_timeout: OnTimeout, fresh: bool) -> CellRun {
         let mut out = Outcome::new(limits);
         let request = ExecuteRequest::new(job, files, limits, fresh);
+        let meter = self.cgroup.start();
         let sent = match serde_json::to_vec(&request) {
             Ok(payload) => self.sandbox.send(&payload).await,
             Err(e) => Err(e.into()),
@@ -116,9 +117,8 @@ impl Kernel {
             return CellRun { outcome, alive: false };
         }
 
-        let refusals_before = self.cgroup.pids_refusals();
         // Read before a kill too: a killed container's cgroup disappears.
-        let mut refusals_after = None;
+        let mut reading = None;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
         let mut grace_deadline = None;
         let mut alive = true;
@@ -130,7 +130,7 @@ impl Kernel {
                         grace_deadline = Some(tokio::time::Instant::now() + grace);
                     }
                     _ => {
-                        refusals_after = self.cgroup.pids_refusals();
+                        reading = Some(self.cgroup.read(&meter));
                         self.sandbox.kill().await;
                         out.status = JobStatus::TimedOut;
                         out.reason = None;
@@ -139,6 +139,7 @@ impl Kernel {
                     }
                 },
                 Ok(Err(e)) => {
+                    reading = Some(self.cgroup.read(&meter));
                     self.sandbox.kill().await;
                     out = out.infra(ErrorCode::DriverProtocol, format!("{e:#}"));
                     alive = false;
@@ -146,6 +147,7 @@ impl Kernel {
                 }
                 Ok(Ok(None)) => {
                     // The driver's output ended without `done`: it was killed or killed itself.
+                    reading = Some(self.cgroup.read(&meter));
                     let state = self.sandbox.exit_state().await;
                     out.exit_code = state.exit_code.and_then(|c| i32::try_from(c).ok());
                     if state.oom_killed {
@@ -165,6 +167,7 @@ impl Kernel {
                     Step::More => {}
                     Step::Done => break,
                     Step::Violation => {
+                        reading = Some(self.cgroup.read(&meter));
                         self.sandbox.kill().await;
                         alive = false;
                         break;
@@ -177,11 +180,11 @@ impl Kernel {
             out.status = JobStatus::TimedOut;
             out.reason = None;
         }
-        if let (Some(before), Some(after)) = (refusals_before, refusals_after.or_else(|| self.cgroup.pids_refusals())) {
-            if after > before {
-                out.limits_hit.insert(LimitHit::Pids);
-            }
+        let reading = reading.unwrap_or_else(|| self.cgroup.read(&meter));
+        if reading.pids_refused.is_some_and(|n| n > 0) {
+            out.limits_hit.insert(LimitHit::Pids);
         }
+        out.usage = Some(Usage { wall_ms: round3(reading.wall_ms), cpu_ms: reading.cpu_ms.map(round3), peak_memory_bytes: reading.peak_memory_bytes });
         out.settle_limits(limits);
         let diag = self.sandbox.take_diagnostics();
         if !diag.trim().is_empty() {
@@ -194,4 +197,9 @@ impl Kernel {
     pub async fn destroy(self) {
         self.sandbox.destroy().await;
     }
+}
+
+/// Milliseconds to the microsecond: the counters are not more precise than that.
+fn round3(ms: f64) -> f64 {
+    (ms * 1000.0).round() / 1000.0
 }

@@ -137,6 +137,8 @@ pub struct Outcome {
     pub skipped_files: Vec<SkippedFile>,
     /// Processes the cell left running, killed at its end.
     pub processes_killed: u32,
+    /// What the cell used ([`crate::sandbox::cgroup`]), once it has run.
+    pub usage: Option<sandcell_protocol::Usage>,
     /// The driver left nothing of a fresh job behind: the sandbox may take its tenant's next
     /// one-off job.
     pub reusable: bool,
@@ -159,6 +161,7 @@ impl Outcome {
             limits_hit: self.limits_hit.into_iter().collect(),
             skipped_files: self.skipped_files,
             processes_killed: self.processes_killed,
+            usage: self.usage,
         };
         let fin =
             Finished { status: self.status, reason: self.reason, execution, artifacts: Vec::new(), container_id: extras.container_id, session: extras.session };
@@ -183,6 +186,7 @@ impl Outcome {
             limits_hit: BTreeSet::new(),
             skipped_files: Vec::new(),
             processes_killed: 0,
+            usage: None,
             reusable: false,
         }
     }

@@ -1,47 +1,159 @@
-//! A container's cgroup counters, read from the host.
+//! A container's cgroup counters, read from the host: what a cell cost, and whether it hit
+//! the process limit.
 //!
-//! The code inside a sandbox only sees a failed `fork` when it hits the process limit; the
-//! kernel counts those refusals in the container's `pids.events` (`max N`). Reading that file
-//! before and after a cell is how a result reports `limits_hit: ["pids"]`. It needs the host's
-//! cgroup filesystem at `SANDCELL_CGROUP_ROOT` (default `/sys/fs/cgroup`) — true for a worker
-//! running on the host or in a pod with `/sys/fs/cgroup` mounted. Where the file cannot be
-//! found, pids-limit hits go unreported (the job's status and traceback still show the failed
-//! fork); nothing else depends on it.
+//! - **Process limit.** The code inside a sandbox only sees a failed `fork`; the kernel counts
+//!   those refusals in the container's `pids.events` (`max N`). Reading it before and after a
+//!   cell is how a result reports `limits_hit: ["pids"]`.
+//! - **Cost.** CPU time is the difference of the container's cumulative CPU counter
+//!   (`cpuacct.usage` in cgroup v1, `cpu.stat`'s `usage_usec` in v2) across the cell. Peak
+//!   memory is the container's high-water mark, reset when the cell starts: v1's
+//!   `memory.max_usage_in_bytes` resets when 0 is written to it; v2's `memory.peak` resets for
+//!   the file descriptor that wrote to it (Linux 6.12+), so the [`Cgroup`] keeps that one open
+//!   for the container's life. A peak that could not be reset is not reported: a lifetime
+//!   high-water mark is not this cell's.
+//!
+//! All of it needs the host's cgroup filesystem at `SANDCELL_CGROUP_ROOT` (default
+//! `/sys/fs/cgroup`), writable for the peak's reset — true for a worker running on the host
+//! as root, or in a pod with `/sys/fs/cgroup` mounted. Where a file cannot be found, that
+//! figure goes unreported (`null`); nothing else depends on it. The files are tiny kernel
+//! counters, read synchronously.
 
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
-/// Where a container's pids counters live.
-#[derive(Debug, Clone, Default)]
+/// Where a container's counters live.
+#[derive(Debug, Default)]
 pub struct Cgroup {
     pids_events: Option<PathBuf>,
+    cpu: Option<CpuCounter>,
+    peak: Option<PeakMemory>,
+}
+
+/// The container's cumulative CPU time.
+#[derive(Debug)]
+enum CpuCounter {
+    /// cgroup v1 `cpuacct.usage`: nanoseconds.
+    V1(PathBuf),
+    /// cgroup v2 `cpu.stat`: `usage_usec`.
+    V2(PathBuf),
+}
+
+/// The container's memory high-water mark.
+#[derive(Debug)]
+enum PeakMemory {
+    /// cgroup v1 `memory.max_usage_in_bytes`.
+    V1(PathBuf),
+    /// cgroup v2 `memory.peak`, open: its reset holds for this descriptor only.
+    V2(File),
+}
+
+/// The counters when a cell started.
+#[derive(Debug)]
+pub struct Meter {
+    started: Instant,
+    cpu_ns: Option<u64>,
+    peak_reset: bool,
+    pids_refusals: Option<u64>,
+}
+
+/// The counters when a cell ended, against its [`Meter`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reading {
+    /// Wall time since the meter started.
+    pub wall_ms: f64,
+    /// CPU time the container used since.
+    pub cpu_ms: Option<f64>,
+    /// The container's highest memory use since.
+    pub peak_memory_bytes: Option<u64>,
+    /// Process-limit refusals since (only known when counted at both ends).
+    pub pids_refused: Option<u64>,
 }
 
 impl Cgroup {
     /// Find the cgroup of `container_id` under `root`: cgroup v1 with the cgroupfs driver
-    /// (`pids/docker/<id>`), cgroup v2 with cgroupfs (`docker/<id>`) or systemd
+    /// (`<controller>/docker/<id>`), cgroup v2 with cgroupfs (`docker/<id>`) or systemd
     /// (`system.slice/docker-<id>.scope`).
     pub fn locate(root: &Path, container_id: &str) -> Cgroup {
-        let candidates = [
-            root.join("pids/docker").join(container_id),
-            root.join("docker").join(container_id),
-            root.join("system.slice").join(format!("docker-{container_id}.scope")),
-        ];
-        let pids_events = candidates.into_iter().map(|d| d.join("pids.events")).find(|p| p.is_file());
-        if pids_events.is_none() {
-            tracing::debug!(container_id, root = %root.display(), "no pids.events for the container; pids-limit hits will not be reported");
+        let v2_dirs = [root.join("docker").join(container_id), root.join("system.slice").join(format!("docker-{container_id}.scope"))];
+        let v1 = |controller: &str, file: &str| Some(root.join(controller).join("docker").join(container_id).join(file)).filter(|p| p.is_file());
+        let v2 = |file: &str| v2_dirs.iter().map(|d| d.join(file)).find(|p| p.is_file());
+
+        let pids_events = v1("pids", "pids.events").or_else(|| v2("pids.events"));
+        let cpu = v1("cpuacct", "cpuacct.usage").map(CpuCounter::V1).or_else(|| v2("cpu.stat").map(CpuCounter::V2));
+        let peak = v1("memory", "memory.max_usage_in_bytes")
+            .map(PeakMemory::V1)
+            .or_else(|| v2("memory.peak").and_then(|p| File::options().read(true).write(true).open(p).ok()).map(PeakMemory::V2));
+        if pids_events.is_none() || cpu.is_none() || peak.is_none() {
+            tracing::debug!(
+                container_id,
+                root = %root.display(),
+                pids = pids_events.is_some(),
+                cpu = cpu.is_some(),
+                memory = peak.is_some(),
+                "some cgroup counters of the container were not found; those figures will not be reported"
+            );
         }
-        Cgroup { pids_events }
+        Cgroup { pids_events, cpu, peak }
     }
 
-    /// How many times the container's process limit refused a fork so far.
-    pub fn pids_refusals(&self) -> Option<u64> {
+    /// Start measuring a cell: reset the memory high-water mark, read the counters.
+    pub fn start(&mut self) -> Meter {
+        let peak_reset = match &mut self.peak {
+            Some(PeakMemory::V1(path)) => std::fs::write(path, "0").is_ok(),
+            Some(PeakMemory::V2(file)) => file.write_all(b"reset\n").is_ok(),
+            None => false,
+        };
+        Meter { started: Instant::now(), cpu_ns: self.cpu_ns(), peak_reset, pids_refusals: self.pids_refusals() }
+    }
+
+    /// Read the counters against `meter`. Call it before the container is killed: a killed
+    /// container's cgroup disappears.
+    pub fn read(&mut self, meter: &Meter) -> Reading {
+        let cpu_ms = match (meter.cpu_ns, self.cpu_ns()) {
+            (Some(before), Some(after)) => Some(after.saturating_sub(before) as f64 / 1e6),
+            _ => None,
+        };
+        let peak_memory_bytes = if meter.peak_reset { self.peak_bytes() } else { None };
+        let pids_refused = match (meter.pids_refusals, self.pids_refusals()) {
+            (Some(before), Some(after)) => Some(after.saturating_sub(before)),
+            _ => None,
+        };
+        Reading { wall_ms: meter.started.elapsed().as_secs_f64() * 1e3, cpu_ms, peak_memory_bytes, pids_refused }
+    }
+
+    fn pids_refusals(&self) -> Option<u64> {
         let text = std::fs::read_to_string(self.pids_events.as_ref()?).ok()?;
         parse_pids_events(&text)
+    }
+
+    fn cpu_ns(&self) -> Option<u64> {
+        match self.cpu.as_ref()? {
+            CpuCounter::V1(path) => std::fs::read_to_string(path).ok()?.trim().parse().ok(),
+            CpuCounter::V2(path) => parse_cpu_stat_usec(&std::fs::read_to_string(path).ok()?).map(|us| us.saturating_mul(1000)),
+        }
+    }
+
+    fn peak_bytes(&mut self) -> Option<u64> {
+        match self.peak.as_mut()? {
+            PeakMemory::V1(path) => std::fs::read_to_string(path).ok()?.trim().parse().ok(),
+            PeakMemory::V2(file) => {
+                let mut text = String::new();
+                file.seek(SeekFrom::Start(0)).ok()?;
+                file.read_to_string(&mut text).ok()?;
+                text.trim().parse().ok()
+            }
+        }
     }
 }
 
 fn parse_pids_events(text: &str) -> Option<u64> {
     text.lines().find_map(|l| l.strip_prefix("max ")).and_then(|n| n.trim().parse().ok())
+}
+
+fn parse_cpu_stat_usec(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix("usage_usec ")).and_then(|n| n.trim().parse().ok())
 }
 
 #[cfg(test)]
@@ -57,8 +169,38 @@ mod tests {
     }
 
     #[test]
+    fn cpu_time_is_read_from_cpu_stat() {
+        assert_eq!(parse_cpu_stat_usec("usage_usec 1500\nuser_usec 1000\nsystem_usec 500\n"), Some(1500));
+        assert_eq!(parse_cpu_stat_usec("user_usec 1000\n"), None);
+    }
+
+    #[test]
     fn a_container_without_a_cgroup_reports_nothing() {
-        let cg = Cgroup::locate(Path::new("/nonexistent"), "abc");
-        assert_eq!(cg.pids_refusals(), None);
+        let mut cg = Cgroup::locate(Path::new("/nonexistent"), "abc");
+        let meter = cg.start();
+        let r = cg.read(&meter);
+        assert_eq!((r.cpu_ms, r.peak_memory_bytes, r.pids_refused), (None, None, None));
+        assert!(r.wall_ms >= 0.0);
+    }
+
+    #[test]
+    fn a_cell_is_measured_against_its_start_in_cgroup_v1() {
+        let root = std::env::temp_dir().join(format!("sandcell-cgroup-test-{}", std::process::id()));
+        let dir = |c: &str| root.join(c).join("docker").join("c1");
+        for c in ["pids", "cpuacct", "memory"] {
+            std::fs::create_dir_all(dir(c)).unwrap();
+        }
+        std::fs::write(dir("pids").join("pids.events"), "max 2\n").unwrap();
+        std::fs::write(dir("cpuacct").join("cpuacct.usage"), "1000000000\n").unwrap();
+        std::fs::write(dir("memory").join("memory.max_usage_in_bytes"), "999999\n").unwrap();
+        let mut cg = Cgroup::locate(&root, "c1");
+        let meter = cg.start();
+        assert_eq!(std::fs::read_to_string(dir("memory").join("memory.max_usage_in_bytes")).unwrap(), "0", "the peak is reset at the start");
+        std::fs::write(dir("pids").join("pids.events"), "max 5\n").unwrap();
+        std::fs::write(dir("cpuacct").join("cpuacct.usage"), "1250000000\n").unwrap();
+        std::fs::write(dir("memory").join("memory.max_usage_in_bytes"), "4096\n").unwrap();
+        let r = cg.read(&meter);
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!((r.cpu_ms, r.peak_memory_bytes, r.pids_refused), (Some(250.0), Some(4096), Some(3)));
     }
 }
