@@ -1,25 +1,29 @@
-//! A new session at a full fleet: offered to other workers, then waited for, then refused with
-//! `capacity` — never lost to the dead-letter queue, never `queued`/`starting` forever.
+//! A new session at a full fleet: a full worker is not offered it, so it waits in
+//! `sandcell.sessions.new` for room, and is refused with `capacity` once it waited
+//! `SANDCELL_SESSION_START_WAIT_S` — never lost to the dead-letter queue, never
+//! `queued`/`starting` forever; a session that ends makes room for the next.
 //!
-//! A test binary of its own: it restarts the worker with room for two sessions (as a supervisor
-//! would), and gives it back its usual settings at the end.
+//! A test binary of its own: it restarts the worker with room for two sessions and the scheduler
+//! with a short wait (as a supervisor would), and gives them back their usual settings at the end.
 
 use sandcell_protocol::{ErrorCode, JobStatus};
 use sandcell_tests::*;
 
-/// Puts the worker back as test.sh started it, whatever the test's outcome.
-struct RestoreWorker;
+/// Puts the worker and the scheduler back as test.sh started them, whatever the test's outcome.
+struct Restore;
 
-impl Drop for RestoreWorker {
+impl Drop for Restore {
     fn drop(&mut self) {
         restart_service("worker", &[]);
+        restart_service("scheduler", &[]);
     }
 }
 
 #[tokio::test]
 async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
-    let _restore = RestoreWorker;
+    let _restore = Restore;
     restart_service("worker", &[("SANDCELL_WORKER_MAX_SESSIONS", "2"), ("SANDCELL_SESSION_START_WAIT_S", "6")]);
+    restart_service("scheduler", &[("SANDCELL_SESSION_START_WAIT_S", "6")]);
     both_healthy().await;
     let c = client().await;
     let t = tenant();
@@ -30,8 +34,8 @@ async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
         held.push(session_id(&r));
     }
 
-    // A third: returned to the queue for a worker with room (there is none), then waited for,
-    // then refused. Its session fails; nothing of it stays live.
+    // A third: no worker has room, so none takes it; after the wait it is refused. Its session
+    // fails; nothing of it stays live.
     let third = open_session(&t, "x = 3", Some(120));
     let r = run(&c, &third).await;
     assert_eq!((r.status, r.reason.as_ref().map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::Capacity)), "{r:?}");

@@ -179,5 +179,7 @@ async fn each_result_reports_the_cpu_time_and_peak_memory_its_code_used() {
     let r = run(&c, &spin).await;
     assert_eq!(r.status, JobStatus::TimedOut);
     let s = r.execution.usage.clone().expect("usage");
-    assert!(s.wall_ms >= 1500.0 && s.cpu_ms.unwrap() >= 700.0, "{s:?}");
+    // How much CPU a spinning cell gets in 1.5 s depends on what else the machine runs (this
+    // file's tests run in parallel): 650 ms was seen under runsc in CI. Measured is the point.
+    assert!(s.wall_ms >= 1500.0 && s.cpu_ms.unwrap() >= 200.0, "{s:?}");
 }

@@ -223,8 +223,11 @@ async fn a_forged_giant_frame_fails_its_job_without_growing_the_worker() {
     // 600 MB frame and streams bytes. The driver reads none of it: it ends the kernel and says so.
     // (Were the driver itself subverted, the worker would still refuse such a frame unbuffered:
     // unit `frames::an_oversize_length_prefix_is_refused_before_buffering`.)
+    // (The kernel freezes its start-up objects for the garbage collector, which hides them from
+    // gc.get_objects; hostile code simply unfreezes them.)
     let code = r#"
 import gc, os, struct
+gc.unfreeze()
 ch = next(o for o in gc.get_objects() if type(o).__name__ == 'Channel')
 os.write(ch.out_fd, struct.pack('>I', 600 << 20))
 chunk = b'x' * (1 << 20)

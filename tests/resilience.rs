@@ -31,9 +31,14 @@ async fn jobs_run_after_a_broker_restart() {
     sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
     both_healthy_again().await;
     let c = client().await;
-    let r = run(&c, &python(&tenant(), "print('after broker restart')")).await;
+    let sub = python(&tenant(), "print('after broker restart')");
+    // Live output flows again too: the worker publishes on a channel of its new connection.
+    let mut live = c.live(&sub.tenant, Some(&sub.job_id)).await.expect("subscribe");
+    let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded);
     assert_eq!(r.execution.stdout, "after broker restart\n");
+    let first = tokio::time::timeout(Duration::from_secs(10), live.next()).await.expect("a live event after the restart").expect("subscription open");
+    assert_eq!(first.body, sandcell_protocol::EventBody::Stdout { text: "after broker restart\n".into() });
 }
 
 /// Jobs that sleep `secs` and print their own id, submitted at once; returns them once all run.
@@ -147,4 +152,45 @@ async fn a_starting_worker_removes_containers_left_by_its_previous_run() {
     let gone = eventually(Duration::from_secs(30), || async { (count().await == 0).then_some(()) }).await;
     child.kill().await.ok();
     assert!(gone.is_some(), "leftover containers were not removed");
+}
+
+#[tokio::test]
+async fn a_worker_told_to_stop_finishes_the_jobs_it_holds_and_takes_no_more() {
+    let _serial = SERIAL.lock().await;
+    both_healthy_again().await;
+    let c = client().await;
+    let t = tenant();
+    let slow = python(&t, "import time\ntime.sleep(3)\nprint('finished')");
+    c.submit(&slow).await.expect("submit");
+    let running = eventually(Duration::from_secs(60), || async {
+        let r = c.result(&t, &slow.job_id).await.ok().flatten()?;
+        (r.status == JobStatus::Running).then_some(())
+    })
+    .await;
+    assert!(running.is_some(), "the slow job did not start");
+    // SIGTERM, as Kubernetes sends it.
+    let dir = std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into());
+    let pid = std::fs::read_to_string(format!("{dir}/worker.pid")).expect("worker pid").trim().to_string();
+    sh(&format!("kill -TERM {pid}"));
+    // It stops consuming the shared queue at once (the scheduler is its other consumer: none).
+    let cancelled = eventually(Duration::from_secs(20), || async {
+        let out = Command::new("rabbitmqctl").args(["-q", "list_queues", "name", "consumers"]).output().ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["sandcell.jobs", "0"]).then_some(())
+    })
+    .await;
+    assert!(cancelled.is_some(), "the draining worker still consumes sandcell.jobs");
+    // A job submitted now waits for another worker (there is none until the restart below).
+    let later = python(&t, "print('after the drain')");
+    c.submit(&later).await.expect("submit");
+    let r = c.wait(&t, &slow.job_id, JOB_WAIT).await.expect("the slow job's result");
+    assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "finished\n", 1), "{r:?}");
+    let exited = eventually(Duration::from_secs(30), || async { (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(()) }).await;
+    assert!(exited.is_some(), "the worker did not exit after draining");
+    let waiting = c.result(&t, &later.job_id).await.ok().flatten().map(|r| r.status);
+    assert!(matches!(waiting, Some(JobStatus::Queued)), "a draining worker took a new job: {waiting:?}");
+    start_service("worker", &[]);
+    both_healthy_again().await;
+    let r = c.wait(&t, &later.job_id, JOB_WAIT).await.expect("the later job's result");
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "after the drain\n"), "{r:?}");
 }

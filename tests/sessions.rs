@@ -314,3 +314,22 @@ async fn a_large_html_output_is_stored_in_full_and_previewed_inline() {
     assert_eq!(status, 200);
     assert_eq!(body, "<b>row</b>".repeat(10000).into_bytes());
 }
+
+#[tokio::test]
+async fn a_job_may_give_its_session_a_new_keep_alive() {
+    let c = client().await;
+    let t = tenant();
+    let id = session_id(&run(&c, &open_session(&t, "x = 1", Some(600))).await);
+    let mut shorter = in_session(&t, &id, "x");
+    shorter.session = Some(SessionRequest { id: Some(id.clone()), keep_alive_s: Some(2), ..Default::default() });
+    let r = run(&c, &shorter).await;
+    assert_eq!(value(&r).as_deref(), Some("1"), "{r:?}");
+    assert_eq!(r.session.as_ref().map(|s| s.keep_alive_s), Some(2), "the result shows the new keep-alive");
+    // The worker's clock follows: the session expires two seconds later, not ten minutes.
+    let expired = eventually(Duration::from_secs(20), || async {
+        let s = c.session(&t, &id).await.ok().flatten()?;
+        (s.state == SessionState::Expired).then_some(s)
+    })
+    .await;
+    assert!(expired.is_some(), "the session kept its old keep-alive");
+}

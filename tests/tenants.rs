@@ -163,7 +163,7 @@ async fn a_tenants_broker_user_can_only_publish_to_the_intake_exchange() {
     let r = sandcell_core::broker::publish_confirmed(&ch, sandcell_core::broker::JOBS_QUEUE, &job, Default::default()).await;
     assert!(r.is_err(), "a tenant published to sandcell.jobs");
     // Reading any queue: access refused.
-    for queue in [sandcell_core::broker::SUBMISSIONS_QUEUE, sandcell_core::broker::JOBS_QUEUE] {
+    for queue in [sandcell_core::broker::submissions_queue(0).as_str(), sandcell_core::broker::JOBS_QUEUE, sandcell_core::broker::NEW_SESSIONS_QUEUE] {
         let ch = conn.create_channel().await.unwrap();
         let r = ch.basic_consume(queue.into(), "probe".into(), Default::default(), Default::default()).await;
         assert!(r.is_err(), "a tenant consumed {queue}");
@@ -282,6 +282,29 @@ async fn a_tenants_jobs_committing_at_once_store_no_more_than_its_quota() {
 }
 
 #[tokio::test]
+async fn a_deleted_tenant_can_neither_connect_nor_have_jobs_admitted_and_is_listed_without_a_login() {
+    let bin = std::env::var("SANDCELL_ADMIN_BIN").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());
+    let t = TestTenant::create(None).await;
+    let c = t.client().await;
+    assert_eq!(run(&c, &python(&t.name, "1")).await.status, JobStatus::Succeeded);
+    let out = std::process::Command::new(&bin).args(["tenant", "delete", &t.name]).output().expect("running sandcell-admin");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(sandcell_core::broker::connect(&t.creds.amqp_url, "deleted-tenant").await.is_err(), "the broker still lets it in");
+    assert!(sqlx::PgPool::connect(&t.creds.database_url).await.is_err(), "Postgres still lets it in");
+    // Not even a trusted backend gets a job of it admitted.
+    let r = run(&client().await, &python(&t.name, "1")).await;
+    assert_eq!(r.status, JobStatus::Rejected);
+    assert_eq!(r.reason.map(|x| x.code), Some(ErrorCode::QuotaExceeded));
+    let list = std::process::Command::new(&bin).args(["tenant", "list"]).output().expect("running sandcell-admin");
+    let text = String::from_utf8_lossy(&list.stdout);
+    let at = text.find(&format!("tenant {}:", t.name)).unwrap_or_else(|| panic!("{} not listed: {text}", t.name));
+    assert!(text[at..].lines().nth(1).is_some_and(|l| l.contains("no database login")), "{text}");
+    // Deleting again, or a tenant that never was, says so.
+    let again = std::process::Command::new(&bin).args(["tenant", "delete", &tenant()]).output().expect("running sandcell-admin");
+    assert!(!again.status.success());
+}
+
+#[tokio::test]
 async fn the_admin_command_creates_a_tenant_that_can_run_a_job() {
     let bin = std::env::var("SANDCELL_ADMIN_BIN").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());
     let name = tenant();
@@ -296,4 +319,16 @@ async fn the_admin_command_creates_a_tenant_that_can_run_a_job() {
     assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "45\n"));
     let show = std::process::Command::new(&bin).args(["tenant", "show", &name]).output().unwrap();
     assert!(String::from_utf8_lossy(&show.stdout).contains("max_sessions=3"));
+}
+
+#[tokio::test]
+async fn a_tenant_cannot_take_over_a_broker_user_that_is_not_a_tenants() {
+    let bin = std::env::var("SANDCELL_ADMIN_BIN").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());
+    let name = tenant();
+    let added = std::process::Command::new("rabbitmqctl").args(["-q", "add_user", &name, "operators-own-password"]).status().expect("rabbitmqctl");
+    assert!(added.success());
+    let out = std::process::Command::new(&bin).args(["tenant", "create", &name]).output().expect("running sandcell-admin");
+    let _ = std::process::Command::new("rabbitmqctl").args(["-q", "delete_user", &name]).status();
+    assert!(!out.status.success(), "sandcell-admin replaced a non-tenant broker user");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a sandcell tenant"), "{}", String::from_utf8_lossy(&out.stderr));
 }

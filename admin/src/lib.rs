@@ -71,6 +71,11 @@ impl Admin {
         if tenant == service_user {
             bail!("{tenant:?} is the service's own broker user");
         }
+        // A broker user of that name that is not a tenant's (an operator's, a monitoring tool's)
+        // must not have its password and permissions replaced.
+        if self.management_get(&format!("users/{tenant}")).await? && self.quotas(tenant).await?.is_none() {
+            bail!("the broker already has a user {tenant:?} that is not a sandcell tenant: choose another name");
+        }
         let broker_password = random_hex(40);
         self.put_broker_user(tenant, &broker_password).await?;
         let login = TenantStore::new(self.pool.clone()).create(tenant, quotas, true).await?;
@@ -91,32 +96,99 @@ impl Admin {
         TenantStore::new(self.pool.clone()).quotas(tenant).await
     }
 
+    /// Every registered tenant: name, quotas, and whether it has a database login.
+    pub async fn list_tenants(&self) -> Result<Vec<(String, Quotas, bool)>> {
+        TenantStore::new(self.pool.clone()).list().await
+    }
+
+    /// Take `tenant`'s access away: its broker user and database login are deleted and its
+    /// session and job quotas set to zero (no job of it is admitted again); its results and
+    /// artifacts stay until they expire. Whether the tenant was registered.
+    pub async fn delete_tenant(&self, tenant: &str) -> Result<bool> {
+        if !sandcell_protocol::submission::is_valid_tenant(tenant) {
+            bail!("tenant must be 1-64 characters of [a-z0-9_-], got {tenant:?}");
+        }
+        if broker::url_user(&self.settings.amqp_url).as_deref() == Some(tenant) {
+            bail!("{tenant:?} is the service's own broker user");
+        }
+        self.management(reqwest::Method::DELETE, &format!("users/{tenant}"), None).await?;
+        TenantStore::new(self.pool.clone()).revoke(tenant).await
+    }
+
+    /// Set `tenant`'s broker permissions to [`broker::tenant_permissions`] and its topic
+    /// permission on the events exchange, keeping its password.
+    pub async fn grant_broker_permissions(&self, tenant: &str) -> Result<()> {
+        if !sandcell_protocol::submission::is_valid_tenant(tenant) {
+            bail!("tenant must be 1-64 characters of [a-z0-9_-], got {tenant:?}");
+        }
+        let (configure, write, read) = broker::tenant_permissions(tenant);
+        let (exchange, topic_write, topic_read) = broker::tenant_topic_permission(tenant);
+        self.put_management(&format!("permissions/{{vhost}}/{tenant}"), serde_json::json!({"configure": configure, "write": write, "read": read})).await?;
+        self.put_management(
+            &format!("topic-permissions/{{vhost}}/{tenant}"),
+            serde_json::json!({"exchange": exchange, "write": topic_write, "read": topic_read}),
+        )
+        .await?;
+        // What a tenant may hold on the shared broker: connections, channels, and (for every
+        // tenant at once, an operator policy) the size and life of the queues it declares.
+        for (limit, value) in [("max-connections", broker::TENANT_MAX_CONNECTIONS), ("max-channels", broker::TENANT_MAX_CHANNELS)] {
+            self.put_management(&format!("user-limits/{tenant}/{limit}"), serde_json::json!({"value": value})).await?;
+        }
+        let (policy, pattern, definition) = broker::tenant_queue_policy();
+        self.put_management(
+            &format!("operator-policies/{{vhost}}/{policy}"),
+            serde_json::json!({"pattern": pattern, "definition": definition, "apply-to": "queues", "priority": 0}),
+        )
+        .await
+    }
+
     async fn put_broker_user(&self, user: &str, password: &str) -> Result<()> {
-        let uri: lapin::uri::AMQPUri = self.settings.amqp_url.parse().map_err(|e| anyhow::anyhow!("parsing SANDCELL_AMQP_URL: {e}"))?;
-        let (admin, admin_pw) = (&uri.authority.userinfo.username, &uri.authority.userinfo.password);
-        let vhost = encode_component(&uri.vhost);
-        let base = self.settings.management_url.trim_end_matches('/');
-        let (configure, write, read) = broker::TENANT_PERMISSIONS;
-        let calls = [
-            (format!("{base}/api/users/{user}"), serde_json::json!({"password": password, "tags": ""})),
-            (format!("{base}/api/permissions/{vhost}/{user}"), serde_json::json!({"configure": configure, "write": write, "read": read})),
-        ];
-        for (url, body) in calls {
-            let resp = self
-                .http
-                .put(&url)
-                .basic_auth(admin, Some(admin_pw))
-                .json(&body)
-                .send()
-                .await
-                .with_context(|| format!("calling the RabbitMQ management API at {base} (is rabbitmq_management enabled?)"))?;
-            if !resp.status().is_success() {
-                let status = resp.status();
-                let text = resp.text().await.unwrap_or_default();
-                bail!("RabbitMQ management API: PUT {} answered {status}: {text}", url.replace(base, ""));
-            }
+        self.put_management(&format!("users/{user}"), serde_json::json!({"password": password, "tags": ""})).await?;
+        self.grant_broker_permissions(user).await
+    }
+
+    /// PUT `body` to the management API at `/api/<path>` (`{vhost}` replaced by the encoded
+    /// vhost of `SANDCELL_AMQP_URL`), as the operator's broker user.
+    /// Whether the management API has `/api/<path>`.
+    async fn management_get(&self, path: &str) -> Result<bool> {
+        let resp = self.management_send(reqwest::Method::GET, path, None).await?;
+        match resp.status() {
+            s if s.is_success() => Ok(true),
+            reqwest::StatusCode::NOT_FOUND => Ok(false),
+            s => bail!("RabbitMQ management API: GET /api/{path} answered {s}"),
+        }
+    }
+
+    async fn put_management(&self, path: &str, body: serde_json::Value) -> Result<()> {
+        self.management(reqwest::Method::PUT, path, Some(body)).await
+    }
+
+    /// Call the management API; a DELETE of something that is not there is not an error.
+    async fn management(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Result<()> {
+        let resp = self.management_send(method.clone(), path, body).await?;
+        if method == reqwest::Method::DELETE && resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(());
+        }
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let text = resp.text().await.unwrap_or_default();
+            bail!("RabbitMQ management API: {method} /api/{path} answered {status}: {text}");
         }
         Ok(())
+    }
+
+    /// Send `method` to `/api/<path>` (`{vhost}` replaced by the encoded vhost of
+    /// `SANDCELL_AMQP_URL`) as the operator's broker user.
+    async fn management_send(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Result<reqwest::Response> {
+        let uri: lapin::uri::AMQPUri = self.settings.amqp_url.parse().map_err(|e| anyhow::anyhow!("parsing SANDCELL_AMQP_URL: {e}"))?;
+        let (admin, admin_pw) = (&uri.authority.userinfo.username, &uri.authority.userinfo.password);
+        let base = self.settings.management_url.trim_end_matches('/');
+        let url = format!("{base}/api/{}", path.replace("{vhost}", &encode_component(&uri.vhost)));
+        let mut req = self.http.request(method, &url).basic_auth(admin, Some(admin_pw));
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        req.send().await.with_context(|| format!("calling the RabbitMQ management API at {base} (is rabbitmq_management enabled?)"))
     }
 }
 

@@ -43,6 +43,21 @@ enum TenantCommand {
         #[command(flatten)]
         quotas: QuotaArgs,
     },
+    /// Set a tenant's broker permissions to what this version grants (e.g. live output for a
+    /// tenant created before it existed), keeping its credentials.
+    Permissions {
+        /// Tenant name.
+        name: String,
+    },
+    /// List every registered tenant with its quotas.
+    List,
+    /// Take a tenant's access away: delete its broker user and database login and set its
+    /// session and job quotas to zero. Its results and artifacts stay until they expire;
+    /// `tenant create` gives it new credentials later (with quotas to set again).
+    Delete {
+        /// Tenant name.
+        name: String,
+    },
     /// Print a tenant's quotas.
     Show {
         /// Tenant name.
@@ -103,6 +118,24 @@ async fn main() -> Result<()> {
             let q = quotas.over(base);
             admin.set_quotas(&name, &q).await?;
             print_quotas(&name, &q);
+        }
+        Command::Tenant(TenantCommand::Permissions { name }) => {
+            admin.grant_broker_permissions(&name).await?;
+            println!("tenant {name}: broker permissions set");
+        }
+        Command::Tenant(TenantCommand::List) => {
+            for (name, q, login) in admin.list_tenants().await? {
+                print_quotas(&name, &q);
+                if !login {
+                    println!("  (no database login: deleted, or only ever used through a trusted backend)");
+                }
+            }
+        }
+        Command::Tenant(TenantCommand::Delete { name }) => {
+            if !admin.delete_tenant(&name).await? {
+                anyhow::bail!("no tenant {name:?}");
+            }
+            println!("tenant {name}: broker user and database login deleted, quotas zero");
         }
         Command::Tenant(TenantCommand::Show { name }) => {
             let q = admin.quotas(&name).await?.with_context(|| format!("no tenant {name:?}"))?;

@@ -22,9 +22,10 @@ use clap::Parser;
 use futures::StreamExt;
 use sandcell_client::{Client, Watcher};
 use sandcell_core::tenants::{Quotas, TenantStore};
-use sandcell_protocol::{InputFile, JobResult, JobStatus, Language, SessionRequest, Submission};
+use sandcell_protocol::{EventBody, InputFile, JobResult, JobStatus, Language, SessionRequest, Submission};
 use serde::Serialize;
 
+mod fleet;
 mod stages;
 use stages::{Breakdown, Cost, Stages, Trip};
 
@@ -54,9 +55,26 @@ struct Args {
     /// Baseline `docker run` jobs.
     #[arg(long, default_value_t = 20)]
     baseline_jobs: usize,
+    /// Sequential in-session jobs that print their own clock, for print → live event latency.
+    #[arg(long, default_value_t = 100)]
+    live_jobs: usize,
+    /// In-session `1+1` jobs through the Python SDK (run when `SANDCELL_BENCH_PYTHON` names a
+    /// Python with the SDK installed).
+    #[arg(long, default_value_t = 200)]
+    sdk_jobs: usize,
     /// Worker metrics endpoint (pool size and takes).
     #[arg(long, default_value = "127.0.0.1:9465")]
     worker_metrics: String,
+    /// Measure only the fleet figures ([`fleet`]) with this many workers running, and merge
+    /// them into fleet.json and fleet.md.
+    #[arg(long)]
+    fleet: Option<usize>,
+    /// Schedulers running (recorded with the fleet figures).
+    #[arg(long, default_value_t = 2)]
+    fleet_schedulers: usize,
+    /// New sessions published at once in the fleet run.
+    #[arg(long, default_value_t = 50)]
+    fleet_burst: usize,
     /// Where to write latest.json, README.md and latency.png.
     #[arg(long, default_value = "docs/benchmarks")]
     out: std::path::PathBuf,
@@ -120,6 +138,9 @@ struct Report {
     in_session_cost: Cost,
     oneoff_cost: Cost,
     pandas_cost: Cost,
+    print_to_event: Summary,
+    sdk_in_session_round_trip: Option<Summary>,
+    sdk_print_to_on_stdout: Option<Summary>,
 }
 
 struct Bench {
@@ -191,15 +212,17 @@ impl Bench {
         let t0 = Instant::now();
         let mut waits = Vec::with_capacity(subs.len());
         for sub in subs {
-            waits.push((Instant::now(), self.watcher.watch(&sub.tenant, &sub.job_id)));
+            let (published, w) = (Instant::now(), self.watcher.watch(&sub.tenant, &sub.job_id));
+            // Each job's latency is taken when its own notification arrives (all are awaited
+            // together, not one after another, which would charge a job for those before it).
+            waits.push(async move {
+                let status = tokio::time::timeout(Duration::from_secs(600), w).await.context("burst job timed out")??;
+                anyhow::ensure!(status == "succeeded", "a burst job ended {status}");
+                anyhow::Ok(published.elapsed())
+            });
             self.client.submit(sub).await?;
         }
-        let mut latencies = Vec::with_capacity(subs.len());
-        for (published, w) in waits {
-            let status = tokio::time::timeout(Duration::from_secs(600), w).await.context("burst job timed out")??;
-            anyhow::ensure!(status == "succeeded", "a burst job ended {status}");
-            latencies.push(published.elapsed());
-        }
+        let latencies = futures::future::join_all(waits).await.into_iter().collect::<Result<Vec<_>>>()?;
         Ok((t0.elapsed().as_secs_f64(), latencies))
     }
 
@@ -219,6 +242,17 @@ async fn main() -> Result<()> {
     TenantStore::new(pool).set_quotas(&tenant, &quotas).await?;
     let watcher = Watcher::connect(&client, &tenant).await?;
     let b = Bench { client, watcher, tenant };
+    if let Some(workers) = args.fleet {
+        let a = fleet::FleetArgs {
+            workers,
+            schedulers: args.fleet_schedulers,
+            burst: args.fleet_burst,
+            sessions: args.sessions,
+            jobs_per_session: args.jobs_per_session,
+            sequential: args.in_session_jobs.min(300),
+        };
+        return fleet::run(&b, &a, &args.out).await;
+    }
 
     // 1. In-session round trip.
     let (_, sid) = b.open("x = 0", None).await?;
@@ -330,6 +364,46 @@ async fn main() -> Result<()> {
     let pandas_cost = stages::cost(&pandas_results);
     println!("pandas job cost: {pandas_cost:?}");
 
+    // 7. Live output: a printed line (carrying the sandbox's clock, which is the host's) → its
+    // stdout event at the client; then the same through the Python SDK, and its round trip.
+    let (live_sid, print_to_event) = {
+        let (_, sid) = b.open("import time", None).await?;
+        let mut live = b.client.live(&b.tenant, None).await?;
+        let mut samples = Vec::with_capacity(args.live_jobs);
+        for _ in 0..args.live_jobs {
+            let sub = b.in_session(&sid, "print(repr(time.time()), flush=True)\ntime.sleep(0.02)");
+            b.client.submit(&sub).await?;
+            let mut first = None;
+            loop {
+                let event =
+                    tokio::time::timeout(Duration::from_secs(60), live.next()).await.context("no live event within 60 s")?.context("live output ended")?;
+                if event.job_id != sub.job_id {
+                    continue;
+                }
+                match event.body {
+                    EventBody::Stdout { text } if first.is_none() => {
+                        let printed: f64 = text.split_whitespace().next().unwrap_or_default().parse().context("the printed clock")?;
+                        let now = chrono::Utc::now().timestamp_micros() as f64 / 1e6;
+                        first = Some(Duration::from_secs_f64((now - printed).max(0.0)));
+                    }
+                    EventBody::End { .. } => break,
+                    _ => {}
+                }
+            }
+            samples.extend(first);
+        }
+        (sid, samples)
+    };
+    b.close(&live_sid).await?;
+    println!("print → live stdout event: {:?}", summarize(&print_to_event));
+    let sdk = match std::env::var("SANDCELL_BENCH_PYTHON") {
+        Ok(python) if args.sdk_jobs > 0 => Some(sdk_figures(&python, &b.tenant, args.sdk_jobs, args.live_jobs)?),
+        _ => None,
+    };
+    if let Some((rt, live)) = &sdk {
+        println!("Python SDK in-session 1+1: {:?}\nprint → on_stdout (SDK): {:?}", summarize(rt), summarize(live));
+    }
+
     // 6. Baseline: a container per job.
     let baseline = docker_run_baseline(args.baseline_jobs).await?;
     println!("baseline docker run --rm: {:?}", summarize(&baseline));
@@ -362,6 +436,9 @@ async fn main() -> Result<()> {
         in_session_cost,
         oneoff_cost,
         pandas_cost,
+        print_to_event: summarize(&print_to_event),
+        sdk_in_session_round_trip: sdk.as_ref().map(|(rt, _)| summarize(rt)),
+        sdk_print_to_on_stdout: sdk.as_ref().map(|(_, live)| summarize(live)),
     };
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("latest.json"), serde_json::to_string_pretty(&report)? + "\n")?;
@@ -380,6 +457,25 @@ async fn main() -> Result<()> {
     .await?;
     println!("wrote {}/latest.json, README.md, latency.png", args.out.display());
     Ok(())
+}
+
+/// Run `clients/python/bench/sdk_bench.py` with `python` for `tenant`: its in-session round
+/// trips and print → `on_stdout` latencies.
+fn sdk_figures(python: &str, tenant: &str, jobs: usize, live_jobs: usize) -> Result<(Vec<Duration>, Vec<Duration>)> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python/bench/sdk_bench.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .args(["--tenant", tenant, "--jobs", &jobs.to_string(), "--live-jobs", &live_jobs.to_string()])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("the SDK bench's JSON")?;
+    let ms = |key: &str| -> Vec<Duration> {
+        v[key].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).map(|m| Duration::from_secs_f64(m.max(0.0) / 1000.0)).collect()).unwrap_or_default()
+    };
+    Ok((ms("in_session_ms"), ms("print_to_on_stdout_ms")))
 }
 
 /// Process CPU time (user + system) in ms of the pid named by `var`.
@@ -482,6 +578,15 @@ fn markdown(r: &Report) -> String {
     m += &row("one-off `1+1` (sequential, one tenant)", &r.oneoff_round_trip, "p50 ≤ 15, p99 ≤ 50");
     m += &row("one-off pandas CSV job, in a burst (publish → notified)", &r.pandas_burst_latency, "—");
     m += &row("baseline: `docker run --rm` per job (Docker API, no queue or store)", &r.baseline_docker_run, "—");
+    if let Some(s) = &r.sdk_in_session_round_trip {
+        m += &row("in-session `1+1` through the Python SDK (`Sandbox.run_code`)", s, "p50 ≤ 5");
+    }
+    m += "\n## Live output: a printed line → the client (ms)\n\n";
+    m += "| path | n | p50 | p95 | p99 | max | target |\n|---|---|---|---|---|---|---|\n";
+    m += &row("`print(..., flush=True)` → stdout event (Rust client)", &r.print_to_event, "p50 ≤ 10");
+    if let Some(s) = &r.sdk_print_to_on_stdout {
+        m += &row("`print(..., flush=True)` → `on_stdout` (Python SDK)", s, "p50 ≤ 10");
+    }
     m += &format!("\nWarm-pool hits observed during the warm case: {} of {}.\n\n", r.warm_pool_hits_observed, r.new_session_warm_pool_hit.n);
     m += "## Throughput and cost\n\n| figure | value | target |\n|---|---|---|\n";
     m += &format!(

@@ -3,25 +3,54 @@
 //!
 //! Topology (declared idempotently by the scheduler and workers at start-up, with identical
 //! arguments):
-//! - `sandcell.intake` (fanout exchange) → `sandcell.submissions` (quorum): clients publish
-//!   [`Submission`](sandcell_protocol::Submission)s to the exchange, with the `user_id`
-//!   property set to their broker user. A tenant's broker user may write to this exchange and
-//!   nothing else, so it cannot reach the jobs or worker queues, nor read any queue;
-//! - `sandcell.jobs` (quorum, delivery limit): the scheduler publishes
+//! - `sandcell.intake` (fanout exchange) → `sandcell.intake.partitions` (consistent-hash
+//!   exchange, on the routing key) → `sandcell.submissions.<p>` for `p` in
+//!   `0..SANDCELL_INTAKE_PARTITIONS` (quorum, single active consumer; declared by the scheduler,
+//!   [`declare_intake_partitions`]): clients publish
+//!   [`Submission`](sandcell_protocol::Submission)s to the intake exchange, with the `user_id`
+//!   property set to their broker user and the session id (or the job id) as the routing key,
+//!   so one session's submissions share a partition. A tenant's broker user may write to the
+//!   intake exchange and nothing else, so it cannot reach the jobs or worker queues, nor read any queue;
+//! - `sandcell.jobs` (quorum, delivery limit): the scheduler publishes one-off
 //!   [`ExecutionJob`](sandcell_protocol::ExecutionJob)s here, workers consume;
+//! - `sandcell.sessions.new` (quorum, delivery limit): jobs that open a session; a worker
+//!   consumes it only while it has room for another session, with its room as its consumer
+//!   priority, so the broker offers a new session to the worker with the most room first;
 //! - `sandcell.worker.<id>` (classic, one per worker, declared by that worker): the scheduler
 //!   routes every job of a session to the queue of the worker that holds the session;
 //! - `sandcell.dlx` (fanout exchange) → `sandcell.dead` (quorum): poison messages, kept for operators.
 
 use anyhow::{anyhow, Context, Result};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
-/// Where clients publish submissions.
-pub const SUBMISSIONS_QUEUE: &str = "sandcell.submissions";
+/// The single submissions queue of earlier versions: no longer bound to the intake; the
+/// owner of partition 0 drains what is left in it (see [`declare_intake_partitions`]).
+pub const LEGACY_SUBMISSIONS_QUEUE: &str = "sandcell.submissions";
+/// The consistent-hash exchange that spreads submissions over the partition queues by routing key.
+pub const INTAKE_PARTITIONS_EXCHANGE: &str = "sandcell.intake.partitions";
+/// Partitions of the intake when `SANDCELL_INTAKE_PARTITIONS` is not set. Every scheduler of a
+/// fleet must use the same number.
+pub const DEFAULT_INTAKE_PARTITIONS: u16 = 8;
+
+/// The queue of intake partition `partition`.
+pub fn submissions_queue(partition: u16) -> String {
+    format!("sandcell.submissions.{partition}")
+}
+
+/// The routing key a client publishes a submission with: its session's id when it names one
+/// (so a session's submissions share a partition, and keep their order across schedulers),
+/// else its job id (so the rest spread over the partitions).
+pub fn intake_routing_key(sub: &sandcell_protocol::Submission) -> &str {
+    sub.session.as_ref().and_then(|s| s.id.as_deref()).unwrap_or(&sub.job_id)
+}
 /// Where the scheduler publishes execution jobs for workers.
 pub const JOBS_QUEUE: &str = "sandcell.jobs";
+/// Where the scheduler publishes jobs that open a session (see [`shared_queue`]).
+pub const NEW_SESSIONS_QUEUE: &str = "sandcell.sessions.new";
 /// Dead-letter exchange for poison messages.
 pub const DEAD_LETTER_EXCHANGE: &str = "sandcell.dlx";
 /// Queue collecting dead-lettered messages.
@@ -32,6 +61,17 @@ pub const DELIVERY_LIMIT: i64 = 5;
 
 /// How long a worker's queue survives without a consumer (its worker is gone for good).
 pub const WORKER_QUEUE_EXPIRES_MS: i64 = 15 * 60 * 1000;
+
+/// The shared queue a job goes to when no particular worker must run it: the one that opens
+/// sessions, or the one-off jobs' queue. (A job of an existing session goes to its owner's
+/// [`worker_queue`].)
+pub fn shared_queue(job: &sandcell_protocol::ExecutionJob) -> &'static str {
+    if job.session.as_ref().is_some_and(|s| s.new) {
+        NEW_SESSIONS_QUEUE
+    } else {
+        JOBS_QUEUE
+    }
+}
 
 /// The queue of the worker `worker_id`: jobs of the sessions it holds.
 pub fn worker_queue(worker_id: &str) -> String {
@@ -77,12 +117,44 @@ pub fn redact(url: &str) -> String {
     }
 }
 
-/// The exchange clients publish submissions to (a fanout bound only to [`SUBMISSIONS_QUEUE`]).
+/// The exchange clients publish submissions to (a fanout bound only to [`INTAKE_PARTITIONS_EXCHANGE`]).
 pub const INTAKE_EXCHANGE: &str = "sandcell.intake";
 
-/// The permissions a tenant's broker user gets (configure, write, read regexes): publish to
-/// [`INTAKE_EXCHANGE`], nothing else.
-pub const TENANT_PERMISSIONS: (&str, &str, &str) = ("^$", "^sandcell\\.intake$", "^$");
+pub use sandcell_protocol::event::EVENTS_EXCHANGE;
+
+/// The permissions `tenant`'s broker user gets (configure, write, read regexes): publish to
+/// [`INTAKE_EXCHANGE`]; declare queues in its own namespace (`sandcell.live.<tenant>.…`), bind
+/// them to [`EVENTS_EXCHANGE`] and consume them. Which routing keys it may bind there is its
+/// topic permission ([`tenant_topic_permission`]). Not server-named queues (`amq.gen-…`): that
+/// name space is every user's, so a tenant could use another's non-exclusive one. Tenant names
+/// hold no regex metacharacter.
+pub fn tenant_permissions(tenant: &str) -> (String, String, String) {
+    let own = format!("sandcell\\.live\\.{tenant}\\..*");
+    (format!("^({own})$"), format!("^(sandcell\\.intake|{own})$"), format!("^(sandcell\\.events|{own})$"))
+}
+
+/// The prefix of the queues a tenant may declare (see [`tenant_permissions`]).
+pub fn tenant_queue_prefix(tenant: &str) -> String {
+    format!("sandcell.live.{tenant}.")
+}
+
+/// Most connections a tenant's broker user may hold at once.
+pub const TENANT_MAX_CONNECTIONS: u32 = 32;
+/// Most channels a tenant's broker user may hold at once.
+pub const TENANT_MAX_CHANNELS: u32 = 256;
+/// The operator policy every tenant queue (`sandcell.live.…`) is held to, whatever it asked
+/// for: (name, pattern, definition). Bounded bytes (the oldest dropped), events that expire, and
+/// queues that disappear an hour after their last use.
+pub fn tenant_queue_policy() -> (&'static str, &'static str, serde_json::Value) {
+    ("sandcell-tenant-queues", "^sandcell\\.live\\.", serde_json::json!({"max-length-bytes": 64u64 << 20, "message-ttl": 600_000, "expires": 3_600_000}))
+}
+
+/// A tenant's topic permission on [`EVENTS_EXCHANGE`] (exchange, write, read regexes): it may
+/// bind only routing keys that start with its own name and a dot (tenant names hold no dot or
+/// regex metacharacter), and publish nothing there.
+pub fn tenant_topic_permission(tenant: &str) -> (&'static str, String, String) {
+    (EVENTS_EXCHANGE, "^$".to_string(), format!("^{tenant}\\."))
+}
 
 /// Declare the queues and exchanges. Safe to call from every process, every start.
 pub async fn declare_topology(ch: &Channel) -> Result<()> {
@@ -94,24 +166,83 @@ pub async fn declare_topology(ch: &Channel) -> Result<()> {
     )
     .await
     .context("declaring the dead-letter exchange")?;
-    declare_quorum(ch, DEAD_LETTER_QUEUE, false).await?;
+    declare_quorum(ch, DEAD_LETTER_QUEUE, false, false).await?;
     ch.queue_bind(DEAD_LETTER_QUEUE.into(), DEAD_LETTER_EXCHANGE.into(), "".into(), QueueBindOptions::default(), FieldTable::default())
         .await
         .context("binding the dead-letter queue")?;
-    declare_quorum(ch, SUBMISSIONS_QUEUE, true).await?;
-    declare_quorum(ch, JOBS_QUEUE, true).await?;
+    declare_quorum(ch, JOBS_QUEUE, true, false).await?;
+    declare_quorum(ch, NEW_SESSIONS_QUEUE, true, false).await?;
     ch.exchange_declare(INTAKE_EXCHANGE.into(), ExchangeKind::Fanout, ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
         .await
         .context("declaring the intake exchange")?;
-    ch.queue_bind(SUBMISSIONS_QUEUE.into(), INTAKE_EXCHANGE.into(), "".into(), QueueBindOptions::default(), FieldTable::default())
+    ch.exchange_declare(EVENTS_EXCHANGE.into(), ExchangeKind::Topic, ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
         .await
-        .context("binding the submissions queue to the intake exchange")?;
+        .context("declaring the events exchange")?;
     Ok(())
 }
 
-async fn declare_quorum(ch: &Channel, name: &str, dead_letter: bool) -> Result<()> {
+/// Declare the intake's partitions (the scheduler's part of the topology): the consistent-hash
+/// exchange bound to the intake, and `partitions` queues with a single active consumer each, one
+/// share of the hash ring each. Safe from every scheduler, every start, as long as all use the
+/// same `partitions`. Returns whether the [`LEGACY_SUBMISSIONS_QUEUE`] of an earlier version still
+/// holds messages: it is unbound from the intake (and deleted when empty), and then drained by
+/// the owner of partition 0.
+pub async fn declare_intake_partitions(conn: &Connection, partitions: u16) -> Result<bool> {
+    let ch = conn.create_channel().await.context("opening a channel to declare the intake partitions")?;
+    ch.exchange_declare(
+        INTAKE_PARTITIONS_EXCHANGE.into(),
+        ExchangeKind::Custom("x-consistent-hash".into()),
+        ExchangeDeclareOptions { durable: true, ..Default::default() },
+        FieldTable::default(),
+    )
+    .await
+    .context("declaring the intake's consistent-hash exchange (is the rabbitmq_consistent_hash_exchange plugin enabled?)")?;
+    ch.exchange_bind(INTAKE_PARTITIONS_EXCHANGE.into(), INTAKE_EXCHANGE.into(), "".into(), ExchangeBindOptions::default(), FieldTable::default())
+        .await
+        .context("binding the partitions exchange to the intake exchange")?;
+    for p in 0..partitions {
+        let queue = submissions_queue(p);
+        declare_quorum(&ch, &queue, true, true).await?;
+        // The binding key of a consistent-hash exchange is the queue's weight on the ring.
+        ch.queue_bind(queue.as_str().into(), INTAKE_PARTITIONS_EXCHANGE.into(), "1".into(), QueueBindOptions::default(), FieldTable::default())
+            .await
+            .with_context(|| format!("binding {queue} to the partitions exchange"))?;
+    }
+    let _ = ch.close(200, "declared".into()).await;
+    legacy_submissions_left(conn).await
+}
+
+/// Unbind the [`LEGACY_SUBMISSIONS_QUEUE`] from the intake if it exists, delete it if empty;
+/// whether it holds messages still. (A passive declare of a missing queue closes its channel,
+/// hence a channel of its own.)
+async fn legacy_submissions_left(conn: &Connection) -> Result<bool> {
+    let ch = conn.create_channel().await.context("opening a channel to look for the legacy submissions queue")?;
+    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+    let Ok(queue) = ch.queue_declare(LEGACY_SUBMISSIONS_QUEUE.into(), passive, FieldTable::default()).await else {
+        return Ok(false);
+    };
+    ch.queue_unbind(LEGACY_SUBMISSIONS_QUEUE.into(), INTAKE_EXCHANGE.into(), "".into(), FieldTable::default())
+        .await
+        .context("unbinding the legacy submissions queue from the intake")?;
+    if queue.message_count() > 0 {
+        tracing::warn!(messages = queue.message_count(), "the legacy submissions queue still holds messages; the owner of partition 0 drains it");
+        return Ok(true);
+    }
+    ch.queue_delete(LEGACY_SUBMISSIONS_QUEUE.into(), QueueDeleteOptions { if_empty: true, ..Default::default() })
+        .await
+        .context("deleting the empty legacy submissions queue")?;
+    let _ = ch.close(200, "done".into()).await;
+    Ok(false)
+}
+
+/// Declare a durable quorum queue; `dead_letter`: poison messages go to [`DEAD_LETTER_EXCHANGE`]
+/// after [`DELIVERY_LIMIT`] returns; `single_active`: one consumer at a time takes its messages.
+async fn declare_quorum(ch: &Channel, name: &str, dead_letter: bool, single_active: bool) -> Result<()> {
     let mut args = FieldTable::default();
     args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    if single_active {
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    }
     if dead_letter {
         args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(DEAD_LETTER_EXCHANGE.into()));
         args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
@@ -164,6 +295,26 @@ pub async fn publish_to(ch: &Channel, exchange: &str, routing_key: &str, body: &
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_tenants_queue_namespace_is_its_own() {
+        let (configure, write, read) = super::tenant_permissions("acme");
+        assert_eq!(configure, "^(sandcell\\.live\\.acme\\..*)$");
+        assert!(write.starts_with("^(sandcell\\.intake|") && read.starts_with("^(sandcell\\.events|"));
+        assert_eq!(super::tenant_queue_prefix("acme"), "sandcell.live.acme.");
+    }
+
+    #[test]
+    fn a_tenants_topic_permission_matches_only_its_own_routing_keys() {
+        let (_, write, read) = super::tenant_topic_permission("acme");
+        assert_eq!(write, "^$");
+        assert_eq!(read, "^acme\\.");
+        // As RabbitMQ applies it: a regex search of the binding key.
+        let starts = |key: &str| key.starts_with("acme.");
+        assert!(starts(&sandcell_protocol::event::routing_key("acme", "j1")));
+        assert!(!starts(&sandcell_protocol::event::routing_key("acme-2", "j1")));
+        assert!(!starts("#"));
+    }
+
     #[test]
     fn passwords_never_reach_logs() {
         assert_eq!(super::redact("amqp://sandcell:s3cret@127.0.0.1:5672/%2f"), "amqp://sandcell:***@127.0.0.1:5672/%2f");

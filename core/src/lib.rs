@@ -27,6 +27,8 @@ pub mod store;
 pub mod telemetry;
 #[cfg(feature = "services")]
 pub mod tenants;
+#[cfg(feature = "services")]
+pub mod uploads;
 
 /// Run `f` until it succeeds, waiting with capped exponential backoff between tries and logging
 /// every failure. Used for connecting to services that may still be starting or restarting.

@@ -50,3 +50,14 @@ pub async fn notify_channel(pool: &PgPool, tenant: &str) -> Result<Option<String
         .await
         .context("reading the tenant's notification channel")
 }
+
+/// The scheduler's answer to an upload request (`uploads`), once there is one.
+pub async fn upload_grant(pool: &PgPool, tenant: &str, upload_id: &str) -> Result<Option<sandcell_protocol::upload::UploadGrant>> {
+    let doc: Option<serde_json::Value> = sqlx::query_scalar("SELECT grant_doc FROM uploads WHERE tenant = $1 AND upload_id = $2")
+        .bind(tenant)
+        .bind(upload_id)
+        .fetch_optional(pool)
+        .await
+        .context("reading an upload grant")?;
+    doc.map(|d| serde_json::from_value(d).context("decoding an upload grant")).transpose()
+}

@@ -62,10 +62,12 @@ pub(crate) async fn touch(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, touch:
             .context("closing the session")?;
     } else {
         sqlx::query(
-            "UPDATE sessions SET last_activity_at = now(), expires_at = now() + keep_alive_s * interval '1 second'
+            "UPDATE sessions SET keep_alive_s = COALESCE($2, keep_alive_s), last_activity_at = now(),
+                                 expires_at = now() + COALESCE($2, keep_alive_s) * interval '1 second'
              WHERE session_id = $1 AND state = 'active'",
         )
         .bind(&touch.id)
+        .bind(touch.keep_alive_s.map(|k| i32::try_from(k).unwrap_or(i32::MAX)))
         .execute(&mut **tx)
         .await
         .context("extending the session's keep-alive")?;
@@ -254,6 +256,37 @@ impl SessionStore {
         let jobs = crate::jobs::reject_stuck(&mut tx, millis, &reason).await?;
         tx.commit().await.context("committing stuck jobs and sessions")?;
         Ok((jobs, sessions.len() as u64))
+    }
+
+    /// Refuse new sessions no worker took: sessions still `starting` whose opening job was
+    /// dispatched more than `wait` ago and is still `queued` (a worker without room for another
+    /// session does not consume `sandcell.sessions.new`, so at a full fleet such jobs wait in the
+    /// queue). The session becomes `failed` and its jobs `rejected` with `capacity`; should a
+    /// worker take the message later, its claim finds the job ended and skips it. Returns how
+    /// many sessions.
+    pub async fn refuse_unplaced(&self, wait: Duration) -> Result<u64> {
+        let millis = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+        let why = format!("no worker had room for another session within {} s", wait.as_secs());
+        let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Capacity, why))?;
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let sessions: Vec<String> = sqlx::query_scalar(
+            "UPDATE sessions SET state = 'failed', ended_at = now(), end_reason = $2
+             WHERE state = 'starting' AND state = ANY($3)
+               AND EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = sessions.tenant AND j.job_id = sessions.created_by_job
+                             AND j.status = 'queued' AND j.held_job IS NULL AND j.dispatched_at < now() - $1 * interval '1 millisecond')
+             RETURNING session_id",
+        )
+        .bind(millis)
+        .bind(&reason)
+        .bind(states(SessionState::Failed))
+        .fetch_all(&mut *tx)
+        .await
+        .context("failing sessions no worker took")?;
+        if !sessions.is_empty() {
+            crate::jobs::refuse_jobs_of_sessions(&mut tx, &sessions, &reason).await?;
+        }
+        tx.commit().await.context("committing refused sessions")?;
+        Ok(sessions.len() as u64)
     }
 }
 

@@ -92,6 +92,24 @@ impl ArtifactStore {
         Ok(req.uri().to_string())
     }
 
+    /// A presigned PUT URL for `key`, valid for `ttl`, for a body of `size` bytes (the length is
+    /// part of what is signed, where the store checks it). The worker still refuses to fetch an
+    /// input larger than its limit.
+    pub async fn presign_put(&self, key: &str, ttl: Duration, size: u64) -> Result<String> {
+        let cfg = PresigningConfig::expires_in(ttl.clamp(Duration::from_secs(1), MAX_PRESIGN)).context("presign duration")?;
+        let len = i64::try_from(size).context("upload size")?;
+        let req = self
+            .client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .content_length(len)
+            .presigned(cfg)
+            .await
+            .with_context(|| format!("presigning an upload to {key}"))?;
+        Ok(req.uri().to_string())
+    }
+
     /// Read an object of at most `max_bytes` (input files uploaded by reference).
     pub async fn get_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched> {
         let resp = match self.client.get_object().bucket(&self.bucket).key(key).send().await {

@@ -86,3 +86,23 @@ fn respond(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Fu
     }
     resp
 }
+
+/// Wait for SIGINT or SIGTERM (what Kubernetes and `stop_sandcell` send); the signal's name.
+/// Both binaries stop gracefully on either.
+pub async fn stop_signal() -> &'static str {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops this process gracefully");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term => "SIGTERM",
+    }
+}

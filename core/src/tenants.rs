@@ -196,6 +196,52 @@ impl TenantStore {
         Ok(())
     }
 
+    /// Every registered tenant, by name: its quotas and whether it has a database login.
+    pub async fn list(&self) -> Result<Vec<(String, Quotas, bool)>> {
+        let rows = sqlx::query(
+            "SELECT tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, db_role IS NOT NULL FROM tenants ORDER BY tenant",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .context("listing tenants")?;
+        rows.iter()
+            .map(|r| {
+                let quotas = Quotas {
+                    max_sessions: u32::try_from(r.try_get::<i32, _>(1)?).unwrap_or(0),
+                    max_queued_jobs: u32::try_from(r.try_get::<i32, _>(2)?).unwrap_or(0),
+                    max_artifact_bytes: u64::try_from(r.try_get::<i64, _>(3)?).unwrap_or(0),
+                    max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>(4)?).unwrap_or(1),
+                };
+                Ok((r.try_get(0)?, quotas, r.try_get(5)?))
+            })
+            .collect()
+    }
+
+    /// Take a tenant's database login away (its role is dropped) and set its session and job
+    /// quotas to zero, so no job of it is admitted again, even from a trusted backend. Its rows
+    /// and artifacts stay (history; artifacts expire on their TTL). Whether the tenant existed.
+    pub async fn revoke(&self, tenant: &str) -> Result<bool> {
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let Some(role) = sqlx::query_scalar::<_, Option<String>>("SELECT db_role FROM tenants WHERE tenant = $1 FOR UPDATE")
+            .bind(tenant)
+            .fetch_optional(&mut *tx)
+            .await
+            .context("reading the tenant's role")?
+        else {
+            return Ok(false);
+        };
+        if let Some(role) = role.filter(|r| is_tenant_role(r)) {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}"))).execute(&mut *tx).await.context("dropping the tenant's role")?;
+        }
+        sqlx::query("UPDATE tenants SET db_role = NULL, max_sessions = 0, max_queued_jobs = 0 WHERE tenant = $1")
+            .bind(tenant)
+            .execute(&mut *tx)
+            .await
+            .context("revoking the tenant")?;
+        tx.commit().await.context("committing the revocation")?;
+        Ok(true)
+    }
+
     /// The tenant's quotas, if it is registered.
     pub async fn quotas(&self, tenant: &str) -> Result<Option<Quotas>> {
         let row = sqlx::query("SELECT max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight FROM tenants WHERE tenant = $1")

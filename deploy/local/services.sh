@@ -2,9 +2,16 @@
 # Sourced by demo.sh and test.sh: start and stop the sandcell binaries against the local stack.
 #
 # bring_up_stack                  runs up.sh and exports the env file's settings.
-# start_sandcell BIN_DIR LOG_DIR  starts sandcell-scheduler and sandcell-worker in the
-# background (pids in $SANDCELL_RUN_DIR) and waits until both /healthz answer 200.
-# stop_sandcell                   stops them. Both are idempotent.
+# start_sandcell BIN_DIR LOG_DIR  starts $SANDCELL_SCHEDULERS schedulers and $SANDCELL_WORKERS
+# workers (default 1 each) in the background and waits until every /healthz answers 200.
+# stop_sandcell                   stops them (SIGTERM, then SIGKILL after 5 s). Both are idempotent.
+#
+# A fleet on one box: instance k (1-based) of a binary is named `scheduler` / `worker` for k = 1
+# and `scheduler-k` / `worker-k` after; its metrics port is the configured one (9464 scheduler,
+# 9465 worker) plus 10·(k-1), and worker k > 1 has the id `<SANDCELL_WORKER_ID or hostname>-k`.
+# Each instance gets, in $SANDCELL_RUN_DIR, `<name>.cmd` (its launcher: the instance's own
+# settings, then the binary, logging to LOG_DIR/<name>.log) and `<name>.pid`; a supervisor — or a
+# test — restarts an instance by running its launcher again.
 
 # cargo and garage live in ~/.cargo/bin (rustup); CI may start with a bare PATH.
 export PATH="$PATH:${HOME:-/root}/.cargo/bin:/usr/sbin:/sbin"
@@ -30,17 +37,24 @@ load_sandcell_env() {
 }
 
 stop_sandcell() {
-    local name pid
-    for name in scheduler worker; do
-        [ -f "$SANDCELL_RUN_DIR/$name.pid" ] || continue
-        pid=$(cat "$SANDCELL_RUN_DIR/$name.pid")
+    local f pid pids=()
+    # Every instance at once (a worker drains for up to its grace), then whatever is left.
+    for f in "$SANDCELL_RUN_DIR"/scheduler*.pid "$SANDCELL_RUN_DIR"/worker*.pid; do
+        [ -f "$f" ] || continue
+        pid=$(cat "$f")
         if kill -0 "$pid" 2>/dev/null; then
             kill "$pid" 2>/dev/null || true
-            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-            kill -9 "$pid" 2>/dev/null || true
+            pids+=("$pid")
         fi
-        rm -f "$SANDCELL_RUN_DIR/$name.pid"
+        rm -f "$f" "${f%.pid}.cmd"
     done
+    for _ in $(seq 50); do
+        local alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" = 1 ] || break
+        sleep 0.1
+    done
+    for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
 }
 
 wait_healthy() {
@@ -57,14 +71,47 @@ wait_healthy() {
     return 1
 }
 
+# The metrics address of instance k: the base address's port plus 10·(k-1).
+instance_addr() {
+    local base=$1 k=$2
+    echo "${base%:*}:$((${base##*:} + 10 * (k - 1)))"
+}
+
+# Write instance k of `kind` (scheduler|worker)'s launcher and start it; prints "name addr".
+start_instance() {
+    local kind=$1 k=$2 bin_dir=$3 log_dir=$4 name=$1 addr id
+    [ "$k" = 1 ] || name="$kind-$k"
+    local cmd="$SANDCELL_RUN_DIR/$name.cmd" log="$log_dir/$name.log"
+    {
+        echo "#!/usr/bin/env bash"
+        echo "# sandcell $name: written by deploy/local/services.sh start_sandcell"
+        if [ "$kind" = scheduler ]; then
+            addr=$(instance_addr "${SANDCELL_SCHEDULER_METRICS_ADDR:-127.0.0.1:9464}" "$k")
+            echo "export SANDCELL_SCHEDULER_METRICS_ADDR=$addr"
+        else
+            addr=$(instance_addr "${SANDCELL_WORKER_METRICS_ADDR:-127.0.0.1:9465}" "$k")
+            echo "export SANDCELL_WORKER_METRICS_ADDR=$addr"
+            if [ "$k" != 1 ]; then
+                id="${SANDCELL_WORKER_ID:-$(hostname)}-$k"
+                echo "export SANDCELL_WORKER_ID=$id"
+            fi
+        fi
+        echo "exec $(printf '%q' "$bin_dir/sandcell-$kind") >>$(printf '%q' "$log") 2>&1"
+    } >"$cmd"
+    : >"$log"
+    nohup bash "$cmd" >/dev/null 2>&1 &
+    echo $! >"$SANDCELL_RUN_DIR/$name.pid"
+    echo "$name $addr"
+}
+
 start_sandcell() {
-    local bin_dir=$1 log_dir=$2 name
+    local bin_dir=$1 log_dir=$2 k name addr started=()
     mkdir -p "$SANDCELL_RUN_DIR" "$log_dir"
     stop_sandcell
-    for name in scheduler worker; do
-        nohup "$bin_dir/sandcell-$name" >"$log_dir/$name.log" 2>&1 &
-        echo $! >"$SANDCELL_RUN_DIR/$name.pid"
+    for k in $(seq "${SANDCELL_SCHEDULERS:-1}"); do started+=("$(start_instance scheduler "$k" "$bin_dir" "$log_dir")"); done
+    for k in $(seq "${SANDCELL_WORKERS:-1}"); do started+=("$(start_instance worker "$k" "$bin_dir" "$log_dir")"); done
+    for k in "${started[@]}"; do
+        read -r name addr <<<"$k"
+        wait_healthy "$name" "$addr" "$log_dir/$name.log"
     done
-    wait_healthy scheduler "${SANDCELL_SCHEDULER_METRICS_ADDR:-127.0.0.1:9464}" "$log_dir/scheduler.log"
-    wait_healthy worker "${SANDCELL_WORKER_METRICS_ADDR:-127.0.0.1:9465}" "$log_dir/worker.log"
 }

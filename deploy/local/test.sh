@@ -3,8 +3,11 @@
 # scheduler and a worker, and run every test against the real services:
 #   - Rust unit tests (pure logic) and end-to-end tests (tests/) with `cargo test --workspace`;
 #   - the in-sandbox driver's tests, inside the real sandbox image;
+#   - the Python SDK (clients/python): installed with pip from the package index the machine is
+#     configured for, type-checked with mypy --strict, and its pytest suite run against the stack;
 #   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run), and
 #     the client library's dependencies (no S3 SDK, no metrics server).
+# The fleet suite (tests/fleet.rs) runs once, under runc, against 2 schedulers and 3 workers.
 # Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity,
 # fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
@@ -46,6 +49,17 @@ fi
 echo "== building"
 cargo build --workspace --bins --tests --features sandcell-tests/e2e
 
+# The Python SDK as a user installs it (a fresh virtualenv each run), and its type check.
+echo "== Python SDK: pip install ./clients/python[test], mypy --strict"
+py_ok=1
+rm -rf "$repo/target/py"
+if python3 -m venv "$repo/target/py" && "$repo/target/py/bin/pip" install -q --disable-pip-version-check "$repo/clients/python[test]"; then
+    (cd "$repo/clients/python" && "$repo/target/py/bin/mypy") || failed+=("mypy --strict on the Python SDK")
+else
+    py_ok=0
+    failed+=("installing the Python SDK")
+fi
+
 trap stop_sandcell EXIT
 
 # One pass: the worker (and the driver tests) under one OCI runtime. The first pass runs every
@@ -71,18 +85,32 @@ run_pass() {
     echo "== [$runtime] cargo test ($scope)"
     local packages=(--workspace) t
     if [ "$scope" != all ]; then
-        # Every end-to-end test again, but chaos, capacity and fairness: they prove the fleet's
-        # recovery, placement and dispatch order, which do not depend on the OCI runtime (and
-        # take minutes); and egress: the local stack registers runsc with --network=none, so a
+        # Every end-to-end test again, but chaos, capacity, fairness and fleet: they prove the
+        # fleet's recovery, placement and dispatch order, which do not depend on the OCI runtime
+        # (and take minutes; fleet needs a fleet of its own, started once, under runc); and egress: the local stack registers runsc with --network=none, so a
         # gVisor sandbox has no network even when its tenant is granted one.
         packages=(-p sandcell-tests)
         for t in tests/*.rs; do
-            case "$(basename "$t" .rs)" in build | chaos | capacity | fairness | egress) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
+            case "$(basename "$t" .rs)" in build | chaos | capacity | fairness | egress | fleet) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
         done
     fi
     # shellcheck disable=SC2086
     cargo test "${packages[@]}" --features sandcell-tests/e2e --no-fail-fast ${CARGO_TEST_ARGS:-} || failed+=("cargo tests under $runtime")
+    # The SDK is a client: what it proves does not depend on the OCI runtime.
+    if [ "$scope" = all ] && [ "$py_ok" = 1 ]; then
+        echo "== [$runtime] Python SDK tests (pytest clients/python)"
+        (cd "$repo/clients/python" && SANDCELL_ADMIN_BIN="$repo/target/debug/sandcell-admin" "$repo/target/py/bin/pytest" -q) \
+            || failed+=("Python SDK tests under $runtime")
+    fi
     stop_sandcell
+    # The fleet: 2 schedulers and 3 workers at once (what it proves does not depend on the OCI runtime).
+    if [ "$scope" = all ]; then
+        echo "== [$runtime] fleet tests: 2 schedulers, 3 workers"
+        SANDCELL_SCHEDULERS=2 SANDCELL_WORKERS=3 start_sandcell "$repo/target/debug" "$SANDCELL_TEST_LOG_DIR/fleet"
+        # shellcheck disable=SC2086
+        cargo test -p sandcell-tests --features sandcell-tests/fleet --test fleet --no-fail-fast ${CARGO_TEST_ARGS:-} -- --test-threads=1 || failed+=("fleet tests under $runtime")
+        stop_sandcell
+    fi
 }
 
 # SANDCELL_TEST_RUNTIMES: which runtimes to test (default: every one the stack registered, i.e.

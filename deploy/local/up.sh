@@ -2,7 +2,7 @@
 # up.sh: bring up everything sandcell needs on one Debian 12 machine (run as root).
 #
 # Installs what is missing and starts what is not running, without systemd:
-#   apt      docker.io rabbitmq-server postgresql-15 debootstrap (+ runsc if available)
+#   apt      docker.io rabbitmq-server postgresql-15 debootstrap python3-venv (+ runsc if available)
 #   docker   dockerd --bridge=none (no default bridge; sandboxes use network none),
 #            runsc registered as a runtime with --network=none when installed
 #   rabbitmq RabbitMQ on 127.0.0.1:5672, user `sandcell` (administrator, all on vhost /)
@@ -91,7 +91,8 @@ pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'insta
 garage_bin() { command -v garage 2>/dev/null || true; }
 
 step_apt() {
-    local want=(docker.io rabbitmq-server postgresql-15 debootstrap curl ca-certificates)
+    # python3-venv: the Python SDK's tests install it in a virtualenv.
+    local want=(docker.io rabbitmq-server postgresql-15 debootstrap curl ca-certificates python3-venv)
     # Building garage from source needs a C toolchain (bundled sqlite, lmdb, libsodium, zstd).
     if [ -z "$(garage_bin)" ]; then want+=(gcc make pkg-config libc6-dev); fi
     local missing=() p
@@ -179,8 +180,10 @@ max_message_size = 17825792
 management.tcp.ip = 127.0.0.1
 management.tcp.port = 15672
 EOF
+    # The consistent-hash exchange spreads submissions over the intake's partitions by session
+    # (scheduler/src/partitions.rs); it ships with RabbitMQ.
     write_if_changed /etc/rabbitmq/enabled_plugins 0644 <<'EOF' && changed=0
-[rabbitmq_management].
+[rabbitmq_consistent_hash_exchange,rabbitmq_management].
 EOF
     # Erlang distribution (epmd 4369, node 25672) on loopback only as well.
     write_if_changed /etc/rabbitmq/rabbitmq-env.conf 0644 <<'EOF' && changed=0

@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod event;
 pub mod job;
 pub mod limits;
 pub mod paths;
@@ -18,8 +19,10 @@ pub mod session;
 pub mod status;
 pub mod storable;
 pub mod submission;
+pub mod upload;
 
 pub use error::{ErrorCode, Reason};
+pub use event::{EventBody, JobEvent};
 pub use job::ExecutionJob;
 pub use limits::{ExecutionLimits, IntakeLimits, LimitPolicy, ResourceRequest};
 pub use result::{

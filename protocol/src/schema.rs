@@ -12,6 +12,9 @@ pub fn all() -> Vec<(&'static str, Schema)> {
         ("execution-job.schema.json", schema_for!(crate::ExecutionJob)),
         ("result.schema.json", schema_for!(crate::JobResult)),
         ("session.schema.json", schema_for!(crate::Session)),
+        ("event.schema.json", schema_for!(crate::JobEvent)),
+        ("upload-request.schema.json", schema_for!(crate::upload::UploadRequest)),
+        ("upload-grant.schema.json", schema_for!(crate::upload::UploadGrant)),
     ]
 }
 

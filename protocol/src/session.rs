@@ -110,8 +110,9 @@ pub struct SessionRequest {
     /// Run in this existing session (an id a previous result returned).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
-    /// With `new`: seconds the session lives after its last activity (clamped to the operator's
-    /// maximum; default 300).
+    /// Seconds the session lives after its last activity (default 300; clamped to `[1, the
+    /// operator's maximum]`, 3600 by default). With `new`: the session's keep-alive; with `id`:
+    /// its new keep-alive from this job on (E2B's `set_timeout`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_alive_s: Option<u64>,
     /// With `id`: close the session after this job (its code may be empty).
@@ -127,9 +128,6 @@ impl SessionRequest {
             (None, false) => return Err("session: give `new: true` to open a session or `id` to use one".into()),
             (Some(id), false) if !is_valid_session_id(id) => return Err("session.id is not a session id sandcell issued".into()),
             _ => {}
-        }
-        if self.keep_alive_s.is_some() && !self.new {
-            return Err("session.keep_alive_s can only be set when opening a session".into());
         }
         if self.close && self.new {
             return Err("session.close needs an existing session `id`".into());
@@ -178,7 +176,8 @@ pub struct JobSession {
     pub id: String,
     /// This job opens the session.
     pub new: bool,
-    /// With `new`: the keep-alive in seconds, resolved by the scheduler (0 otherwise).
+    /// The keep-alive in seconds, resolved by the scheduler: with `new`, the session's; else
+    /// its new keep-alive from this job on, or 0 for unchanged.
     pub keep_alive_s: u64,
     /// Close the session after this job.
     pub close: bool,
@@ -255,7 +254,8 @@ mod tests {
         assert!(id.check().is_ok());
         assert!(SessionRequest::default().check().is_err());
         assert!(SessionRequest { new: true, id: Some(new_session_id()), ..Default::default() }.check().is_err());
-        assert!(SessionRequest { id: Some(new_session_id()), keep_alive_s: Some(5), ..Default::default() }.check().is_err());
+        // A new keep-alive for an existing session (set_timeout).
+        assert!(SessionRequest { id: Some(new_session_id()), keep_alive_s: Some(5), ..Default::default() }.check().is_ok());
         assert!(SessionRequest { new: true, close: true, ..Default::default() }.check().is_err());
     }
 }

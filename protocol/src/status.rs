@@ -27,7 +27,9 @@ pub enum JobStatus {
     Succeeded,
     /// The code ran and failed: a Python exception (see `error`) or a non-zero exit code.
     Failed,
-    /// The code exceeded its wall-clock timeout; the sandbox was killed.
+    /// The code exceeded its wall-clock timeout: a one-off job's sandbox was killed; a session's
+    /// cell was interrupted (the session keeps its state) or, if it did not stop, its kernel
+    /// was replaced (`kernel_restarted`).
     TimedOut,
     /// The sandbox exceeded its memory limit and was killed by the kernel.
     OomKilled,

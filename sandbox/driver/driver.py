@@ -389,6 +389,8 @@ class KernelProcess:
         os.close(rep_w)
         capture.kernel_started()
         self.pid = self.proc.pid
+        # A ping asked for a standby process whose frame has not been read yet.
+        self.standby_pending = False
         self.channel = Channel(rep_r, req_w, None, max_in=MAX_KERNEL_FRAME_BYTES, discard_oversize=False)
         self.channel.log = log
 
@@ -398,15 +400,17 @@ class KernelProcess:
         except OSError as exc:
             raise KernelGone("the kernel stopped reading: %r" % (exc,))
 
-    def ping(self, timeout_s=2.0):
+    def ping(self, timeout_s=2.0, standby=False):
         """Ask the kernel for a pong with a fresh nonce, dropping whatever is
         in the pipe before it.  Returns the settings the pong reports (the
         kernel's own resource limits, priority, scheduling policy and CPU
         affinity, read in-process), or None when it does not answer in time
-        or the pipe's framing is broken (the kernel is then ended)."""
+        or the pipe's framing is broken (the kernel is then ended).
+        standby: the kernel then forks the process for the next fresh run
+        (see await_standby)."""
         nonce = secrets.token_hex(16)
         try:
-            self.send({"type": "ping", "nonce": nonce})
+            self.send({"type": "ping", "nonce": nonce, "standby": standby})
             deadline = time.monotonic() + timeout_s
             while True:
                 remaining = deadline - time.monotonic()
@@ -415,11 +419,34 @@ class KernelProcess:
                     return None
                 frame = self.recv()
                 if frame["type"] == "pong" and frame.get("nonce") == nonce:
+                    self.standby_pending = standby
                     return frame.get("settings")
                 self.log("dropped a kernel %s frame before its pong" % cap_text(frame["type"], 64))
         except KernelGone as exc:
             self.log(safe_str(exc))
             return None
+
+    def await_standby(self, timeout_s=5.0):
+        """Before a request's processes are counted: wait for the standby frame
+        the zygote sends once it has forked the next fresh run's process
+        (asked for by the last ping), so that process is counted as there
+        before the request, not killed after it as one the job left."""
+        if not self.standby_pending:
+            return
+        self.standby_pending = False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.channel.in_fd], [], [], remaining)[0]:
+                self.log("the kernel sent no standby frame within %ss" % timeout_s)
+                return
+            frame = self.recv()
+            if frame["type"] == "standby":
+                return
+            if frame["type"] == "log":
+                self.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
+            else:
+                self.log("dropped a kernel %s frame before its standby frame" % cap_text(frame["type"], 64))
 
     def recv(self):
         """The next frame: a dict with a string "type".  Raises KernelGone
@@ -620,6 +647,7 @@ class Driver:
             os.makedirs(WORKSPACE, exist_ok=True)
             ok = self.write_inputs(req_id, req["files"])
             before = snapshot(WORKSPACE) if ok else None
+        self.kernel.await_standby()
         existing = set(other_processes())
         existing.add(self.kernel.pid)
         if not ok:
@@ -673,7 +701,7 @@ class Driver:
         # The job ran under the zygote's uid: it could have set the zygote's resource limits,
         # priority or CPU affinity (inherited by every later job), or stopped it. The zygote
         # must answer, as it was when it became ready.
-        settings = self.kernel.ping()
+        settings = self.kernel.ping(standby=True)
         answers = settings is not None
         unchanged = answers and settings == self.kernel.settings_at_ready
         verdict = emptied and ipc_clean and alone and unchanged and answers

@@ -29,10 +29,17 @@ child_exit      {"id", "status": int}   after a fresh run: how the run's
 
 pong            {"nonce", "settings"}   answer to ping: this process's
                 resource limits, nice value, CPU affinity and scheduling policy.
+standby         {"pid"}   after a pong to a ping with "standby": the process
+                forked for the next fresh run is ready to be handed it.
 
 Driver -> kernel
 ----------------
-ping            {"nonce"}   answered with pong (between runs).
+ping            {"nonce", "standby": bool}   answered with pong (between
+                runs); with standby (after a fresh run, once the driver has
+                cleaned up after it) the zygote then forks the process for
+                the next fresh run and says so with a standby frame: the fork
+                and the copy-on-write faults of the cell machinery's first
+                use are paid between jobs, not by the next job.
 run             {"id", "language": "python"|"bash", "code", "fresh": bool}
                 fresh: run the cell in a child forked for it (a one-off
                 job), which exits after its cell_done: this process -- the
@@ -49,6 +56,7 @@ to its process group, SIGKILL after 2 s) and is ignored between cells.
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import io
 import base64
@@ -223,6 +231,10 @@ def create_shell():
             with GATE.quiet():
                 sent_before = self.sandcell_errors_sent
                 try:
+                    try:
+                        exc_tuple = _without_own_frames(self._get_exc_info(exc_tuple))
+                    except ValueError:
+                        pass  # nothing to report: IPython says so itself
                     return super().showtraceback(exc_tuple, *args, **kwargs)
                 finally:
                     if self.sandcell_errors_sent == sent_before:
@@ -260,6 +272,25 @@ def create_shell():
     config = Config()
     config.HistoryManager.hist_file = ":memory:"  # no sqlite file, no saver thread
     return SandcellShell.instance(config=config, colors="NoColor")
+
+
+def _without_own_frames(exc_tuple):
+    """An interrupt is raised in the interrupt gate's signal handler, so its traceback ends in a
+    frame of this file: sandcell's, not the user's code, and noise to an agent fixing that code.
+    Drop such frames from the end of a KeyboardInterrupt's traceback."""
+    etype, evalue, tb = exc_tuple
+    if not isinstance(evalue, KeyboardInterrupt) or tb is None:
+        return exc_tuple
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    keep = len(frames)
+    while keep > 1 and frames[keep - 1].tb_frame.f_code.co_filename == __file__:
+        keep -= 1
+    if keep < len(frames):
+        frames[keep - 1].tb_next = None
+    return etype, evalue.with_traceback(frames[0]), frames[0]
 
 
 def flush_figures(sink):
@@ -304,6 +335,9 @@ class Kernel:
         self._libc = _load_libc()
         # Private copies of the capture pipes, to point fds 1/2 back at them.
         self._private_w = {1: os.dup(1), 2: os.dup(2)}
+        # The process forked for the next fresh run, and the pipe its request goes down:
+        # (pid, write fd), or None.
+        self.standby = None
 
     def serve(self):
         while True:
@@ -316,6 +350,8 @@ class Kernel:
                 # that the pipe is in step: whatever the job wrote to it is read and dropped
                 # before this pong.
                 self.channel.send({"type": "pong", "nonce": req.get("nonce"), "settings": _own_settings()})
+                if req.get("standby") is True:
+                    self.fork_standby()
                 continue
             if req.get("type") != "run":
                 continue  # an ack of a frame the code forged itself
@@ -339,23 +375,14 @@ class Kernel:
                            "execution_count": self.execution_count, "errno": self.last_error_errno})
 
     def run_fresh(self, req):
-        """Run the cell in a child forked for it; this process waits, then
-        says how the child ended.  The child never returns here."""
-        pid = self.channel.fork_heir()
-        if pid == 0:
-            status = 70  # EX_SOFTWARE: the cell's machinery failed
-            try:
-                _reseed_after_fork()
-                self.run_cell(req)
-                status = 0
-            except BaseException as exc:
-                try:
-                    self.channel.log("fresh run failed: %r" % (exc,))
-                except BaseException:
-                    pass
-            finally:
-                # Not sys.exit: no atexit handler or thread of the job's runs on.
-                os._exit(status)
+        """Run the cell in a child forked for it (the standby, when there is
+        one); this process waits, then says how the child ended.  The child
+        never returns here."""
+        pid = self.hand_to_standby(req)
+        if pid is None:
+            pid = self.channel.fork_heir()
+            if pid == 0:
+                self.run_as_child(req)
         while True:
             try:
                 _, wait_status = os.waitpid(pid, 0)
@@ -363,6 +390,65 @@ class Kernel:
             except InterruptedError:
                 continue
         self.channel.send({"type": "child_exit", "id": req["id"], "status": os.waitstatus_to_exitcode(wait_status)})
+
+    def run_as_child(self, req):
+        """A fresh run's process: run the cell, then exit (never returns)."""
+        status = 70  # EX_SOFTWARE: the cell's machinery failed
+        try:
+            _reseed_after_fork()
+            self.run_cell(req)
+            status = 0
+        except BaseException as exc:
+            try:
+                self.channel.log("fresh run failed: %r" % (exc,))
+            except BaseException:
+                pass
+        finally:
+            # Not sys.exit: no atexit handler or thread of the job's runs on.
+            os._exit(status)
+
+    def fork_standby(self):
+        """Fork the process for the next fresh run and have it take, before
+        any job exists, the page faults a forked process pays on the cell
+        machinery's first use; it then waits for its request on a pipe only
+        this process writes."""
+        if self.standby is not None:
+            return
+        go_r, go_w = os.pipe()
+        pid = self.channel.fork_heir()
+        if pid == 0:
+            try:
+                os.close(go_w)
+                warm_up_shell(self.shell)
+                req = _read_request(go_r)
+            except BaseException:
+                os._exit(70)
+            if req is None:
+                os._exit(0)  # the zygote went, or dropped this standby
+            self.run_as_child(req)
+        os.close(go_r)
+        self.standby = (pid, go_w)
+        self.channel.send({"type": "standby", "pid": pid})
+
+    def hand_to_standby(self, req):
+        """Give req to the standby; its pid, or None when there is none (or
+        it died: it is then reaped, and the caller forks as before)."""
+        if self.standby is None:
+            return None
+        pid, go_w = self.standby
+        self.standby = None
+        try:
+            _write_all(go_w, json.dumps(req).encode("utf-8"))
+            return pid
+        except OSError as exc:
+            self.channel.log("the standby process is gone (%r): forking anew" % (exc,))
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass  # already reaped between runs
+            return None
+        finally:
+            os.close(go_w)
 
     def await_ack(self):
         """Block until the driver has forwarded the frame just sent."""
@@ -542,6 +628,33 @@ def _own_settings():
     return settings
 
 
+def warm_up_shell(shell):
+    """Run the cell machinery once on code of our own, leaving the user
+    namespace and the execution count as they were: IPython initialises
+    much of it lazily (the formatters' traits, the tokenizer's patterns),
+    which every fresh job would otherwise pay for again in its own process."""
+    shell.run_cell("None", store_history=False)
+    shell.display_formatter.format(2)
+
+
+def _read_request(fd):
+    """All of a request written to fd up to its end of file; None if empty."""
+    parts = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        parts.append(chunk)
+    os.close(fd)
+    return json.loads(b"".join(parts)) if parts else None
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _reseed_after_fork():
     """A forked job must not share the zygote's random state: Python's random
     reseeds itself after a fork; numpy's global generator does not."""
@@ -616,6 +729,14 @@ def main(req_fd, rep_fd):
     preloaded = preload(os.environ.get("SANDCELL_PRELOAD", ""), log)
     # Neither ptrace nor /proc/<pid>/mem of this process for the code it runs or forks (same
     # uid): a fresh job's process cannot reach into the zygote that forks the next one.
+    try:
+        warm_up_shell(shell)
+    except Exception as exc:
+        log("shell warm-up failed: %r" % (exc,))
+    # What exists now is the zygote's for good: the garbage collector of a forked job need not
+    # visit (and so copy) it.
+    gc.collect()
+    gc.freeze()
     libc = _load_libc()
     if libc is not None:
         try:

@@ -59,7 +59,9 @@ pub async fn dispatch_round(jobs: &JobStore, publisher: &Channel, metrics: &Metr
     for tenant in jobs.tenants_with_held_jobs(TENANTS_PER_ROUND).await? {
         let Some(held) = jobs.take_held(&tenant).await? else { continue };
         let props = broker::json_properties(&format!("{}/{}", held.tenant, held.job_id));
-        broker::publish_confirmed(publisher, broker::JOBS_QUEUE, &held.payload, props)
+        // Held jobs are shared-queue jobs: one-off, or opening a session.
+        let queue = serde_json::from_slice::<sandcell_protocol::ExecutionJob>(&held.payload).map_or(broker::JOBS_QUEUE, |job| broker::shared_queue(&job));
+        broker::publish_confirmed(publisher, queue, &held.payload, props)
             .await
             .with_context(|| format!("publishing held job {}/{}", held.tenant, held.job_id))?;
         tracing::info!(tenant = %held.tenant, job_id = %held.job_id, "held job dispatched");

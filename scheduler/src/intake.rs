@@ -1,4 +1,4 @@
-//! Intake: `sandcell.submissions` → identity → validation → quotas → Postgres → `sandcell.jobs`.
+//! Intake: `sandcell.submissions.<p>` (this scheduler's share of the partitions, [`partitions`]) → identity → validation → quotas → Postgres → `sandcell.jobs`.
 //!
 //! Invariants:
 //! - the tenant of a job is the broker user that published it (RabbitMQ checks the `user_id`
@@ -23,9 +23,9 @@
 //! - a job that opens a session goes to the shared `sandcell.jobs` queue (any worker with room);
 //!   a job naming a session that is not active is `rejected` with the session's reason.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -33,17 +33,20 @@ use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::Channel;
+use lapin::{Channel, Connection};
 use sandcell_core::broker;
 use sandcell_core::jobs::{JobSessionRecord, JobStore, Recorded};
 use sandcell_core::sessions::{Route, SessionStore};
 use sandcell_protocol::session::new_session_id;
 use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, JobSession, JobStatus, Reason, Rejection, Submission};
 use sha2::{Digest, Sha256};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
-use crate::Config;
+use crate::{partitions, Config};
+use sandcell_core::store::ArtifactStore;
 
 /// What to do with a delivery once handled.
 enum Disposition {
@@ -51,11 +54,17 @@ enum Disposition {
     DeadLetter,
 }
 
-/// Consume submissions forever, reconnecting after broker failures.
-pub async fn run(cfg: Config, jobs: JobStore, metrics: Metrics, broker_up: Arc<AtomicBool>) {
+/// Consume submissions until `shutdown`, reconnecting after broker or database failures.
+pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, broker_up: Arc<AtomicBool>, shutdown: CancellationToken) {
+    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())) };
     loop {
-        let result = consume(&cfg, &jobs, &metrics, &broker_up).await;
+        let result = consume(&shared, &broker_up, &shutdown).await;
         broker_up.store(false, Ordering::Relaxed);
+        shared.metrics.partitions_held.set(0);
+        if shutdown.is_cancelled() {
+            tracing::info!("intake stopped");
+            return;
+        }
         match result {
             Ok(()) => tracing::warn!("submission consumer ended; reconnecting"),
             Err(e) => tracing::warn!(error = format!("{e:#}"), "submission consumer failed; reconnecting"),
@@ -64,42 +73,241 @@ pub async fn run(cfg: Config, jobs: JobStore, metrics: Metrics, broker_up: Arc<A
     }
 }
 
-async fn consume(cfg: &Config, jobs: &JobStore, metrics: &Metrics, broker_up: &AtomicBool) -> Result<()> {
-    let url = cfg.services.amqp_url.clone();
-    let conn = sandcell_core::retry_forever("rabbitmq", |_| broker::connect(&url, "sandcell-scheduler")).await;
-    let consumer_ch = conn.create_channel().await.context("opening consumer channel")?;
-    broker::declare_topology(&consumer_ch).await?;
-    let publisher = broker::publisher_channel(&conn).await?;
-    consumer_ch.basic_qos(cfg.prefetch, BasicQosOptions::default()).await.context("setting prefetch")?;
-    let mut consumer = consumer_ch
-        .basic_consume(broker::SUBMISSIONS_QUEUE.into(), "sandcell-scheduler".into(), BasicConsumeOptions::default(), FieldTable::default())
-        .await
-        .context("consuming submissions")?;
-    broker_up.store(true, Ordering::Relaxed);
-    tracing::info!(queue = broker::SUBMISSIONS_QUEUE, prefetch = cfg.prefetch, "intake consuming");
+/// What every partition's consumer and every handler share.
+#[derive(Clone)]
+struct Shared {
+    cfg: Config,
+    jobs: JobStore,
+    store: ArtifactStore,
+    metrics: Metrics,
+    /// One session's submissions wait for each other, whichever partition brought them.
+    lanes: Arc<Mutex<Lanes>>,
+}
 
-    // Deliveries are handled concurrently (up to the prefetch), each in a task of its own: a
-    // reconnect of this consumer never cancels a submission half-way. Deliveries naming the same
-    // session wait for the one before them (their lane).
-    let mut lanes = Lanes::default();
-    while let Some(delivery) = consumer.next().await {
-        let delivery = delivery.context("receiving a submission")?;
-        // Judged once, here: the lane and the handler read the same verdict.
-        let verdict = parse_submission(&delivery.data, &cfg.intake);
-        let (before, done) = lanes.enter(session_key(&verdict));
-        let (cfg, jobs, metrics, publisher) = (cfg.clone(), jobs.clone(), metrics.clone(), publisher.clone());
-        tokio::spawn(async move {
-            if let Some(before) = before {
-                // Err only means the previous handler's task ended without signalling.
-                let _ = before.await;
+/// A partition being consumed: how to stop it, and its task (which ends once the partition's
+/// channel is closed).
+struct Running {
+    stop: CancellationToken,
+    task: JoinHandle<Result<()>>,
+}
+
+/// One broker connection's life: take this scheduler's share of the partitions and consume them,
+/// looking at the fleet every `SANDCELL_INTAKE_REBALANCE_MS`, until shutdown or a failure; then
+/// stop every partition (finishing what was taken) before the locks go.
+async fn consume(shared: &Shared, broker_up: &AtomicBool, shutdown: &CancellationToken) -> Result<()> {
+    let url = shared.cfg.services.amqp_url.clone();
+    let conn = sandcell_core::retry_forever("rabbitmq", |_| broker::connect(&url, "sandcell-scheduler")).await;
+    let result = consume_on(shared, &conn, broker_up, shutdown).await;
+    let _ = conn.close(200, "scheduler intake stopping".into()).await;
+    result
+}
+
+/// [`consume`] on an open connection.
+async fn consume_on(shared: &Shared, conn: &Connection, broker_up: &AtomicBool, shutdown: &CancellationToken) -> Result<()> {
+    let cfg = &shared.cfg;
+    let topology_ch = conn.create_channel().await.context("opening a channel to declare the topology")?;
+    broker::declare_topology(&topology_ch).await?;
+    let legacy_left = broker::declare_intake_partitions(conn, cfg.intake_partitions).await?;
+    let publisher = broker::publisher_channel(conn).await?;
+    let mut ownership = partitions::Ownership::connect(&cfg.services.database_url, cfg.intake_partitions).await?;
+    broker_up.store(true, Ordering::Relaxed);
+
+    let mut running: BTreeMap<u16, Running> = BTreeMap::new();
+    let mut tick = tokio::time::interval(cfg.rebalance_interval);
+    let result = loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break Ok(()),
+            _ = tick.tick() => {}
+        }
+        if let Some((p, _)) = running.iter().find(|(_, r)| r.task.is_finished()) {
+            break Err(anyhow::anyhow!("the consumer of intake partition {p} ended"));
+        }
+        if !conn.status().connected() {
+            break Err(anyhow::anyhow!("the broker connection closed"));
+        }
+        let change = match ownership.rebalance().await {
+            Ok(change) => change,
+            Err(e) => break Err(e),
+        };
+        let mut released = Ok(());
+        for p in change.give_up {
+            if let Some(r) = running.remove(&p) {
+                stop_partition(p, r).await;
             }
-            handle_delivery(&cfg, &jobs, &metrics, &publisher, delivery, verdict).await;
-            if let Some(done) = done {
-                let _ = done.send(());
+            released = ownership.release(p).await;
+            if released.is_err() {
+                break;
             }
-        });
+            tracing::info!(partition = p, "intake partition given up to another scheduler");
+        }
+        if let Err(e) = released {
+            break Err(e);
+        }
+        let mut opened = Ok(());
+        for p in change.take {
+            let ch = match conn.create_channel().await {
+                Ok(ch) => ch,
+                Err(e) => {
+                    opened = Err(anyhow::Error::new(e).context(format!("opening the channel of intake partition {p}")));
+                    break;
+                }
+            };
+            let stop = CancellationToken::new();
+            let drain_legacy = legacy_left && p == 0;
+            let task = tokio::spawn(consume_partition(shared.clone(), ch, publisher.clone(), p, drain_legacy, stop.clone()));
+            running.insert(p, Running { stop, task });
+        }
+        if let Err(e) = opened {
+            break Err(e);
+        }
+        shared.metrics.partitions_held.set(i64::try_from(running.len()).unwrap_or(i64::MAX));
+    };
+    // Finish what every partition took, close their channels, then let the locks go.
+    for (p, r) in std::mem::take(&mut running) {
+        stop_partition(p, r).await;
     }
-    Ok(())
+    ownership.close().await;
+    result
+}
+
+/// Stop a partition's consumer and wait until its channel is closed.
+async fn stop_partition(p: u16, r: Running) {
+    r.stop.cancel();
+    match r.task.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(partition = p, error = format!("{e:#}"), "intake partition ended with an error"),
+        Err(e) => tracing::error!(partition = p, error = %e, "intake partition task panicked"),
+    }
+}
+
+/// Consume intake partition `p` until `stop`: each delivery is judged and handled in a task of its
+/// own (a failing submission never takes the consumer down). On `stop` it takes no more, waits for
+/// the handlers it started, and closes its channel: what the broker had sent but no handler
+/// started goes back to the head of the queue, in order, for the partition's next owner.
+async fn consume_partition(shared: Shared, ch: Channel, publisher: Channel, p: u16, drain_legacy: bool, stop: CancellationToken) -> Result<()> {
+    ch.basic_qos(shared.cfg.prefetch, BasicQosOptions::default()).await.context("setting prefetch")?;
+    let queue = broker::submissions_queue(p);
+    let tag = format!("sandcell-scheduler-{p}");
+    let consumer = ch
+        .basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .with_context(|| format!("consuming {queue}"))?;
+    let mut deliveries = if drain_legacy {
+        let legacy = ch
+            .basic_consume(broker::LEGACY_SUBMISSIONS_QUEUE.into(), "sandcell-scheduler-legacy".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
+            .context("consuming the legacy submissions queue")?;
+        futures::stream::select(consumer, legacy).boxed()
+    } else {
+        consumer.boxed()
+    };
+    tracing::info!(%queue, prefetch = shared.cfg.prefetch, drain_legacy, "intake partition consuming");
+
+    // Every handler holds a clone of `in_flight`; when all are dropped, `settled` ends.
+    let (in_flight, mut settled) = mpsc::channel::<()>(1);
+    let result = loop {
+        let delivery = tokio::select! {
+            biased;
+            _ = stop.cancelled() => break Ok(()),
+            d = deliveries.next() => d,
+        };
+        let Some(delivery) = delivery else { break Err(anyhow::anyhow!("the broker cancelled the consumer of {queue}")) };
+        let delivery = match delivery {
+            Ok(d) => d,
+            Err(e) => break Err(anyhow::Error::new(e).context(format!("receiving a submission from {queue}"))),
+        };
+        take(&shared, &publisher, delivery, in_flight.clone()).await;
+    };
+    drop(in_flight);
+    let _ = settled.recv().await;
+    drop(deliveries);
+    if let Err(e) = ch.close(200, "intake partition handed over".into()).await {
+        tracing::debug!(partition = p, error = %e, "closing the partition's channel failed (it was closed already)");
+    }
+    result
+}
+
+/// Start handling one delivery: strays are dropped, upload requests answered, submissions judged
+/// and entered in their session's lane, each handled in a task of its own holding `in_flight`.
+async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_flight: mpsc::Sender<()>) {
+    let metrics = &shared.metrics;
+    if !published_to_intake(&delivery) {
+        // A tenant may bind sandcell.intake as the destination of an exchange it can read
+        // (sandcell.events) or name it as a queue's dead-letter exchange: RabbitMQ cannot
+        // tell that write permission from a publish. Such copies are nobody's submission.
+        metrics.submissions.with_label_values(&["not_published_to_intake"]).inc();
+        tracing::warn!(exchange = %delivery.exchange, routing_key = %delivery.routing_key, "dropping a message that reached the intake by a binding, not by a publish to it");
+        if let Err(e) = delivery.ack(BasicAckOptions::default()).await {
+            metrics.ack_failures.with_label_values(&["ack"]).inc();
+            tracing::warn!(error = %e, "settling a stray intake message failed; the broker will redeliver it");
+        }
+        return;
+    }
+    if crate::uploads::is_upload_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
+        let s = shared.clone();
+        tokio::spawn(async move {
+            handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await;
+            drop(in_flight);
+        });
+        return;
+    }
+    // Judged once, here: the lane and the handler read the same verdict.
+    let verdict = parse_submission(&delivery.data, &shared.cfg.intake);
+    let (before, done) = match shared.lanes.lock() {
+        Ok(mut lanes) => lanes.enter(session_key(&verdict)),
+        Err(poisoned) => poisoned.into_inner().enter(session_key(&verdict)),
+    };
+    let (s, publisher) = (shared.clone(), publisher.clone());
+    tokio::spawn(async move {
+        if let Some(before) = before {
+            // Err only means the previous handler's task ended without signalling.
+            let _ = before.await;
+        }
+        handle_delivery(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery, verdict).await;
+        if let Some(done) = done {
+            let _ = done.send(());
+        }
+        drop(in_flight);
+    });
+}
+
+/// Answer an upload request ([`crate::uploads`]) and settle its delivery: acked once answered
+/// (or unattributable), returned to the queue when the database or the store failed.
+async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, delivery: Delivery) {
+    let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
+    let trusted = matches!(publisher, Publisher::Trusted(_));
+    let answered = crate::uploads::answer(jobs.pool(), &store, &delivery.data, publisher.name(), trusted, cfg.max_upload_bytes, cfg.upload_url_ttl).await;
+    let (settled, what) = match answered {
+        Ok(grant) => {
+            let outcome = match &grant {
+                Some(g) if g.status == "ready" => "upload_ready",
+                Some(_) => "upload_rejected",
+                None => "upload_unattributable",
+            };
+            metrics.submissions.with_label_values(&[outcome]).inc();
+            if grant.is_none() {
+                tracing::warn!(message_id = ?delivery.properties.message_id(), "an upload request names no tenant and upload id it may use; dropped");
+            }
+            (delivery.ack(BasicAckOptions::default()).await, "ack")
+        }
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "an upload request could not be answered; returning it to the queue");
+            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
+            (delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await, "requeue")
+        }
+    };
+    if let Err(e) = settled {
+        metrics.ack_failures.with_label_values(&[what]).inc();
+        tracing::warn!(disposition = what, error = %e, "settling an upload request failed; the broker will redeliver it");
+    }
+}
+
+/// Whether a delivery was published to the intake exchange itself: not routed there from
+/// another exchange (an exchange-to-exchange binding keeps the publish's exchange) nor
+/// dead-lettered into it (`x-death`).
+fn published_to_intake(delivery: &Delivery) -> bool {
+    let dead_lettered = delivery.properties.headers().as_ref().is_some_and(|h| h.inner().contains_key("x-death"));
+    delivery.exchange.as_str() == broker::INTAKE_EXCHANGE && !dead_lettered
 }
 
 /// The per-session lanes that keep one session's submissions in arrival order.
@@ -266,16 +474,19 @@ async fn accept(
     let limits = cfg.policy.resolve(&sub.resource_request());
     let digest = hex::encode(Sha256::digest(body));
     // Where the job goes: a session's owner, or any worker.
-    let (mut session, queue) = match &sub.session {
-        None => (None, broker::JOBS_QUEUE.to_string()),
+    let (mut session, owner) = match &sub.session {
+        None => (None, None),
         Some(req) if req.new => {
             let keep_alive_s = cfg.keep_alive.resolve(req.keep_alive_s);
-            (Some(JobSession { id: new_session_id(), new: true, keep_alive_s, close: false }), broker::JOBS_QUEUE.to_string())
+            (Some(JobSession { id: new_session_id(), new: true, keep_alive_s, close: false }), None)
         }
         Some(req) => {
             let id = req.id.clone().unwrap_or_default();
             match sessions.route(&sub.tenant, &id).await? {
-                Route::Worker(w) => (Some(JobSession { id, new: false, keep_alive_s: 0, close: req.close }), broker::worker_queue(&w)),
+                Route::Worker(w) => {
+                    let keep_alive_s = req.keep_alive_s.map_or(0, |k| cfg.keep_alive.resolve(Some(k)));
+                    (Some(JobSession { id, new: false, keep_alive_s, close: req.close }), Some(w))
+                }
                 Route::Refuse(reason) => return refuse(jobs, metrics, sub, &reason).await,
             }
         }
@@ -293,8 +504,13 @@ async fn accept(
         list_files: sub.list_files,
     };
     let mut payload = serde_json::to_vec(&job).context("serializing execution job")?;
-    // Jobs of the shared queue are subject to their tenant's fair share.
-    let shared = (queue == broker::JOBS_QUEUE).then_some(payload.as_slice());
+    // Where it goes: its session's owner, or a shared queue (one-off jobs, or new sessions).
+    let queue = match &owner {
+        Some(w) => broker::worker_queue(w),
+        None => broker::shared_queue(&job).to_string(),
+    };
+    // Jobs of the shared queues are subject to their tenant's fair share.
+    let shared = owner.is_none().then_some(payload.as_slice());
     match jobs.record_queued(sub, &limits, &digest, record, shared).await? {
         Recorded::New => {}
         Recorded::Held => {

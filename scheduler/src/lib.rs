@@ -1,6 +1,8 @@
 //! The scheduler: the first stop of every submission and the keeper of artifact TTLs.
 //!
-//! - [`intake`] consumes `sandcell.submissions`, takes the tenant from the broker-validated
+//! - [`partitions`] shares the intake's partition queues out among the schedulers of a fleet
+//!   (Postgres advisory locks; the broker's single active consumer keeps each in order);
+//! - [`intake`] consumes this scheduler's partitions (`sandcell.submissions.<p>`), takes the tenant from the broker-validated
 //!   `user_id`, judges each message with [`sandcell_protocol::parse_submission`], checks the
 //!   tenant's quotas, records the job (or its rejection) in Postgres and publishes the
 //!   execution job to `sandcell.jobs` (or the session's worker queue);
@@ -8,13 +10,17 @@
 //!   across tenants;
 //! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, and
 //!   declares the sessions of workers whose heartbeat stopped `lost`;
+//! - [`uploads`] answers tenants' upload requests (which arrive through the intake too) with
+//!   presigned PUT URLs under their own upload prefix;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 
 mod dispatch;
 mod intake;
 mod metrics;
+mod partitions;
 mod sweeper;
+mod uploads;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -28,6 +34,7 @@ use sandcell_core::jobs::JobStore;
 use sandcell_core::store::ArtifactStore;
 use sandcell_core::tenants::Quotas;
 use sandcell_protocol::{IntakeLimits, KeepAlivePolicy, LimitPolicy};
+use tokio_util::sync::CancellationToken;
 
 /// Scheduler settings.
 #[derive(Debug, Clone)]
@@ -42,8 +49,19 @@ pub struct Config {
     pub metrics_addr: SocketAddr,
     /// `SANDCELL_SWEEP_INTERVAL_S`, default 30.
     pub sweep_interval: Duration,
-    /// `SANDCELL_INTAKE_PREFETCH`, default 32: submissions handled concurrently.
+    /// `SANDCELL_INTAKE_PREFETCH`, default 32: submissions handled concurrently, per partition.
     pub prefetch: u16,
+    /// `SANDCELL_INTAKE_PARTITIONS`, default 8: the intake's partition queues. Every scheduler
+    /// of a fleet must use the same number; more schedulers than partitions leaves some idle.
+    pub intake_partitions: u16,
+    /// `SANDCELL_INTAKE_REBALANCE_MS`, default 1000: how often a scheduler counts the live
+    /// schedulers and takes or gives up partitions (the most a killed scheduler's partitions
+    /// wait for another owner).
+    pub rebalance_interval: Duration,
+    /// `SANDCELL_SCHEDULER_STOP_GRACE_S`, default 20: on SIGTERM/SIGINT, how long the intake may
+    /// take to finish the submissions it took before the process exits anyway (the broker then
+    /// returns them).
+    pub stop_grace: Duration,
     /// Session keep-alive rules.
     pub keep_alive: KeepAlivePolicy,
     /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a worker silent this long has lost its sessions.
@@ -54,11 +72,19 @@ pub struct Config {
     /// `SANDCELL_STUCK_AFTER_S`, default 3600: a job still `queued` (or a session `starting`)
     /// this long after it was recorded is ended with `stuck` and releases its quota.
     pub stuck_after: Duration,
+    /// `SANDCELL_SESSION_START_WAIT_S`, default 60 (as the workers'): a new session that no
+    /// worker took this long after its dispatch (every worker was full) is refused with `capacity`.
+    pub session_start_wait: Duration,
     /// `SANDCELL_TRUSTED_PUBLISHERS`, default `sandcell`: broker users that may submit for any
     /// tenant (the body's `tenant` is believed). Every other user submits as itself.
     pub trusted_publishers: HashSet<String>,
     /// `SANDCELL_DEFAULT_MAX_*`: quotas of tenants registered on their first job.
     pub tenant_defaults: Quotas,
+    /// `SANDCELL_MAX_UPLOAD_FILE_BYTES`, default 100 MiB (as the workers'): the largest file an
+    /// upload request may ask a URL for.
+    pub max_upload_bytes: u64,
+    /// `SANDCELL_UPLOAD_URL_TTL_S`, default 900: how long an upload's presigned URLs work.
+    pub upload_url_ttl: Duration,
 }
 
 impl Config {
@@ -71,10 +97,14 @@ impl Config {
             metrics_addr: config::parse_or("SANDCELL_SCHEDULER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9464)))?,
             sweep_interval: Duration::from_secs_f64(config::parse_or("SANDCELL_SWEEP_INTERVAL_S", 30.0f64)?.max(0.1)),
             prefetch: config::parse_or("SANDCELL_INTAKE_PREFETCH", 32u16)?.max(1),
+            intake_partitions: config::parse_or("SANDCELL_INTAKE_PARTITIONS", sandcell_core::broker::DEFAULT_INTAKE_PARTITIONS)?.clamp(1, 1024),
+            rebalance_interval: Duration::from_millis(config::parse_or("SANDCELL_INTAKE_REBALANCE_MS", 1000u64)?.max(50)),
+            stop_grace: Duration::from_secs_f64(config::parse_or("SANDCELL_SCHEDULER_STOP_GRACE_S", 20.0f64)?.max(0.0)),
             keep_alive: config::keep_alive_policy_from_env()?,
             worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
             dispatch_interval: Duration::from_millis(config::parse_or("SANDCELL_DISPATCH_INTERVAL_MS", 100u64)?.max(1)),
             stuck_after: Duration::from_secs_f64(config::parse_or("SANDCELL_STUCK_AFTER_S", 3600.0f64)?.max(1.0)),
+            session_start_wait: Duration::from_secs_f64(config::parse_or("SANDCELL_SESSION_START_WAIT_S", 60.0f64)?.max(0.0)),
             trusted_publishers: config::var_or("SANDCELL_TRUSTED_PUBLISHERS", "sandcell")
                 .split(',')
                 .map(str::trim)
@@ -82,6 +112,8 @@ impl Config {
                 .map(String::from)
                 .collect(),
             tenant_defaults: Quotas::from_env()?,
+            max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
+            upload_url_ttl: Duration::from_secs(config::parse_or("SANDCELL_UPLOAD_URL_TTL_S", 900u64)?.clamp(1, 7 * 86_400)),
         })
     }
 }
@@ -114,15 +146,28 @@ pub async fn run(cfg: Config) -> Result<()> {
         })
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
-    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, cfg.worker_dead_after, cfg.stuck_after));
+    let store_for_uploads = store.clone();
+    let limits = sweeper::SweepLimits { worker_dead_after: cfg.worker_dead_after, stuck_after: cfg.stuck_after, session_start_wait: cfg.session_start_wait };
+    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, limits));
     let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));
-    let intake = tokio::spawn(intake::run(cfg, jobs, metrics, broker_up));
+    let shutdown = CancellationToken::new();
+    let stop_grace = cfg.stop_grace;
+    let mut intake = tokio::spawn(intake::run(cfg, jobs, store_for_uploads, metrics, broker_up, shutdown.clone()));
 
     tokio::select! {
         r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
         r = sweeper => r.context("sweeper task panicked"),
         r = dispatcher => r.context("dispatcher task panicked"),
-        r = intake => r.context("intake task panicked"),
-        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted; stopping"); Ok(()) }
+        r = &mut intake => r.context("intake task panicked"),
+        signal = sandcell_core::telemetry::stop_signal() => {
+            // Stop taking submissions, finish those taken, close the partitions' channels (the
+            // broker hands what was not started to the next owner), then release the locks.
+            tracing::info!(%signal, grace_s = stop_grace.as_secs_f64(), "stopping: finishing the submissions taken");
+            shutdown.cancel();
+            if tokio::time::timeout(stop_grace, intake).await.is_err() {
+                tracing::warn!("the intake did not finish within the grace; exiting (the broker returns what was not acked)");
+            }
+            Ok(())
+        }
     }
 }

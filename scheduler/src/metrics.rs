@@ -23,6 +23,8 @@ pub struct Metrics {
     pub stuck_ended: IntCounterVec,
     /// `sandcell_held_jobs_dispatched_total`: held jobs (fair share) published by the dispatcher.
     pub held_dispatched: prometheus::IntCounter,
+    /// `sandcell_intake_partitions_held`: intake partitions this scheduler consumes now.
+    pub partitions_held: prometheus::IntGauge,
 }
 
 impl Metrics {
@@ -48,6 +50,8 @@ impl Metrics {
         registry.register(Box::new(stuck_ended.clone()))?;
         let held_dispatched = prometheus::IntCounter::new("sandcell_held_jobs_dispatched_total", "Held jobs published by the fair-share dispatcher")?;
         registry.register(Box::new(held_dispatched.clone()))?;
-        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired, ack_failures, stuck_ended, held_dispatched })
+        let partitions_held = prometheus::IntGauge::new("sandcell_intake_partitions_held", "Intake partitions this scheduler consumes")?;
+        registry.register(Box::new(partitions_held.clone()))?;
+        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired, ack_failures, stuck_ended, held_dispatched, partitions_held })
     }
 }

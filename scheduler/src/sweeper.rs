@@ -1,7 +1,8 @@
 //! The artifact TTL sweeper: the real enforcement of `expires_at`.
 //!
 //! Each tick also looks for workers whose heartbeat stopped and declares their sessions lost,
-//! and ends jobs stuck in `queued` (and sessions in `starting`) past `SANDCELL_STUCK_AFTER_S`.
+//! ends jobs stuck in `queued` (and sessions in `starting`) past `SANDCELL_STUCK_AFTER_S`, and
+//! refuses with `capacity` new sessions no worker took within `SANDCELL_SESSION_START_WAIT_S`.
 //!
 //! Each tick deletes the objects of artifacts whose expiry has passed and then marks them
 //! `expired` (so a client sees `artifact_expired` and no URL). Deleting first and marking second
@@ -17,8 +18,19 @@ use crate::metrics::Metrics;
 
 const BATCH: i64 = 500;
 
+/// How long things may wait before the sweeper ends them.
+pub struct SweepLimits {
+    /// A worker silent this long has lost its sessions.
+    pub worker_dead_after: Duration,
+    /// A job `queued` (a session `starting`) this long is stuck.
+    pub stuck_after: Duration,
+    /// A new session no worker took within this is refused with `capacity`.
+    pub session_start_wait: Duration,
+}
+
 /// Sweep forever, every `interval`.
-pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration, worker_dead_after: Duration, stuck_after: Duration) {
+pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration, limits: SweepLimits) {
+    let SweepLimits { worker_dead_after, stuck_after, session_start_wait } = limits;
     let sessions = SessionStore::new(jobs.pool().clone());
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -38,6 +50,14 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
                 tracing::warn!(jobs, sessions, after_s = stuck_after.as_secs(), "ended jobs and sessions stuck in queued/starting");
             }
             Err(e) => tracing::warn!(error = format!("{e:#}"), "stuck sweep failed; retrying next tick"),
+        }
+        match sessions.refuse_unplaced(session_start_wait).await {
+            Ok(0) => {}
+            Ok(n) => {
+                metrics.stuck_ended.with_label_values(&["session_capacity"]).inc_by(n);
+                tracing::warn!(sessions = n, wait_s = session_start_wait.as_secs(), "refused new sessions no worker had room for");
+            }
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "new-session sweep failed; retrying next tick"),
         }
         match jobs.count_by_status().await {
             Ok(counts) => {

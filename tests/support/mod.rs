@@ -51,6 +51,13 @@ pub fn in_session(tenant: &str, session_id: &str, code: &str) -> Submission {
     sub
 }
 
+/// A job that closes a session.
+pub fn close_session(tenant: &str, session_id: &str) -> Submission {
+    let mut sub = Submission::new(tenant, unique("close"), Language::Python, "");
+    sub.session = Some(SessionRequest { id: Some(session_id.to_string()), close: true, ..Default::default() });
+    sub
+}
+
 /// The id of the session a result ran in (panics if none).
 pub fn session_id(r: &JobResult) -> String {
     r.session.as_ref().unwrap_or_else(|| panic!("result has no session: {r:?}")).id.clone()
@@ -231,28 +238,44 @@ pub fn sh(cmd: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// SIGKILL one of the binaries `deploy/local/test.sh` started (`scheduler` or `worker`) and
-/// start it again, as a supervisor would, with `env` added to the test's environment. The pid
-/// file in `$SANDCELL_RUN_DIR` follows, so test.sh stops the new process at the end.
+/// SIGKILL one of the instances `deploy/local/test.sh` started (`scheduler`, `worker`, or in a
+/// fleet `scheduler-2`, `worker-3`, …) and start it again, as a supervisor would, with `env`
+/// added to the test's environment. The pid file in `$SANDCELL_RUN_DIR` follows, so test.sh
+/// stops the new process at the end.
 pub fn restart_service(name: &str, env: &[(&str, &str)]) {
     kill_service(name);
     start_service(name, env);
 }
 
-/// SIGKILL the service `name` (`scheduler` or `worker`) started by the test harness.
+/// Where `deploy/local/services.sh` keeps the instances' launchers and pid files.
+fn run_dir() -> String {
+    std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into())
+}
+
+/// SIGKILL the instance `name` started by the test harness.
 pub fn kill_service(name: &str) {
-    let dir = std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into());
+    let dir = run_dir();
     sh(&format!("kill -9 $(cat {dir}/{name}.pid); sleep 0.5"));
 }
 
-/// Start the service `name` again, with `env` added to its environment.
+/// Send SIGTERM to the instance `name` (what Kubernetes sends to scale it in).
+pub fn terminate_service(name: &str) {
+    let dir = run_dir();
+    sh(&format!("kill -TERM $(cat {dir}/{name}.pid)"));
+}
+
+/// Whether the instance `name` is running.
+pub fn service_running(name: &str) -> bool {
+    let dir = run_dir();
+    std::process::Command::new("bash").arg("-c").arg(format!("kill -0 $(cat {dir}/{name}.pid) 2>/dev/null")).status().is_ok_and(|s| s.success())
+}
+
+/// Start the instance `name` again with its launcher (`$SANDCELL_RUN_DIR/<name>.cmd`, written by
+/// `start_sandcell`: its own settings, then the binary, appending to its log), with `env` added.
 pub fn start_service(name: &str, env: &[(&str, &str)]) {
-    let dir = std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into());
-    let worker = std::env::var("SANDCELL_WORKER_BIN").expect("SANDCELL_WORKER_BIN (set by deploy/local/test.sh)");
-    let bin = worker.replace("sandcell-worker", &format!("sandcell-{name}"));
-    let log = std::env::var("SANDCELL_TEST_LOG_DIR").map(|d| format!("{d}/{name}.log")).unwrap_or_else(|_| "/dev/null".into());
+    let dir = run_dir();
     let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-    sh(&format!("{vars}nohup {bin} >>{log} 2>&1 & echo $! > {dir}/{name}.pid"));
+    sh(&format!("{vars}nohup bash {dir}/{name}.cmd >/dev/null 2>&1 & echo $! > {dir}/{name}.pid"));
 }
 
 /// Wait until the scheduler and the worker answer `/healthz` with 200 (panics after 2 min).
@@ -262,7 +285,18 @@ pub async fn both_healthy() {
     assert!(ok.is_some(), "scheduler and worker did not report healthy");
 }
 
-/// The worker's metric `name` (no labels), scraped from its `/metrics`.
+/// A value of the scheduler's metrics endpoint (`name` including its labels).
+pub async fn scheduler_metric(name: &str) -> Option<f64> {
+    metric_at("127.0.0.1:9464", name).await
+}
+
+/// A value of the metrics endpoint at `addr` (`name` including its labels).
+pub async fn metric_at(addr: &str, name: &str) -> Option<f64> {
+    let (_, body) = http_get(&format!("http://{addr}/metrics")).await.ok()?;
+    String::from_utf8_lossy(&body).lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// A value of the worker's metrics endpoint (`name` including its labels).
 pub async fn worker_metric(name: &str) -> Option<f64> {
     let (_, body) = http_get("http://127.0.0.1:9465/metrics").await.ok()?;
     String::from_utf8_lossy(&body).lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())

@@ -26,7 +26,7 @@ use crate::sandbox::container::ContainerShape;
 /// When bound sandboxes are recycled.
 #[derive(Debug, Clone)]
 pub struct ReuseSettings {
-    /// `SANDCELL_ONEOFF_REUSE_JOBS`, default 100 (1 under gVisor): jobs one sandbox runs before
+    /// `SANDCELL_ONEOFF_REUSE_JOBS`, default 1000 (1 under gVisor): jobs one sandbox runs before
     /// it is destroyed. 1: no reuse — every one-off job gets a sandbox of its own and runs in its
     /// kernel directly, not in a forked process.
     pub max_jobs: u32,

@@ -50,6 +50,9 @@ pub struct Config {
     pub egress_proxy: Option<String>,
     /// `SANDCELL_HEARTBEAT_S`, default 5: how often the worker tells Postgres it is alive.
     pub heartbeat: Duration,
+    /// `SANDCELL_DRAIN_GRACE_S`, default 30: on SIGTERM or SIGINT, how long the worker, having
+    /// stopped taking jobs, lets the jobs it holds finish before it stops anyway.
+    pub drain_grace: Duration,
     /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a redelivered job still `running` on another
     /// worker is taken over only when that worker has been silent this long.
     pub worker_dead_after: Duration,
@@ -93,7 +96,7 @@ impl Config {
             warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
             reuse: crate::bound::ReuseSettings {
                 // Off under gVisor by default: see ARCHITECTURE.md (one-off jobs).
-                max_jobs: config::parse_or("SANDCELL_ONEOFF_REUSE_JOBS", if runtime == "runsc" { 1u32 } else { 100u32 })?.max(1),
+                max_jobs: config::parse_or("SANDCELL_ONEOFF_REUSE_JOBS", if runtime == "runsc" { 1u32 } else { 1000u32 })?.max(1),
                 max_age: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_REUSE_S", 600.0f64)?.max(0.0)),
                 max_idle: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_IDLE_S", 60.0f64)?.max(0.0)),
                 max_waiting: config::parse_or("SANDCELL_ONEOFF_IDLE_MAX", 8usize)?,
@@ -113,6 +116,7 @@ impl Config {
             egress_network,
             egress_proxy,
             heartbeat: Duration::from_secs_f64(config::parse_or("SANDCELL_HEARTBEAT_S", 5.0f64)?.max(0.1)),
+            drain_grace: Duration::from_secs_f64(config::parse_or("SANDCELL_DRAIN_GRACE_S", 30.0f64)?.max(0.0)),
             worker_dead_after: Duration::from_secs_f64(config::parse_or("SANDCELL_WORKER_DEAD_AFTER_S", 30.0f64)?.max(1.0)),
             session_start_wait: Duration::from_secs_f64(config::parse_or("SANDCELL_SESSION_START_WAIT_S", 60.0f64)?.max(0.0)),
             sandbox_start_tries: config::parse_or("SANDCELL_SANDBOX_START_TRIES", 3u32)?.max(1),

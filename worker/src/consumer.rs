@@ -1,10 +1,16 @@
 //! Consuming execution jobs from two queues and sending each where it runs.
 //!
 //! - `sandcell.jobs` (shared by all workers, prefetch = slots): one-off jobs, run here in a
-//!   kernel that is destroyed afterwards, and jobs that open a session, which this worker then
-//!   holds ([`crate::session::open`]). A worker at its session capacity returns an opening job
-//!   to the queue a few times, for a worker with room; the last time it waits for room here
-//!   (`SANDCELL_SESSION_START_WAIT_S`) and then refuses the job with `capacity`.
+//!   sandbox that serves only their tenant;
+//! - `sandcell.sessions.new` (shared): jobs that open a session, which this worker then holds
+//!   ([`crate::session::open`]). It is consumed only while this worker has room for another
+//!   session ([`NewSessions`]), with its room as the consumer's priority (the broker offers a
+//!   job to the highest-priority consumer that can take it) and its prefetch: the worker with
+//!   the most room is offered a new session first, and a full worker is offered none. Should
+//!   one arrive when the room is gone after all (the room is re-read every
+//!   [`ROOM_CHECK`]), it is returned to the queue a few times, for a worker with room; the
+//!   last time it waits for room here (`SANDCELL_SESSION_START_WAIT_S`) and then refuses the
+//!   job with `capacity`.
 //! - `sandcell.worker.<id>` (this worker's own): jobs of sessions it holds, handed to the
 //!   session's task in delivery order; a job for a session it does not hold is refused with
 //!   the session's reason.
@@ -32,7 +38,7 @@ use anyhow::{Context, Result};
 use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use sandcell_core::broker;
 use sandcell_protocol::{ErrorCode, ExecutionJob, Reason, SessionState};
 
@@ -43,6 +49,88 @@ use crate::session::Work;
 
 /// How long a worker at its session capacity holds an opening job before returning it.
 const FULL_REQUEUE_DELAY: Duration = Duration::from_secs(1);
+/// How often the consumer of new sessions compares its priority and prefetch with the room.
+const ROOM_CHECK: Duration = Duration::from_millis(100);
+
+/// The consumer of `sandcell.sessions.new`, kept in step with this worker's room for sessions:
+/// none while full; otherwise one whose priority is the room and whose prefetch is what is left
+/// of the opening jobs this worker takes at once (its slots, [`NewSessions::in_flight`]). A
+/// change replaces the consumer; the replaced one's deliveries still in flight are read to its
+/// end (its messages stay on the channel, so their acks still work). A replaced consumer's
+/// unacknowledged messages do not count against its successor's prefetch, hence the count of its
+/// own: without it, each re-subscription would take another window of opening jobs, and the
+/// first jobs of a burst of new sessions would queue for slots behind every container start
+/// (measured: a burst of 50 on one worker, first results all at ~35 s).
+struct NewSessions {
+    ch: lapin::Channel,
+    name: String,
+    /// Opening jobs delivered here and not yet settled take one place each (a place is held by
+    /// the job's ticket).
+    in_flight: Arc<tokio::sync::Semaphore>,
+    /// The current consumer's tag and (priority, prefetch).
+    current: Option<(String, (usize, u16))>,
+    serial: u64,
+    /// Current and replaced consumers, until each ends.
+    streams: futures::stream::SelectAll<lapin::Consumer>,
+}
+
+impl NewSessions {
+    async fn new(conn: &lapin::Connection, name: &str, slots: u16) -> Result<Self> {
+        let ch = conn.create_channel().await.context("opening the new sessions channel")?;
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(usize::from(slots)));
+        Ok(NewSessions { ch, name: name.to_string(), in_flight, current: None, serial: 0, streams: futures::stream::SelectAll::new() })
+    }
+
+    /// Match the consumer to `room` and the places left for opening jobs (none of either: no consumer).
+    async fn follow(&mut self, room: usize) -> Result<()> {
+        let window = u16::try_from(room.min(self.in_flight.available_permits())).unwrap_or(u16::MAX);
+        let want = (room, window);
+        if self.current.as_ref().map_or((0, 0), |(_, w)| *w) == want || (window == 0 && self.current.is_none()) {
+            return Ok(());
+        }
+        self.stop().await;
+        if window == 0 {
+            return Ok(());
+        }
+        self.serial += 1;
+        let tag = format!("{}-new-sessions-{}", self.name, self.serial);
+        self.ch.basic_qos(window, BasicQosOptions::default()).await.context("setting the new sessions prefetch")?;
+        let mut args = FieldTable::default();
+        args.insert("x-priority".into(), AMQPValue::LongInt(i32::try_from(room).unwrap_or(i32::MAX)));
+        let consumer = self
+            .ch
+            .basic_consume(broker::NEW_SESSIONS_QUEUE.into(), tag.as_str().into(), BasicConsumeOptions::default(), args)
+            .await
+            .context("consuming new sessions")?;
+        self.streams.push(consumer);
+        self.current = Some((tag, want));
+        Ok(())
+    }
+
+    /// Count an opening job delivered here among those in flight until its ticket is settled.
+    fn take_place(&self, ticket: &mut Ticket) {
+        if let Ok(place) = self.in_flight.clone().try_acquire_owned() {
+            ticket.hold(place);
+        }
+    }
+
+    /// Cancel the current consumer (what it was sent still arrives on its stream).
+    async fn stop(&mut self) {
+        if let Some((tag, _)) = self.current.take() {
+            if let Err(e) = self.ch.basic_cancel(tag.as_str().into(), Default::default()).await {
+                tracing::warn!(error = %e, consumer = tag, "cancelling the new sessions consumer failed");
+            }
+        }
+    }
+
+    /// The next opening job delivered to this worker (pending forever while no consumer runs).
+    async fn next(&mut self) -> Option<lapin::Result<Delivery>> {
+        if self.streams.is_empty() {
+            std::future::pending::<()>().await;
+        }
+        self.streams.next().await
+    }
+}
 
 /// Consume forever, reconnecting after broker failures.
 pub async fn run(ctx: WorkerContext, broker_up: Arc<AtomicBool>) {
@@ -61,6 +149,12 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     let url = ctx.cfg.services.amqp_url.clone();
     let name = format!("sandcell-worker-{}", ctx.cfg.worker_id);
     let conn = sandcell_core::retry_forever("rabbitmq", |_| broker::connect(&url, &name)).await;
+    let mut draining = ctx.draining.clone();
+    let already = *draining.borrow();
+    if already {
+        // Reconnected while draining: take nothing new; the jobs held finish on their own.
+        return hold_while_draining(conn).await;
+    }
     let shared_ch = conn.create_channel().await.context("opening channel")?;
     broker::declare_topology(&shared_ch).await?;
     shared_ch.basic_qos(ctx.cfg.slots, BasicQosOptions::default()).await.context("setting prefetch")?;
@@ -75,10 +169,39 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
         .basic_consume(own_queue.as_str().into(), format!("{name}-sessions").as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
         .await
         .with_context(|| format!("consuming {own_queue}"))?;
+    let mut new_sessions = NewSessions::new(&conn, &name, ctx.cfg.slots).await?;
+    new_sessions.follow(ctx.session_capacity.available_permits()).await?;
+    let mut room_check = tokio::time::interval(ROOM_CHECK);
+    room_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Live output goes out on a channel of this connection (declared with the topology).
+    ctx.events.attach(conn.create_channel().await.context("opening the events channel")?);
     broker_up.store(true, Ordering::Relaxed);
     tracing::info!(worker_id = %ctx.cfg.worker_id, slots = ctx.cfg.slots, own_queue, "worker consuming");
     loop {
         tokio::select! {
+            () = until_draining(&mut draining) => {
+                // Told to stop: no more deliveries. The connection stays open, so the jobs
+                // running here can still ack their messages once their results are committed.
+                for (ch, tag) in [(&shared_ch, name.clone()), (&own_ch, format!("{name}-sessions"))] {
+                    if let Err(e) = ch.basic_cancel(tag.as_str().into(), Default::default()).await {
+                        tracing::warn!(error = %e, consumer = tag, "cancelling a consumer failed");
+                    }
+                }
+                new_sessions.stop().await;
+                tracing::info!(held = ctx.ledger.len(), "draining: no more jobs are taken");
+                return hold_while_draining(conn).await;
+            }
+            _ = room_check.tick() => new_sessions.follow(ctx.session_capacity.available_permits()).await?,
+            next = new_sessions.next() => {
+                let Some(delivery) = next else { continue };
+                let delivery = delivery.context("receiving an opening job")?;
+                if let Some((job, mut ticket)) = admit(ctx, delivery).await {
+                    new_sessions.take_place(&mut ticket);
+                    tokio::spawn(handle_shared(ctx.clone(), job, ticket));
+                }
+                // Fewer places left: a smaller window, at once.
+                new_sessions.follow(ctx.session_capacity.available_permits()).await?;
+            }
             next = shared.next() => {
                 let Some(delivery) = next else { break };
                 let delivery = delivery.context("receiving a job")?;
@@ -97,6 +220,21 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// Resolves once the worker is draining.
+async fn until_draining(draining: &mut tokio::sync::watch::Receiver<bool>) {
+    if draining.wait_for(|d| *d).await.is_err() {
+        std::future::pending::<()>().await; // the worker is going away anyway
+    }
+}
+
+/// Keep the broker connection (and the channels of the deliveries held) open until the
+/// process stops.
+async fn hold_while_draining(conn: lapin::Connection) -> Result<()> {
+    std::future::pending::<()>().await;
+    drop(conn);
     Ok(())
 }
 
@@ -133,6 +271,7 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
         // Returned a few times so that a worker with room can take it; then waited for here.
         Err(_) if ticket.returns + 1 < broker::DELIVERY_LIMIT => {
             tracing::info!(job_id = %job.job_id, held = ctx.registry.len(), returns = ticket.returns, "at session capacity; returning an opening job to the queue");
+            ctx.metrics.opening_returned.inc();
             tokio::time::sleep(FULL_REQUEUE_DELAY).await;
             ticket.settle(Disposition::Requeue).await;
             return;

@@ -33,6 +33,8 @@ pub struct WorkerContext {
     pub store: ArtifactStore,
     /// Metrics.
     pub metrics: Metrics,
+    /// Live output of running jobs.
+    pub events: crate::events::Events,
     /// Warm kernels.
     pub pool: WarmPool,
     /// One-off sandboxes waiting for their tenant's next job.
@@ -45,6 +47,8 @@ pub struct WorkerContext {
     pub slots: Arc<Semaphore>,
     /// Sessions held at once (`SANDCELL_WORKER_MAX_SESSIONS`).
     pub session_capacity: Arc<Semaphore>,
+    /// Set once the worker was told to stop: it takes no more jobs.
+    pub draining: tokio::sync::watch::Receiver<bool>,
 }
 
 /// A slot held by a running cell. The busy-slots gauge counts live guards, so it is right on

@@ -14,6 +14,7 @@ use anyhow::{anyhow, Result};
 use bollard::Docker;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason, Usage};
 
+use crate::events::LiveJob;
 use crate::outcome::{apply, Outcome, Step};
 use crate::sandbox::cgroup::Cgroup;
 use crate::sandbox::container::SandboxSpec;
@@ -102,8 +103,17 @@ impl Kernel {
     }
 
     /// Run `job`'s code (with `files` already resolved to inline content) under `limits`;
-    /// `fresh`: in a process forked for it, leaving nothing behind (a one-off job).
-    pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, on_timeout: OnTimeout, fresh: bool) -> CellRun {
+    /// `fresh`: in a process forked for it, leaving nothing behind (a one-off job). What each
+    /// driver event adds to the outcome is published on `live` as it arrives.
+    pub async fn run(
+        &mut self,
+        job: &ExecutionJob,
+        files: &[InputFile],
+        limits: &ExecutionLimits,
+        on_timeout: OnTimeout,
+        fresh: bool,
+        live: &mut LiveJob,
+    ) -> CellRun {
         let mut out = Outcome::new(limits);
         let request = ExecuteRequest::new(job, files, limits, fresh);
         let meter = self.cgroup.start();
@@ -163,7 +173,7 @@ impl Kernel {
                     alive = false;
                     break;
                 }
-                Ok(Ok(Some(event))) => match apply(&mut out, event, job.language, limits) {
+                Ok(Ok(Some(event))) => match live.observe(&mut out, |out| apply(out, event, job.language, limits)) {
                     Step::More => {}
                     Step::Done => break,
                     Step::Violation => {

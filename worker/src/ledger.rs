@@ -84,6 +84,9 @@ pub struct Ticket {
     /// queues); a message returned more than [`sandcell_core::broker::DELIVERY_LIMIT`] times is
     /// dead-lettered.
     pub returns: i64,
+    /// A place this job holds until it is settled (a new session's place among the opening
+    /// jobs in flight, see `consumer::NewSessions`).
+    hold: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Ledger {
@@ -103,7 +106,7 @@ impl Ledger {
         let replaced = {
             let Ok(mut held) = self.held.lock() else {
                 // A poisoned lock means a panic elsewhere; run the job rather than lose it.
-                return Some(Ticket { key: None, ledger: self.clone(), redelivered, returns });
+                return Some(Ticket { key: None, ledger: self.clone(), redelivered, returns, hold: None });
             };
             match held.get_mut(&key) {
                 Some(current) => Some(std::mem::replace(current, delivery)),
@@ -114,7 +117,7 @@ impl Ledger {
             }
         };
         match replaced {
-            None => Some(Ticket { key: Some(key), ledger: self.clone(), redelivered, returns }),
+            None => Some(Ticket { key: Some(key), ledger: self.clone(), redelivered, returns, hold: None }),
             Some(old) => {
                 tracing::info!(tenant = %key.0, job_id = %key.1, "a copy of a job in flight here arrived; it will be settled with the running one");
                 self.metrics.redeliveries_absorbed.inc();
@@ -136,6 +139,11 @@ impl Ledger {
 }
 
 impl Ticket {
+    /// Keep `permit` until this ticket is settled (or dropped).
+    pub fn hold(&mut self, permit: tokio::sync::OwnedSemaphorePermit) {
+        self.hold = Some(permit);
+    }
+
     /// Settle the job's current delivery: the one place a job's message is acked, requeued or
     /// dead-lettered.
     pub async fn settle(mut self, disposition: Disposition) {

@@ -6,7 +6,8 @@
 //! [`run`] (`run::job`, the one function every job goes through: inputs, claim, a kernel under a
 //! slot, the cell, commit), with the kernel's [`run::Host`]: a one-off kernel, or
 //! [`session`] (one task per held session) → [`kernel`] (cells under a wall clock, interrupts)
-//! → [`outcome`] (driver events into an outcome, then the result's `Execution` document) →
+//! → [`outcome`] (driver events into an outcome, then the result's `Execution` document; what
+//! each event adds is also published live by [`events`]) →
 //! [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
 //! [`pool`] keeps started kernels ready for the next session or one-off job; [`bound`] keeps a
 //! one-off job's sandbox for its tenant's next one-off job (each runs in a process forked for it).
@@ -20,6 +21,7 @@ mod bound;
 mod config;
 mod consumer;
 mod context;
+mod events;
 mod kernel;
 mod ledger;
 mod metrics;

@@ -46,6 +46,15 @@ pub struct Metrics {
     /// `sandcell_worker_sandbox_start_retries_total`: sandboxes that failed to start and were
     /// tried again.
     pub sandbox_start_retries: IntCounter,
+    /// `sandcell_worker_events_published_total`: live output events handed to the broker.
+    pub events_published: IntCounter,
+    /// `sandcell_worker_events_dropped_total`: live output events dropped (the publisher's
+    /// buffer full, or no broker); their jobs' results are complete all the same.
+    pub events_dropped: IntCounter,
+    /// `sandcell_worker_opening_jobs_returned_total`: jobs opening a session that reached this
+    /// worker when it had no room and went back to the queue (its new-sessions consumer had not
+    /// caught up with its room yet).
+    pub opening_returned: IntCounter,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -92,7 +101,17 @@ impl Metrics {
         registry.register(Box::new(oneoff_sandboxes.clone()))?;
         registry.register(Box::new(oneoff_idle.clone()))?;
         registry.register(Box::new(oneoff_recycled.clone()))?;
+        let events_published = IntCounter::new("sandcell_worker_events_published_total", "Live output events handed to the broker")?;
+        let events_dropped = IntCounter::new("sandcell_worker_events_dropped_total", "Live output events dropped (buffer full or no broker)")?;
+        registry.register(Box::new(events_published.clone()))?;
+        registry.register(Box::new(events_dropped.clone()))?;
+        let opening_returned =
+            IntCounter::new("sandcell_worker_opening_jobs_returned_total", "Jobs opening a session returned to the queue for lack of room here")?;
+        registry.register(Box::new(opening_returned.clone()))?;
         Ok(Metrics {
+            opening_returned,
+            events_published,
+            events_dropped,
             oneoff_sandboxes,
             oneoff_idle,
             oneoff_recycled,

@@ -42,6 +42,13 @@ pub trait Host {
     /// After the cell (its slot released), before the commit: what becomes of the kernel, and
     /// what the commit carries besides the outcome.
     async fn after(&mut self, ctx: &WorkerContext, job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras);
+    /// A slot the host already holds for this job: a new session's, taken to start its
+    /// container, is kept for its opening job (which would otherwise queue for a slot behind
+    /// every container start waiting, and a burst of new sessions would see its first results
+    /// only once every container had started).
+    fn held_slot(&mut self) -> Option<Slot> {
+        None
+    }
 }
 
 /// A one-off job's host: a sandbox bound to the job's tenant (one that waits in
@@ -102,21 +109,28 @@ impl Host for OneOff {
 /// the job was claimed before it got here (a session's opening job). `Ok` is the disposition
 /// of its message; an error means nothing was committed.
 pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool, claimed: Option<Claim>, host: &mut H) -> Result<Disposition> {
+    // Taken first, so that it is released on every path, the job's refusal included.
+    let held = host.held_slot();
     let Some((files, claim)) = prepare(ctx, job, redelivered, claimed).await? else { return Ok(Disposition::Ack) };
     let session_id = job.session.as_ref().map(|s| s.id.as_str());
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id, attempt = claim.attempt, "running job");
     let (on_timeout, fresh) = (host.on_timeout(ctx), host.fresh());
+    let mut live = ctx.events.job(job, claim.attempt);
     let cell = {
-        let slot = ctx.slot().await?;
+        let slot = match held {
+            Some(slot) => slot,
+            None => ctx.slot().await?,
+        };
         match host.kernel(ctx, job, &limits, &slot).await {
-            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout, fresh).await,
+            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout, fresh, &mut live).await,
             Err(e) => CellRun { outcome: Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), alive: false },
         }
     };
     let (outcome, extras) = host.after(ctx, job, cell).await;
     let status = commit(ctx, job, &limits, outcome, extras).await?;
+    live.end(status);
     ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "job finished");
     Ok(Disposition::Ack)
@@ -181,6 +195,7 @@ pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -
     if claim.attempt > ctx.cfg.max_attempts {
         let reason = Reason::new(ErrorCode::TooManyAttempts, format!("claimed {} times without completing", claim.attempt - 1));
         ctx.jobs.fail(tenant, job_id, JobStatus::InfrastructureError, &reason).await?;
+        ctx.events.job(job, claim.attempt).end(JobStatus::InfrastructureError);
         ctx.metrics.jobs.with_label_values(&[JobStatus::InfrastructureError.as_str()]).inc();
         return Ok(None);
     }
@@ -191,6 +206,7 @@ pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -
 pub async fn refuse(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason) -> Result<()> {
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, code = %reason.code, "job refused: {}", reason.message);
     if ctx.jobs.refuse(&job.tenant, &job.job_id, reason).await? {
+        ctx.events.job(job, 0).end(JobStatus::Rejected);
         ctx.metrics.jobs.with_label_values(&[JobStatus::Rejected.as_str()]).inc();
     }
     Ok(())

@@ -63,7 +63,12 @@ pub async fn run(cfg: Config) -> Result<()> {
         })
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
+    let (events, publisher) = crate::events::Events::new(metrics.events_published.clone(), metrics.events_dropped.clone());
+    tokio::spawn(publisher.run());
+    let (drain, draining) = tokio::sync::watch::channel(false);
     let ctx = context::WorkerContext {
+        draining,
+        events,
         ledger: ledger::Ledger::new(metrics.clone()),
         slots: Arc::new(Semaphore::new(usize::from(cfg.slots))),
         session_capacity: Arc::new(Semaphore::new(usize::from(cfg.max_sessions))),
@@ -79,11 +84,23 @@ pub async fn run(cfg: Config) -> Result<()> {
         registry: session::Registry::default(),
     };
     let worker_id = ctx.cfg.worker_id.clone();
+    let (ledger, grace) = (ctx.ledger.clone(), ctx.cfg.drain_grace);
     let consuming = tokio::spawn(consumer::run(ctx, broker_up));
     let result = tokio::select! {
         r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
         r = consuming => r.context("consumer task panicked"),
-        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted; stopping"); Ok(()) }
+        signal = sandcell_core::telemetry::stop_signal() => {
+            // Stop taking jobs, and let those held here finish (their results committed and
+            // their messages acked) within the grace; what is left then is redelivered.
+            tracing::info!(signal, held = ledger.len(), grace_s = grace.as_secs_f64(), "told to stop; draining");
+            drain.send_replace(true);
+            let deadline = tokio::time::Instant::now() + grace;
+            while ledger.len() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tracing::info!(unfinished = ledger.len(), "drained; stopping");
+            Ok(())
+        }
     };
     // Sessions die with the worker: say so now rather than after the heartbeat times out.
     if let Err(e) = sessions.lose_worker(&worker_id, "the worker holding it stopped").await {

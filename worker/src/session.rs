@@ -113,10 +113,9 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     let Some(session) = job.session.clone() else { anyhow::bail!("open called for a job without a session") };
     let limits = ctx.cfg.policy.cap(&job.limits);
     let spec = run::spec_for(ctx, job, &limits);
-    let started = {
-        let slot = ctx.slot().await?;
-        run::kernel_for(ctx, &spec, &slot).await
-    };
+    // The slot that starts the container is kept for the opening job (`Host::held_slot`).
+    let slot = ctx.slot().await?;
+    let started = run::kernel_for(ctx, &spec, &slot).await;
     let kernel = match started {
         Ok(k) => k,
         Err(e) => {
@@ -150,6 +149,7 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         keep_alive: Duration::from_secs(session.keep_alive_s.max(1)),
         spec,
         kernel: Some(kernel),
+        opening_slot: Some(slot),
         end: None,
         ctx: ctx.clone(),
         _permit: permit,
@@ -163,6 +163,8 @@ struct SessionTask {
     keep_alive: Duration,
     spec: SandboxSpec,
     kernel: Option<Kernel>,
+    /// The slot its container started under, until the opening job takes it.
+    opening_slot: Option<Slot>,
     /// Set by the job that ends the session (it closed it, or its kernel could not be replaced).
     end: Option<End>,
     ctx: WorkerContext,
@@ -180,6 +182,10 @@ impl run::Host for SessionTask {
         false
     }
 
+    fn held_slot(&mut self) -> Option<Slot> {
+        self.opening_slot.take()
+    }
+
     async fn kernel(&mut self, _ctx: &WorkerContext, _job: &ExecutionJob, _limits: &ExecutionLimits, _slot: &Slot) -> Result<&mut Kernel> {
         let id = &self.id;
         self.kernel.as_mut().ok_or_else(|| anyhow::anyhow!("session {id} has no kernel"))
@@ -187,9 +193,14 @@ impl run::Host for SessionTask {
 
     async fn after(&mut self, ctx: &WorkerContext, job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras) {
         let close = job.session.as_ref().is_some_and(|s| s.close);
+        // A new keep-alive asked by this job (set_timeout): the session's clock from now on.
+        let keep_alive_s = job.session.as_ref().filter(|s| !s.new && s.keep_alive_s > 0).map(|s| s.keep_alive_s);
+        if let Some(k) = keep_alive_s {
+            self.keep_alive = Duration::from_secs(k);
+        }
         let mut outcome = cell.outcome;
         let container_id = self.kernel.as_ref().map(|k| k.id().to_string());
-        let mut extras = Extras { kernel_restarted: false, container_id, session: Some(SessionTouch { id: self.id.clone(), close }) };
+        let mut extras = Extras { kernel_restarted: false, container_id, session: Some(SessionTouch { id: self.id.clone(), close, keep_alive_s }) };
         self.end = close.then_some(End::Closed);
         if cell.alive {
             return (outcome, extras);

@@ -47,7 +47,7 @@ pub enum ClientError {
 
 /// A connected client.
 pub struct Client {
-    _conn: lapin::Connection,
+    conn: lapin::Connection,
     publisher: Channel,
     db: PgPool,
     database_url: String,
@@ -64,7 +64,7 @@ impl Client {
         let publisher = broker::publisher_channel(&conn).await?;
         let pool =
             PgPoolOptions::new().max_connections(4).connect(database_url).await.with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
-        Ok(Client { _conn: conn, publisher, db: pool, database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
+        Ok(Client { conn, publisher, db: pool, database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
     }
 
     /// Connect using `SANDCELL_AMQP_URL` and `SANDCELL_DATABASE_URL`.
@@ -77,7 +77,7 @@ impl Client {
     /// Publish a submission; returns once the broker confirmed it.
     pub async fn submit(&self, sub: &Submission) -> Result<(), ClientError> {
         let body = serde_json::to_vec(sub).context("serializing submission")?;
-        self.submit_raw(&body, Some(&sub.job_id)).await
+        self.publish(&body, Some(&sub.job_id), self.user.as_deref(), broker::intake_routing_key(sub)).await
     }
 
     /// Publish raw bytes as a submission (for testing how sandcell treats bad input).
@@ -88,6 +88,13 @@ impl Client {
     /// Publish raw bytes with the given `user_id` property (`None`: without one). The broker
     /// refuses a `user_id` other than the connection's user by closing the channel.
     pub async fn submit_raw_as(&self, body: &[u8], message_id: Option<&str>, user_id: Option<&str>) -> Result<(), ClientError> {
+        self.publish(body, message_id, user_id, "").await
+    }
+
+    /// Publish to the intake with `routing_key`: the session's id for a job in a session, so the
+    /// session's submissions share an intake partition and keep their order (see
+    /// `docs/protocol.md`).
+    async fn publish(&self, body: &[u8], message_id: Option<&str>, user_id: Option<&str>, routing_key: &str) -> Result<(), ClientError> {
         let mut props = match message_id {
             Some(id) => broker::json_properties(id),
             None => lapin::BasicProperties::default().with_delivery_mode(2),
@@ -95,7 +102,7 @@ impl Client {
         if let Some(user) = user_id {
             props = props.with_user_id(user.into());
         }
-        broker::publish_to(&self.publisher, broker::INTAKE_EXCHANGE, "", body, props).await?;
+        broker::publish_to(&self.publisher, broker::INTAKE_EXCHANGE, routing_key, body, props).await?;
         Ok(())
     }
 
@@ -157,6 +164,34 @@ impl Client {
         }
     }
 
+    /// Subscribe to the live output of `tenant`'s job `job_id` — or, with `job_id` `None`, of
+    /// all its jobs — *before* submitting it: events published earlier are not kept for anyone.
+    /// The queue is `sandcell.live.<tenant>.<uuid>`, exclusive and gone with the subscription;
+    /// the broker lets a tenant's user bind only its own tenant's routing keys.
+    pub async fn live(&self, tenant: &str, job_id: Option<&str>) -> Result<LiveOutput, ClientError> {
+        use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
+        use lapin::types::FieldTable;
+        let ch = self.conn.create_channel().await.context("opening a channel for live output")?;
+        // In the tenant's own queue namespace, the only one its broker user may declare in.
+        let name = format!("{}{}", broker::tenant_queue_prefix(tenant), uuid::Uuid::new_v4().simple());
+        let queue = ch
+            .queue_declare(name.as_str().into(), QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() }, FieldTable::default())
+            .await
+            .context("declaring a queue for live output")?;
+        let key = match job_id {
+            Some(job_id) => sandcell_protocol::event::routing_key(tenant, job_id),
+            None => format!("{tenant}.#"),
+        };
+        ch.queue_bind(queue.name().clone(), broker::EVENTS_EXCHANGE.into(), key.as_str().into(), QueueBindOptions::default(), FieldTable::default())
+            .await
+            .with_context(|| format!("binding {key} on {} (may this user read that tenant's events?)", broker::EVENTS_EXCHANGE))?;
+        let consumer = ch
+            .basic_consume(queue.name().clone(), "".into(), BasicConsumeOptions { no_ack: true, exclusive: true, ..Default::default() }, FieldTable::default())
+            .await
+            .context("consuming live output")?;
+        Ok(LiveOutput { _channel: ch, consumer })
+    }
+
     /// The database URL this client reads from.
     pub fn database_url(&self) -> &str {
         &self.database_url
@@ -174,6 +209,27 @@ impl Client {
         match (a.state, a.download_url) {
             (ArtifactState::Available, Some(url)) if a.expires_at > chrono::Utc::now() => Ok(url),
             _ => Err(ClientError::ArtifactExpired(path.into())),
+        }
+    }
+}
+
+/// A subscription to live output ([`Client::live`]); dropping it ends the subscription.
+pub struct LiveOutput {
+    _channel: Channel,
+    consumer: lapin::Consumer,
+}
+
+impl LiveOutput {
+    /// The next event, in the order the worker published it; `None` when the subscription
+    /// ended (its channel or connection closed). A message that is not an event is skipped.
+    pub async fn next(&mut self) -> Option<sandcell_protocol::JobEvent> {
+        use futures::StreamExt;
+        loop {
+            let delivery = self.consumer.next().await?.ok()?;
+            match serde_json::from_slice(&delivery.data) {
+                Ok(event) => return Some(event),
+                Err(e) => tracing::warn!(error = %e, "a live output message is not an event; skipped"),
+            }
         }
     }
 }

@@ -26,7 +26,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Submit code, wait for the result and print it as JSON.
+    /// Submit code, show its output on stderr as it runs, wait for the result and print it as
+    /// JSON on stdout.
     Run {
         /// Tenant.
         #[arg(long, env = "SANDCELL_TENANT", default_value = "demo")]
@@ -73,6 +74,10 @@ enum Command {
         /// Return a listing of the workspace after the code ran.
         #[arg(long)]
         list_files: bool,
+        /// Do not show the job's output on stderr while it runs (the result, printed at the
+        /// end, holds all of it either way).
+        #[arg(long)]
+        no_live: bool,
     },
     /// Print a session's current state.
     Session {
@@ -132,6 +137,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             close,
             get_files,
             list_files,
+            no_live,
         } => {
             let code = match (code, code_file) {
                 (Some(c), _) => c,
@@ -156,8 +162,26 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 "new" => SessionRequest { new: true, keep_alive_s, ..Default::default() },
                 id => SessionRequest { id: Some(id.to_string()), close, ..Default::default() },
             });
+            // Subscribed before the submission: events are not kept for late subscribers.
+            let live = if no_live {
+                None
+            } else {
+                match client.live(&tenant, Some(&job_id)).await {
+                    Ok(live) => Some(tokio::spawn(show_live(live))),
+                    Err(e) => {
+                        eprintln!("sandcell: no live output ({e:#}); the result follows at the end");
+                        None
+                    }
+                }
+            };
             client.submit(&sub).await?;
             let result = client.wait(&tenant, &job_id, Duration::from_secs(wait_s)).await?;
+            if let Some(task) = live {
+                // The end event follows the commit the wait saw; a lost one costs a second.
+                if tokio::time::timeout(Duration::from_secs(1), task).await.is_err() {
+                    eprintln!("sandcell: (live output incomplete; the result below is complete)");
+                }
+            }
             println!("{}", serde_json::to_string_pretty(&result)?);
             Ok(if result.status == sandcell_protocol::JobStatus::Succeeded { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
@@ -179,6 +203,40 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", client.artifact_url(&tenant, &job_id, &path).await?);
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// Print a job's live output on stderr until its `end` event.
+async fn show_live(mut live: sandcell_client::LiveOutput) {
+    use sandcell_protocol::EventBody;
+    use std::io::Write;
+    let (mut attempt, mut expected) = (0, 0);
+    while let Some(event) = live.next().await {
+        let mut err = std::io::stderr().lock();
+        if event.attempt != attempt {
+            // The job runs again (its worker died): its output starts over.
+            if attempt != 0 {
+                let _ = writeln!(err, "[sandcell: the job runs again (attempt {})]", event.attempt);
+            }
+            (attempt, expected) = (event.attempt, 0);
+        }
+        if event.seq != expected {
+            let _ = writeln!(err, "[sandcell: {} live event(s) missed]", event.seq.saturating_sub(expected));
+        }
+        expected = event.seq + 1;
+        let _ = match &event.body {
+            EventBody::Stdout { text } | EventBody::Stderr { text } => write!(err, "{text}"),
+            EventBody::Output { data, omitted, .. } => {
+                let images: Vec<&String> = data.keys().chain(omitted).filter(|m| m.starts_with("image/")).collect();
+                match (images.is_empty(), data.get("text/plain")) {
+                    (true, Some(text)) => writeln!(err, "{text}"),
+                    _ => writeln!(err, "[{}: in the result's artifacts]", images.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(", ")),
+                }
+            }
+            EventBody::Error { traceback, .. } => writeln!(err, "{}", traceback.join("\n")),
+            EventBody::End { .. } => return,
+        };
+        let _ = err.flush();
     }
 }
 

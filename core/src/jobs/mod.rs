@@ -91,6 +91,8 @@ pub struct SessionTouch {
     pub id: String,
     /// Close it (the job asked `session.close`); otherwise extend its keep-alive.
     pub close: bool,
+    /// The session's new keep-alive (the job asked `session.keep_alive_s`), before extending.
+    pub keep_alive_s: Option<u64>,
 }
 
 /// Whether a store error is the database refusing the data itself (a data exception, an

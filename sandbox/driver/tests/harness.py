@@ -167,6 +167,30 @@ class DriverProcess:
         self._state.cleanup()
 
 
+def children_of(pid):
+    """The pids of pid's child processes, from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def is_zombie(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
 def of_type(frames, type_):
     return [f for f in frames if f["type"] == type_]
 

@@ -5,6 +5,8 @@ objects -- reaches the next."""
 
 import json
 import os
+import signal
+import time
 import unittest
 
 from harness import *  # noqa: F401,F403 (the harness is these tests' vocabulary)
@@ -175,6 +177,53 @@ class TestFreshHostile(unittest.TestCase):
         frames, d = self.run_fresh("print('honest')")
         self.assertEqual(stream_text(frames, "stdout"), "honest\n")
         self.assertEqual(of_type(frames, "display_data"), [])
+        self.assertEqual(d["execution_count"], 1)
+
+    def standby(self):
+        """The process the kernel forked for the next fresh job (once it exists)."""
+        kernels = children_of(self.driver.proc.pid)
+        self.assertEqual(len(kernels), 1, kernels)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            kids = children_of(kernels[0])
+            if kids:
+                self.assertEqual(len(kids), 1, kids)
+                return kids[0]
+            time.sleep(0.01)
+        self.fail("no process forked for the next fresh job")
+
+    def test_the_next_fresh_job_runs_in_a_process_forked_after_the_last_was_cleaned_up(self):
+        self.run_fresh("open('left.txt', 'w').write('x')")
+        standby = self.standby()
+        frames, d = self.run_fresh("import os\nprint(os.getpid(), sorted(n for n in os.listdir('.') if n != '.local'))")
+        self.assertEqual(stream_text(frames, "stdout"), "%d []\n" % standby)
+        # Counted as there before the job, so not as a process the job left.
+        self.assertEqual(d["processes_killed"], 0)
+        self.assertTrue(d["reusable"], d)
+
+    def test_a_fresh_job_still_runs_when_the_process_forked_for_it_is_gone(self):
+        self.run_fresh("1")
+        standby = self.standby()
+        os.kill(standby, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while standby in children_of(children_of(self.driver.proc.pid)[0]) and not is_zombie(standby):
+            self.assertLess(time.monotonic(), deadline, "the standby process did not die")
+            time.sleep(0.01)
+        frames, d = self.run_fresh("import os\nprint(os.getpid())")
+        self.assertNotEqual(stream_text(frames, "stdout"), "%d\n" % standby)
+        self.assertEqual(d["status"], "ok")
+        self.assertEqual(d["execution_count"], 1)
+        self.assertTrue(d["reusable"], d)
+
+    def test_a_fresh_job_finds_the_namespace_of_a_shell_that_never_ran_a_cell(self):
+        # The kernel and the process forked for the next job each run the cell machinery
+        # once on code of their own (IPython initialises much of it lazily): nothing of
+        # it shows.
+        probe = "print(repr(_), len(In), len(Out), sorted(k for k in globals() if not k.startswith('_')))"
+        first, _ = self.run_fresh(probe)
+        second, d = self.run_fresh(probe)
+        self.assertEqual(stream_text(first, "stdout"), stream_text(second, "stdout"))
+        self.assertEqual(stream_text(second, "stdout"), "'' 2 0 ['In', 'Out', 'exit', 'get_ipython', 'quit']\n")
         self.assertEqual(d["execution_count"], 1)
 
     def test_each_job_gets_its_own_random_numbers(self):

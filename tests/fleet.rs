@@ -1,0 +1,196 @@
+//! The fleet: several schedulers and workers at once (`deploy/local/test.sh` starts 2 schedulers,
+//! `scheduler` and `scheduler-2`, and 3 workers for this suite, with `SANDCELL_SCHEDULERS=2
+//! SANDCELL_WORKERS=3`). What it proves: the schedulers share the intake's partitions; one
+//! session's jobs run in the order they were published, each once, while a scheduler is killed
+//! and restarted and another stops gracefully; a burst of new sessions spreads over the workers;
+//! a new session goes to the worker with the most room, and a full worker is offered none.
+//! The tests restart instances: test.sh runs them one at a time (`--test-threads=1`).
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+use sandcell_core::tenants::Quotas;
+use sandcell_protocol::JobStatus;
+use sandcell_tests::*;
+
+const SCHEDULERS: [(&str, &str); 2] = [("scheduler", "127.0.0.1:9464"), ("scheduler-2", "127.0.0.1:9474")];
+const PARTITIONS: f64 = sandcell_core::broker::DEFAULT_INTAKE_PARTITIONS as f64;
+
+/// Partitions each scheduler holds now (None: its metrics do not answer).
+async fn partitions_held() -> Vec<Option<f64>> {
+    let mut held = Vec::new();
+    for (_, addr) in SCHEDULERS {
+        held.push(metric_at(addr, "sandcell_intake_partitions_held").await);
+    }
+    held
+}
+
+/// Wait until both schedulers hold partitions and together hold every one, exactly once.
+async fn partitions_shared_by_both(within: Duration) -> Vec<Option<f64>> {
+    let shared = eventually(within, || async {
+        let held = partitions_held().await;
+        let both = held.iter().all(|h| h.is_some_and(|n| n > 0.0));
+        (both && held.iter().flatten().sum::<f64>() == PARTITIONS).then_some(held)
+    })
+    .await;
+    match shared {
+        Some(held) => held,
+        None => panic!("the schedulers did not share the {PARTITIONS} partitions: {:?}", partitions_held().await),
+    }
+}
+
+#[tokio::test]
+async fn twenty_sessions_keep_their_order_over_two_schedulers_while_one_is_killed_and_another_stops() {
+    // Both schedulers consume: the partitions are shared, none twice.
+    let before = partitions_shared_by_both(Duration::from_secs(30)).await;
+    println!("partitions held before: {before:?}");
+
+    let t = TestTenant::create(Some(Quotas { max_sessions: 20, max_queued_jobs: 1000, max_jobs_in_flight: 20, ..Default::default() })).await;
+    let mut c = t.client().await;
+
+    // A burst of 20 new sessions, each with an empty list.
+    let openings: Vec<_> = (0..20).map(|_| open_session(&t.name, "seq = []", Some(600))).collect();
+    for sub in &openings {
+        c.submit(sub).await.expect("submit an opening job");
+    }
+    let mut sessions = Vec::new();
+    let mut placement: BTreeMap<String, usize> = BTreeMap::new();
+    for sub in &openings {
+        let r = c.wait(&t.name, &sub.job_id, JOB_WAIT).await.expect("opening result");
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        let worker = r.session.as_ref().and_then(|s| s.worker_id.clone()).unwrap_or_default();
+        *placement.entry(worker).or_default() += 1;
+        sessions.push(session_id(&r));
+    }
+    println!("20 new sessions by worker: {placement:?}");
+    assert!(placement.len() >= 2, "a burst of 20 new sessions stayed on one worker of three: {placement:?}");
+
+    // 20 rounds of one job per session, published without waiting: job i appends i and answers
+    // how many the list holds. Mid-stream, scheduler-2 is SIGKILLed (its partitions' unacked
+    // submissions go back to the broker) and started again; later `scheduler` is told to stop
+    // (it finishes what it took and hands its partitions over) and started again.
+    let mut jobs: Vec<(usize, usize, sandcell_protocol::Submission)> = Vec::new();
+    for round in 1..=20 {
+        for (s, id) in sessions.iter().enumerate() {
+            let sub = in_session(&t.name, id, &format!("seq.append({round}); len(seq)"));
+            c.submit(&sub).await.expect("submit a session job");
+            jobs.push((s, round, sub));
+        }
+        match round {
+            6 => kill_service("scheduler-2"),
+            10 => start_service("scheduler-2", &[]),
+            14 => terminate_service("scheduler"),
+            18 => {
+                assert!(
+                    eventually(Duration::from_secs(30), || async { (!service_running("scheduler")).then_some(()) }).await.is_some(),
+                    "scheduler did not stop on SIGTERM"
+                );
+                start_service("scheduler", &[]);
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        if round == 10 {
+            // The client's connection is fine; the restarted scheduler takes partitions back.
+            c = t.client().await;
+        }
+    }
+
+    // Every job succeeded and saw exactly the jobs before it: job i of a session answers i.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut wrong = Vec::new();
+    for (s, round, sub) in &jobs {
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+        let r = c.wait(&t.name, &sub.job_id, left).await.unwrap_or_else(|e| panic!("session {s} job {round} has no result: {e}"));
+        if r.status != JobStatus::Succeeded || value(&r).as_deref() != Some(round.to_string().as_str()) {
+            wrong.push(format!("session {s} job {round}: {:?} value {:?} reason {:?} error {:?}", r.status, value(&r), r.reason, r.execution.error));
+        }
+    }
+    assert!(wrong.is_empty(), "{} of 400 jobs ran out of order, twice or not at all:\n{}", wrong.len(), wrong.join("\n"));
+    // And nothing ran after the last job of each session.
+    let mut seen = HashSet::new();
+    for id in &sessions {
+        let r = run(&c, &in_session(&t.name, id, "seq == list(range(1, 21))")).await;
+        assert_eq!(value(&r).as_deref(), Some("True"), "session {id} holds something else: {r:?}");
+        seen.insert(id.clone());
+    }
+    assert_eq!(seen.len(), 20);
+
+    // Both schedulers are back and share the partitions again.
+    let after = partitions_shared_by_both(Duration::from_secs(30)).await;
+    println!("partitions held after: {after:?}");
+    for id in &sessions {
+        run(&c, &close_session(&t.name, id)).await;
+    }
+}
+
+const WORKERS: [(&str, &str, &str); 3] =
+    [("worker", "test-worker", "127.0.0.1:9465"), ("worker-2", "test-worker-2", "127.0.0.1:9475"), ("worker-3", "test-worker-3", "127.0.0.1:9485")];
+
+/// Restart worker `i` (SIGKILL, then its launcher) with `env`, and wait until it answers /healthz.
+async fn restart_worker(i: usize, env: &[(&str, &str)]) {
+    let (name, _, addr) = WORKERS[i];
+    restart_service(name, env);
+    let healthy =
+        eventually(Duration::from_secs(120), || async { matches!(http_get(&format!("http://{addr}/healthz")).await, Ok((200, _))).then_some(()) }).await;
+    assert!(healthy.is_some(), "{name} did not come back");
+}
+
+/// The worker each session of `results` opened on.
+fn owners(results: &[sandcell_protocol::JobResult]) -> Vec<String> {
+    results.iter().map(|r| r.session.as_ref().and_then(|s| s.worker_id.clone()).unwrap_or_default()).collect()
+}
+
+#[tokio::test]
+async fn a_new_session_goes_to_the_worker_with_most_room_and_a_full_worker_is_offered_none() {
+    // Room for 32 sessions on the first worker (the default), 3 on the second, 1 on the third.
+    restart_worker(1, &[("SANDCELL_WORKER_MAX_SESSIONS", "3")]).await;
+    restart_worker(2, &[("SANDCELL_WORKER_MAX_SESSIONS", "1")]).await;
+    let t = TestTenant::create(Some(Quotas { max_sessions: 20, max_queued_jobs: 1000, max_jobs_in_flight: 20, ..Default::default() })).await;
+    let c = t.client().await;
+    // Allow the restarted workers' consumers to register.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // One at a time, new sessions go to the worker with the most room. A worker re-subscribes
+    // within 100 ms of a change of its room (briefly absent from the consumers while it does):
+    // each session is opened once the last one's change has settled.
+    let mut results = Vec::new();
+    for _ in 0..4 {
+        results.push(run(&c, &open_session(&t.name, "1", Some(120))).await);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    let first = owners(&results);
+    assert!(first.iter().all(|w| w == WORKERS[0].1), "sessions opened one by one did not all go to the worker with most room: {first:?}");
+
+    // A burst of 12: the small workers take at most their room, and none is offered a session it
+    // has no room for (nothing is returned to the queue), so none waits on a full worker.
+    let returned_before: Vec<f64> = futures::future::join_all(
+        WORKERS.iter().map(|(_, _, addr)| async move { metric_at(addr, "sandcell_worker_opening_jobs_returned_total").await.unwrap_or(0.0) }),
+    )
+    .await;
+    let burst: Vec<_> = (0..12).map(|_| open_session(&t.name, "1", Some(120))).collect();
+    for sub in &burst {
+        c.submit(sub).await.expect("submit an opening job");
+    }
+    let mut burst_results = Vec::new();
+    for sub in &burst {
+        let r = c.wait(&t.name, &sub.job_id, JOB_WAIT).await.expect("opening result");
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        burst_results.push(r);
+    }
+    let placed = owners(&burst_results);
+    let on = |w: &str| placed.iter().filter(|p| p.as_str() == w).count();
+    println!("burst of 12 new sessions: {} / {} / {}", on(WORKERS[0].1), on(WORKERS[1].1), on(WORKERS[2].1));
+    assert!(on(WORKERS[1].1) <= 3 && on(WORKERS[2].1) <= 1, "a worker held more sessions than its room: {placed:?}");
+    for (i, (_, _, addr)) in WORKERS.iter().enumerate() {
+        let returned = metric_at(addr, "sandcell_worker_opening_jobs_returned_total").await.unwrap_or(0.0) - returned_before[i];
+        assert_eq!(returned, 0.0, "worker {} was offered opening jobs it had no room for", WORKERS[i].1);
+    }
+
+    for r in results.iter().chain(&burst_results) {
+        run(&c, &close_session(&t.name, &session_id(r))).await;
+    }
+    // The fleet as it was.
+    restart_worker(1, &[]).await;
+    restart_worker(2, &[]).await;
+}
