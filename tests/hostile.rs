@@ -236,7 +236,9 @@ for _ in range(600):
 "#;
     let before = worker_rss_kb();
     let mut sub = python(&t, code);
-    sub.memory_mb = Some(128);
+    // Far less than the frame (600 MB); under gVisor a 128 MB sandbox sometimes cannot even hold
+    // the preloaded libraries (`sandbox_unavailable`, seen once in CI).
+    sub.memory_mb = Some(256);
     let r = run(&c, &sub).await;
     let after = worker_rss_kb();
     assert_eq!(code_of(&r), Some(ErrorCode::DriverProtocol), "{r:?}");
