@@ -158,7 +158,8 @@ async fn jobs_survive_kills_and_restarts_none_lost_none_stuck_none_run_twice_wit
     let unexplained: Vec<_> = twice.iter().filter(|j| !ran_on_killed_worker.contains(*j)).collect();
     assert!(unexplained.is_empty(), "jobs ran twice without a worker death: {unexplained:?}");
     // A session's jobs that succeeded counted up one by one: in order, each once (a session on
-    // the killed worker is lost; its later jobs are refused, not run out of order).
+    // the killed worker moves; its later jobs run in a new kernel, where `n` is gone, and fail
+    // with a NameError rather than count out of order).
     for (i, seen) in counts.iter().enumerate() {
         let values: Vec<i64> = seen.iter().map(|(_, v)| v.parse().unwrap_or(-1)).collect();
         assert!(values.windows(2).all(|w| w[1] == w[0] + 1), "session {i} counted {values:?}");

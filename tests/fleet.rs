@@ -3,7 +3,8 @@
 //! SANDCELL_WORKERS=3`). What it proves: the schedulers share the intake's partitions; one
 //! session's jobs run in the order they were published, each once, while a scheduler is killed
 //! and restarted and another stops gracefully; a burst of new sessions spreads over the workers;
-//! a new session goes to the worker with the most room, and a full worker is offered none.
+//! a new session goes to the worker with the most room, and a full worker is offered none; the
+//! sessions of a worker that is killed, or drained, continue on the others.
 //! The tests restart instances: test.sh runs them one at a time (`--test-threads=1`).
 
 use std::collections::{BTreeMap, HashSet};
@@ -41,6 +42,7 @@ async fn partitions_shared_by_both(within: Duration) -> Vec<Option<f64>> {
 
 #[tokio::test]
 async fn twenty_sessions_keep_their_order_over_two_schedulers_while_one_is_killed_and_another_stops() {
+    let _fleet = workers_healthy().await;
     // Both schedulers consume: the partitions are shared, none twice.
     let before = partitions_shared_by_both(Duration::from_secs(30)).await;
     println!("partitions held before: {before:?}");
@@ -127,6 +129,34 @@ async fn twenty_sessions_keep_their_order_over_two_schedulers_while_one_is_kille
 const WORKERS: [(&str, &str, &str); 3] =
     [("worker", "test-worker", "127.0.0.1:9465"), ("worker-2", "test-worker-2", "127.0.0.1:9475"), ("worker-3", "test-worker-3", "127.0.0.1:9485")];
 
+/// Put the fleet back as test.sh started it should a test fail half-way (a worker stopped, or
+/// restarted with less room), so that the next test does not fail for it.
+struct FleetRestoredOnFailure;
+
+impl Drop for FleetRestoredOnFailure {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // As `restart_service`, without its assertions (a panic while panicking aborts).
+            let dir = std::env::var("SANDCELL_RUN_DIR").unwrap_or_else(|_| "/var/lib/sandcell/run".into());
+            for (name, _, _) in WORKERS {
+                let cmd =
+                    format!("kill -9 $(cat {dir}/{name}.pid) 2>/dev/null; sleep 0.5; nohup bash {dir}/{name}.cmd >/dev/null 2>&1 & echo $! > {dir}/{name}.pid");
+                let _ = std::process::Command::new("bash").arg("-c").arg(cmd).status();
+            }
+        }
+    }
+}
+
+/// Wait until every worker answers /healthz (a test's first step).
+async fn workers_healthy() -> FleetRestoredOnFailure {
+    for (name, _, addr) in WORKERS {
+        let healthy =
+            eventually(Duration::from_secs(120), || async { matches!(http_get(&format!("http://{addr}/healthz")).await, Ok((200, _))).then_some(()) }).await;
+        assert!(healthy.is_some(), "{name} is not healthy");
+    }
+    FleetRestoredOnFailure
+}
+
 /// Restart worker `i` (SIGKILL, then its launcher) with `env`, and wait until it answers /healthz.
 async fn restart_worker(i: usize, env: &[(&str, &str)]) {
     let (name, _, addr) = WORKERS[i];
@@ -143,6 +173,7 @@ fn owners(results: &[sandcell_protocol::JobResult]) -> Vec<String> {
 
 #[tokio::test]
 async fn a_new_session_goes_to_the_worker_with_most_room_and_a_full_worker_is_offered_none() {
+    let _fleet = workers_healthy().await;
     // Room for 32 sessions on the first worker (the default), 3 on the second, 1 on the third.
     restart_worker(1, &[("SANDCELL_WORKER_MAX_SESSIONS", "3")]).await;
     restart_worker(2, &[("SANDCELL_WORKER_MAX_SESSIONS", "1")]).await;
@@ -193,4 +224,103 @@ async fn a_new_session_goes_to_the_worker_with_most_room_and_a_full_worker_is_of
     // The fleet as it was.
     restart_worker(1, &[]).await;
     restart_worker(2, &[]).await;
+}
+
+/// Five sessions, all on the first worker (the others have room for one session while they
+/// open, then get their room back), each with a variable, a file its code wrote and an input
+/// file. Returns the tenant, a client and the session ids.
+async fn five_sessions_on_the_first_worker() -> (TestTenant, sandcell_client::Client, Vec<String>) {
+    restart_worker(1, &[("SANDCELL_WORKER_MAX_SESSIONS", "1")]).await;
+    restart_worker(2, &[("SANDCELL_WORKER_MAX_SESSIONS", "1")]).await;
+    let t = TestTenant::create(Some(Quotas { max_sessions: 20, max_queued_jobs: 1000, max_jobs_in_flight: 20, ..Default::default() })).await;
+    let c = t.client().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut sessions = Vec::new();
+    for k in 0..5 {
+        let code = format!(
+            "x = {k}\nopen('notes.txt', 'w').write('session {k}')\nimport pandas as pd\ndf = pd.DataFrame({{'v': [1, 2, {k}]}})\nd = {{'k': {k}}}\n\
+             def f(n):\n    return n * 10 + {k}\ngen = (i for i in range(3))"
+        );
+        let r = run(&c, &open_session(&t.name, &code, Some(600))).await;
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        assert_eq!(owners(std::slice::from_ref(&r)), vec![WORKERS[0].1.to_string()], "session {k} did not open on the first worker");
+        let id = session_id(&r);
+        let mut with_input = in_session(&t.name, &id, "len(open('data.csv').read())");
+        with_input.files = vec![input("data.csv", format!("k,v\n{k},1\n").as_bytes())];
+        let r = run(&c, &with_input).await;
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        sessions.push(id);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    // The other workers get their room back (they hold none of these sessions).
+    restart_worker(1, &[]).await;
+    restart_worker(2, &[]).await;
+    (t, c, sessions)
+}
+
+/// After the first worker went away: each session's next two jobs (published without waiting,
+/// while its worker is gone) run elsewhere, in order, the first with the session's files and
+/// `moved` saying what came along; `cause` is why it moved. After a drain the variables came
+/// too (the DataFrame, the dict, the function; not the generator); after a kill, none did.
+async fn each_session_continues_elsewhere(t: &TestTenant, c: &sandcell_client::Client, sessions: &[String], cause: sandcell_protocol::MoveCause) {
+    let drained = cause == sandcell_protocol::MoveCause::Drained;
+    let mut next = Vec::new();
+    for id in sessions {
+        let code = if drained {
+            "print(open('notes.txt').read(), open('data.csv').read().split()[1], x, int(df.v.sum()), d['k'], f(2), 'gen' in globals())"
+        } else {
+            "print(open('notes.txt').read(), open('data.csv').read().split()[1], 'x' in globals())"
+        };
+        let first = in_session(&t.name, id, code);
+        let second = in_session(&t.name, id, "y = 'after the move'\ny");
+        c.submit(&first).await.expect("submit");
+        c.submit(&second).await.expect("submit");
+        next.push((first, second));
+    }
+    for (k, (first, second)) in next.iter().enumerate() {
+        let a = c.wait(&t.name, &first.job_id, Duration::from_secs(180)).await.expect("first job after the move");
+        assert_eq!(a.status, JobStatus::Succeeded, "session {k}: {a:?}");
+        let holder = owners(std::slice::from_ref(&a)).remove(0);
+        assert_ne!(holder, WORKERS[0].1, "session {k} still ran on the worker that went away");
+        // The files came back (the one its code wrote and the input); the variables after a
+        // drain only, but for the generator.
+        let expected = if drained { format!("session {k} {k},1 {k} {} {k} {} False\n", 3 + k, 20 + k) } else { format!("session {k} {k},1 False\n") };
+        assert_eq!(a.execution.stdout, expected, "session {k}: {a:?}");
+        let moved = a.execution.moved.as_ref().unwrap_or_else(|| panic!("session {k}: the result does not say the session moved: {a:?}"));
+        assert_eq!((moved.from_worker.as_str(), moved.cause), (WORKERS[0].1, cause), "session {k}: {moved:?}");
+        let lost = if drained { vec!["gen".to_string()] } else { vec!["*".to_string()] };
+        assert_eq!((moved.variables_restored, &moved.variables_lost), (drained, &lost), "session {k}: {moved:?}");
+        assert!(moved.files_restored >= 2 && moved.files_missing.is_empty(), "session {k}: {moved:?}");
+        let b = c.wait(&t.name, &second.job_id, Duration::from_secs(60)).await.expect("second job after the move");
+        assert_eq!((b.status, value(&b).as_deref()), (JobStatus::Succeeded, Some("'after the move'")), "session {k}: {b:?}");
+        assert_eq!(owners(std::slice::from_ref(&b)).remove(0), holder, "session {k}: its second job ran on another worker than its first");
+        assert!(b.execution.moved.is_none(), "session {k}: only the first job here reports the move: {b:?}");
+        run(c, &close_session(&t.name, &sessions[k])).await;
+    }
+}
+
+#[tokio::test]
+async fn a_killed_workers_sessions_continue_on_other_workers_with_their_files_and_say_their_variables_were_lost() {
+    let _fleet = workers_healthy().await;
+    let (t, c, sessions) = five_sessions_on_the_first_worker().await;
+    kill_service(WORKERS[0].0);
+    // Its sessions move once the sweeper finds it silent (SANDCELL_WORKER_DEAD_AFTER_S).
+    each_session_continues_elsewhere(&t, &c, &sessions, sandcell_protocol::MoveCause::WorkerLost).await;
+    let db = service_db().await;
+    let moved: i64 = sqlx::query_scalar("SELECT count(*) FROM sessions WHERE session_id = ANY($1) AND moves = 1").bind(&sessions).fetch_one(&db).await.unwrap();
+    assert_eq!(moved, 5);
+    restart_worker(0, &[]).await;
+}
+
+#[tokio::test]
+async fn a_drained_workers_sessions_continue_on_other_workers_with_their_files_and_serializable_variables() {
+    let _fleet = workers_healthy().await;
+    let (t, c, sessions) = five_sessions_on_the_first_worker().await;
+    terminate_service(WORKERS[0].0);
+    assert!(
+        eventually(Duration::from_secs(60), || async { (!service_running(WORKERS[0].0)).then_some(()) }).await.is_some(),
+        "the worker did not stop on SIGTERM"
+    );
+    each_session_continues_elsewhere(&t, &c, &sessions, sandcell_protocol::MoveCause::Drained).await;
+    restart_worker(0, &[]).await;
 }

@@ -6,13 +6,15 @@
 //!   ([`crate::jobs::JobStore::record_queued`] calls [`create`] in its transaction) and reads [`SessionStore::route`] to place later jobs;
 //! - only the worker running the opening job may [`bind`](SessionStore::bind) it (→ `active`);
 //! - only the worker holding it may [`end`](SessionStore::end) it (→ `expired`, `closed`, `lost`);
-//! - a starting worker, or the sweeper for a worker whose heartbeat stopped, declares that worker's
-//!   sessions `lost` ([`SessionStore::lose_worker`]).
+//! - a starting worker (its containers are gone), a draining worker, or the sweeper for a worker
+//!   whose heartbeat stopped, sets that worker's sessions `moving` ([`SessionStore::orphan_worker`]);
+//! - only the worker running the job the dispatcher sent to take a moving session over may
+//!   [`adopt`](SessionStore::adopt) it (→ `active` there).
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use sandcell_protocol::{ErrorCode, Reason, Session, SessionState};
+use sandcell_protocol::{storable, ErrorCode, MoveCause, Reason, Session, SessionState};
 use sqlx::postgres::PgPool;
 use sqlx::Row;
 
@@ -21,8 +23,63 @@ use sqlx::Row;
 pub enum Route {
     /// The session is active on this worker.
     Worker(String),
+    /// The session is moving (or its earlier jobs still wait for its new owner): record the job
+    /// parked; the dispatcher publishes it in order once the session has its new owner.
+    Park,
     /// The job cannot run; record this reason.
     Refuse(Reason),
+}
+
+/// A moving session, taken over ([`SessionStore::adopt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adopted {
+    /// The worker it left.
+    pub from_worker: String,
+    /// Why it left.
+    pub cause: MoveCause,
+    /// Its keep-alive, in seconds.
+    pub keep_alive_s: u64,
+    /// The variables its draining worker saved, if it did.
+    pub snapshot: Option<Snapshot>,
+}
+
+/// A session's variables as a draining worker saved them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The object in the store (a dill pickle of a dict of the variables).
+    pub key: String,
+    /// The names that could not be saved.
+    pub variables_lost: Vec<String>,
+}
+
+/// A file of a moved session's workspace, as the store has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkspaceFile {
+    /// An input file a job brought inline.
+    Inline {
+        /// Path in the workspace.
+        path: String,
+        /// Its bytes, base64.
+        content_b64: String,
+    },
+    /// An object in the store: a file a job wrote, or a tenant's upload.
+    Stored {
+        /// Path in the workspace.
+        path: String,
+        /// The object's key.
+        s3_key: String,
+        /// False once the artifact expired (its object is gone).
+        available: bool,
+    },
+}
+
+impl WorkspaceFile {
+    /// Its path in the workspace.
+    pub fn path(&self) -> &str {
+        match self {
+            WorkspaceFile::Inline { path, .. } | WorkspaceFile::Stored { path, .. } => path,
+        }
+    }
 }
 
 /// Handle on the session tables (shares the job store's pool).
@@ -60,6 +117,7 @@ pub(crate) async fn touch(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, touch:
             .execute(&mut **tx)
             .await
             .context("closing the session")?;
+        forget_routed(tx, &touch.id).await?;
     } else {
         sqlx::query(
             "UPDATE sessions SET keep_alive_s = COALESCE($2, keep_alive_s), last_activity_at = now(),
@@ -75,6 +133,17 @@ pub(crate) async fn touch(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, touch:
     Ok(())
 }
 
+/// An ended session never moves again: drop the execution jobs kept to move it (they may carry
+/// inline input files).
+async fn forget_routed(tx: &mut sqlx::PgConnection, session_id: &str) -> Result<()> {
+    sqlx::query("UPDATE jobs SET routed = NULL WHERE session_id = $1 AND routed IS NOT NULL AND status NOT IN ('queued', 'running')")
+        .bind(session_id)
+        .execute(tx)
+        .await
+        .context("dropping an ended session's kept execution jobs")?;
+    Ok(())
+}
+
 impl SessionStore {
     /// Wrap a pool.
     pub fn new(pool: PgPool) -> Self {
@@ -84,12 +153,16 @@ impl SessionStore {
     /// Decide where a job of `tenant` naming `session_id` goes. Another tenant's session is
     /// reported exactly like an unknown one, so ids cannot be probed.
     pub async fn route(&self, tenant: &str, session_id: &str) -> Result<Route> {
-        let row = sqlx::query("SELECT state, worker_id FROM sessions WHERE session_id = $1 AND tenant = $2")
-            .bind(session_id)
-            .bind(tenant)
-            .fetch_optional(&self.pool)
-            .await
-            .context("looking up session")?;
+        let row = sqlx::query(
+            "SELECT state, worker_id,
+                    EXISTS (SELECT 1 FROM jobs j WHERE j.session_id = sessions.session_id AND j.parked AND j.status = 'queued') AS parked
+             FROM sessions WHERE session_id = $1 AND tenant = $2",
+        )
+        .bind(session_id)
+        .bind(tenant)
+        .fetch_optional(&self.pool)
+        .await
+        .context("looking up session")?;
         let Some(row) = row else {
             return Ok(Route::Refuse(Reason::new(ErrorCode::SessionNotFound, format!("tenant {tenant} has no session {session_id}"))));
         };
@@ -98,6 +171,10 @@ impl SessionStore {
             return Ok(Route::Refuse(reason));
         }
         let worker: Option<String> = row.try_get("worker_id")?;
+        // Earlier jobs still parked go first: this one waits behind them.
+        if state == SessionState::Moving || row.try_get::<bool, _>("parked")? {
+            return Ok(Route::Park);
+        }
         Ok(match worker {
             Some(w) => Route::Worker(w),
             None => Route::Refuse(Reason::new(ErrorCode::SessionLost, format!("session {session_id} is active but has no worker"))),
@@ -113,6 +190,35 @@ impl SessionStore {
             .await
             .context("reading session state")?;
         row.map(|r| parse_state(r.try_get("state")?)).transpose()
+    }
+
+    /// Record the snapshot of a session's variables that `worker_id`, draining, took before it
+    /// sets the session moving: it is for the coming move only.
+    pub async fn record_snapshot(&self, session_id: &str, worker_id: &str, snapshot: &Snapshot) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE sessions SET snapshot_key = $3, variables_lost = $4, snapshot_move = moves + 1
+             WHERE session_id = $1 AND worker_id = $2 AND state = 'active'",
+        )
+        .bind(session_id)
+        .bind(worker_id)
+        .bind(&snapshot.key)
+        .bind(serde_json::to_value(&snapshot.variables_lost).context("serializing lost variable names")?)
+        .execute(&self.pool)
+        .await
+        .context("recording a session's snapshot")?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// The state of a session and the worker holding it, checked against its tenant.
+    pub async fn holder(&self, tenant: &str, session_id: &str) -> Result<Option<(SessionState, Option<String>)>> {
+        let row = sqlx::query("SELECT state, worker_id FROM sessions WHERE session_id = $1 AND tenant = $2")
+            .bind(session_id)
+            .bind(tenant)
+            .fetch_optional(&self.pool)
+            .await
+            .context("reading a session's holder")?;
+        row.map(|r| Ok((parse_state(r.try_get("state")?)?, r.try_get("worker_id")?))).transpose()
     }
 
     /// Make `worker_id` the owner of a session, as the worker starting its opening job `job_id`.
@@ -151,6 +257,7 @@ impl SessionStore {
     /// End a session held by `worker_id` (expired, closed, lost) or one that never started
     /// (failed). Returns false if it had already ended or belongs to another worker.
     pub async fn end(&self, session_id: &str, worker_id: Option<&str>, state: SessionState, reason: Option<&Reason>) -> Result<bool> {
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
         let n = sqlx::query(
             "UPDATE sessions SET state = $2, ended_at = now(), end_reason = $3
              WHERE session_id = $1 AND ($4::text IS NULL OR worker_id = $4) AND state = ANY($5)",
@@ -160,35 +267,147 @@ impl SessionStore {
         .bind(reason.map(sandcell_protocol::storable::json).transpose()?)
         .bind(worker_id)
         .bind(states(state))
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
         .context("ending session")?
         .rows_affected();
+        if n == 1 {
+            forget_routed(&mut tx, session_id).await?;
+            // Jobs parked for a new owner it will never have.
+            let refusal = reason.cloned().or_else(|| state.refusal(session_id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "the session ended"));
+            sqlx::query("UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now() WHERE session_id = $1 AND parked AND status = 'queued'")
+                .bind(session_id)
+                .bind(storable::json(&refusal)?)
+                .execute(&mut *tx)
+                .await
+                .context("refusing the parked jobs of an ended session")?;
+        }
+        tx.commit().await.context("committing the end of a session")?;
         Ok(n == 1)
     }
 
-    /// Declare every live session of `worker_id` lost, and end their unfinished jobs with
-    /// `session_lost`. Called by a worker at start-up (its containers are gone) and by the
-    /// sweeper for a worker whose heartbeat stopped. Returns the number of sessions lost.
-    pub async fn lose_worker(&self, worker_id: &str, why: &str) -> Result<u64> {
-        let reason = Reason::new(ErrorCode::SessionLost, why.to_string());
-        let reason_json = sandcell_protocol::storable::json(&reason)?;
+    /// Set every session `worker_id` holds `moving` (it died, restarted or drained): each
+    /// continues on another worker with its next job, from its stored workspace. In the same
+    /// transaction, the sessions' jobs that had not run are *parked* for the dispatcher (they
+    /// are published again, in order, to the new owner; the copies in `worker_id`'s queue are
+    /// never run), and a job that was running there ends `infrastructure_error/worker_lost` (it
+    /// may have had effects, so it is not run again). Returns the number of sessions.
+    pub async fn orphan_worker(&self, worker_id: &str, cause: MoveCause, why: &str) -> Result<u64> {
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
-        let lost: Vec<String> = sqlx::query_scalar(
-            "UPDATE sessions SET state = 'lost', ended_at = now(), end_reason = $2
+        let moved: Vec<String> = sqlx::query_scalar(
+            "UPDATE sessions SET state = 'moving', moved_from = worker_id, worker_id = NULL, container_id = NULL,
+                                 move_cause = $2, adopting_job = NULL, moves = moves + 1
              WHERE worker_id = $1 AND state = ANY($3) RETURNING session_id",
         )
         .bind(worker_id)
-        .bind(&reason_json)
-        .bind(states(SessionState::Lost))
+        .bind(cause.as_str())
+        .bind(states(SessionState::Moving))
         .fetch_all(&mut *tx)
         .await
-        .context("marking sessions lost")?;
-        if !lost.is_empty() {
-            crate::jobs::refuse_jobs_of_sessions(&mut tx, &lost, &reason_json).await?;
+        .context("setting a worker's sessions moving")?;
+        if !moved.is_empty() {
+            let died =
+                storable::json(&Reason::new(ErrorCode::WorkerLost, format!("{why}; the job is not run again, and its session continues on another worker")))?;
+            sqlx::query("UPDATE jobs SET status = 'infrastructure_error', reason = $2, finished_at = now() WHERE session_id = ANY($1) AND status = 'running'")
+                .bind(&moved)
+                .bind(&died)
+                .execute(&mut *tx)
+                .await
+                .context("ending the jobs that were running on a lost worker")?;
+            sqlx::query("UPDATE jobs SET parked = true, routed_to = NULL WHERE session_id = ANY($1) AND status = 'queued' AND routed IS NOT NULL")
+                .bind(&moved)
+                .execute(&mut *tx)
+                .await
+                .context("parking the jobs of moving sessions")?;
+            // Recorded before sessions could move (no execution job kept): they cannot follow.
+            let lost = storable::json(&Reason::new(ErrorCode::SessionLost, format!("{why}; this job was recorded without what it takes to move it")))?;
+            sqlx::query("UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now() WHERE session_id = ANY($1) AND status = 'queued' AND routed IS NULL AND NOT parked")
+                .bind(&moved)
+                .bind(&lost)
+                .execute(&mut *tx)
+                .await
+                .context("refusing jobs that cannot move")?;
         }
-        tx.commit().await.context("committing lost sessions")?;
-        Ok(lost.len() as u64)
+        tx.commit().await.context("committing moving sessions")?;
+        Ok(moved.len() as u64)
+    }
+
+    /// Make `worker_id` the new owner of a moving session, as the worker running the job sent
+    /// to take it over (`adopting_job`). Returns where it came from, or `None` when the session
+    /// can no longer be taken over (it ended, or another job was sent meanwhile).
+    pub async fn adopt(&self, session_id: &str, job_id: &str, worker_id: &str, container_id: &str) -> Result<Option<Adopted>> {
+        let row = sqlx::query(
+            "UPDATE sessions SET state = 'active', worker_id = $3, container_id = $4, adopting_job = NULL, last_activity_at = now(),
+                    expires_at = now() + keep_alive_s * interval '1 second'
+             WHERE session_id = $1 AND adopting_job = $2 AND state = 'moving'
+             RETURNING moved_from, move_cause, keep_alive_s,
+                       CASE WHEN snapshot_move = moves THEN snapshot_key END AS snapshot_key,
+                       CASE WHEN snapshot_move = moves THEN variables_lost END AS variables_lost",
+        )
+        .bind(session_id)
+        .bind(job_id)
+        .bind(worker_id)
+        .bind(container_id)
+        .fetch_optional(&self.pool)
+        .await
+        .context("taking a session over")?;
+        let Some(row) = row else { return Ok(None) };
+        let from: Option<String> = row.try_get("moved_from")?;
+        let cause: Option<String> = row.try_get("move_cause")?;
+        let keep_alive_s: i32 = row.try_get("keep_alive_s")?;
+        let snapshot_key: Option<String> = row.try_get("snapshot_key")?;
+        let lost: Option<serde_json::Value> = row.try_get("variables_lost")?;
+        let variables_lost = lost.and_then(|v| serde_json::from_value::<Vec<String>>(v).ok()).unwrap_or_default();
+        Ok(Some(Adopted {
+            snapshot: snapshot_key.map(|key| Snapshot { key, variables_lost }),
+            from_worker: from.unwrap_or_default(),
+            cause: cause.as_deref().and_then(MoveCause::parse).unwrap_or(MoveCause::WorkerLost),
+            keep_alive_s: u64::try_from(keep_alive_s).unwrap_or(1),
+        }))
+    }
+
+    /// The files to put back in a moved session's workspace, in the order to write them (a
+    /// later one replaces an earlier one at the same path): for each of the session's jobs in
+    /// the order they were recorded, the input files it brought, then the files it wrote that
+    /// were stored. A file a job deleted comes back; one that was never stored (too large,
+    /// over quota) or whose artifact expired is missing.
+    pub async fn workspace_of(&self, tenant: &str, session_id: &str) -> Result<Vec<WorkspaceFile>> {
+        let rows = sqlx::query(
+            "SELECT j.job_id, j.routed, COALESCE(
+                    (SELECT jsonb_agg(jsonb_build_array(a.path, a.s3_key, a.state) ORDER BY a.id)
+                     FROM artifacts a WHERE a.tenant = j.tenant AND a.job_id = j.job_id AND a.kind = 'file'), '[]'::jsonb) AS files
+             FROM jobs j WHERE j.tenant = $1 AND j.session_id = $2 AND j.status NOT IN ('queued', 'rejected')
+             ORDER BY j.queued_at, j.job_id",
+        )
+        .bind(tenant)
+        .bind(session_id)
+        .fetch_all(&self.pool)
+        .await
+        .context("listing a session's stored workspace")?;
+        let mut out = Vec::new();
+        for row in rows {
+            let routed: Option<Vec<u8>> = row.try_get("routed")?;
+            // Every job of the session keeps its execution job (rows recorded before migration 0009 do not).
+            if let Some(job) = routed.and_then(|r| serde_json::from_slice::<sandcell_protocol::ExecutionJob>(&r).ok()) {
+                for f in job.files {
+                    out.push(match (f.content_b64, f.s3_key) {
+                        (Some(b64), _) => WorkspaceFile::Inline { path: f.path, content_b64: b64 },
+                        (None, Some(key)) => WorkspaceFile::Stored { path: f.path, s3_key: key, available: true },
+                        (None, None) => continue,
+                    });
+                }
+            }
+            let files: serde_json::Value = row.try_get("files")?;
+            for f in files.as_array().into_iter().flatten() {
+                let (Some(path), Some(key), Some(state)) =
+                    (f.get(0).and_then(|v| v.as_str()), f.get(1).and_then(|v| v.as_str()), f.get(2).and_then(|v| v.as_str()))
+                else {
+                    continue;
+                };
+                out.push(WorkspaceFile::Stored { path: path.to_string(), s3_key: key.to_string(), available: state == "available" });
+            }
+        }
+        Ok(out)
     }
 
     /// Note that a worker is alive, with its capacity.
@@ -287,6 +506,44 @@ impl SessionStore {
         }
         tx.commit().await.context("committing refused sessions")?;
         Ok(sessions.len() as u64)
+    }
+
+    /// End moving sessions nobody took over: those no job asked for within their keep-alive
+    /// (`expired`), and those whose taking-over job no worker took within `wait` (`lost`, with
+    /// `capacity`; their parked jobs are `rejected` with it). Returns (expired, lost).
+    pub async fn end_unadopted(&self, wait: Duration) -> Result<(u64, u64)> {
+        let millis = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+        let why = format!("no worker had room to take the session over within {} s", wait.as_secs());
+        let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Capacity, why))?;
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let expired = sqlx::query(
+            "UPDATE sessions SET state = 'expired', ended_at = now()
+             WHERE state = 'moving' AND state = ANY($1) AND adopting_job IS NULL AND expires_at < now()
+               AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.session_id = sessions.session_id AND j.status = 'queued')",
+        )
+        .bind(states(SessionState::Expired))
+        .execute(&mut *tx)
+        .await
+        .context("expiring moving sessions")?
+        .rows_affected();
+        let lost: Vec<String> = sqlx::query_scalar(
+            "UPDATE sessions SET state = 'lost', ended_at = now(), end_reason = $2
+             WHERE state = 'moving' AND state = ANY($3)
+               AND EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = sessions.tenant AND j.job_id = sessions.adopting_job
+                             AND j.status = 'queued' AND j.dispatched_at < now() - $1 * interval '1 millisecond')
+             RETURNING session_id",
+        )
+        .bind(millis)
+        .bind(&reason)
+        .bind(states(SessionState::Lost))
+        .fetch_all(&mut *tx)
+        .await
+        .context("ending moving sessions no worker took")?;
+        if !lost.is_empty() {
+            crate::jobs::refuse_jobs_of_sessions(&mut tx, &lost, &reason).await?;
+        }
+        tx.commit().await.context("committing unadopted sessions")?;
+        Ok((expired, lost.len() as u64))
     }
 }
 

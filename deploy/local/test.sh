@@ -7,7 +7,8 @@
 #     configured for, type-checked with mypy --strict, and its pytest suite run against the stack;
 #   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run), and
 #     the client library's dependencies (no S3 SDK, no metrics server).
-# The fleet suite (tests/fleet.rs) runs once, under runc, against 2 schedulers and 3 workers.
+# The fleet suite (tests/fleet.rs, and tests/chaos.rs again) runs once, under runc, against 2
+# schedulers and 3 workers.
 # Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity,
 # fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
@@ -106,9 +107,12 @@ run_pass() {
     # The fleet: 2 schedulers and 3 workers at once (what it proves does not depend on the OCI runtime).
     if [ "$scope" = all ]; then
         echo "== [$runtime] fleet tests: 2 schedulers, 3 workers"
-        SANDCELL_SCHEDULERS=2 SANDCELL_WORKERS=3 start_sandcell "$repo/target/debug" "$SANDCELL_TEST_LOG_DIR/fleet"
+        # A killed worker's sessions move once it has been silent this long (default 30 s).
+        SANDCELL_WORKER_DEAD_AFTER_S=12 SANDCELL_SCHEDULERS=2 SANDCELL_WORKERS=3 start_sandcell "$repo/target/debug" "$SANDCELL_TEST_LOG_DIR/fleet"
         # shellcheck disable=SC2086
-        cargo test -p sandcell-tests --features sandcell-tests/fleet --test fleet --no-fail-fast ${CARGO_TEST_ARGS:-} -- --test-threads=1 || failed+=("fleet tests under $runtime")
+        # The chaos run again, now over the fleet: a worker, a scheduler, a sandbox killed, the
+        # broker and the database restarted, while sessions move.
+        SANDCELL_WORKER_DEAD_AFTER_S=12 cargo test -p sandcell-tests --features sandcell-tests/e2e,sandcell-tests/fleet --test fleet --test chaos --no-fail-fast ${CARGO_TEST_ARGS:-} -- --test-threads=1 || failed+=("fleet tests under $runtime")
         stop_sandcell
     fi
 }

@@ -45,7 +45,7 @@ pub enum ErrorCode {
     SessionExpired,
     /// The session was closed.
     SessionClosed,
-    /// The session's worker died, or its kernel could not be restarted.
+    /// The session's kernel could not be restarted, or no worker could take it over.
     SessionLost,
     /// The session's kernel died or was killed during the job and was replaced.
     KernelRestarted,
@@ -79,11 +79,13 @@ pub enum ErrorCode {
     Capacity,
     /// The job stayed queued, or its session starting, past the bound.
     Stuck,
+    /// The worker running the job died; the job's session continues on another worker.
+    WorkerLost,
 }
 
 impl ErrorCode {
     /// Every code, in documentation order.
-    pub const ALL: [ErrorCode; 34] = [
+    pub const ALL: [ErrorCode; 35] = [
         ErrorCode::MalformedJson,
         ErrorCode::WrongType,
         ErrorCode::MissingField,
@@ -118,6 +120,7 @@ impl ErrorCode {
         ErrorCode::ResultNotStorable,
         ErrorCode::Capacity,
         ErrorCode::Stuck,
+        ErrorCode::WorkerLost,
     ];
 
     /// The wire name (`snake_case`).
@@ -157,6 +160,7 @@ impl ErrorCode {
             ErrorCode::ResultNotStorable => "result_not_storable",
             ErrorCode::Capacity => "capacity",
             ErrorCode::Stuck => "stuck",
+            ErrorCode::WorkerLost => "worker_lost",
         }
     }
 
@@ -180,7 +184,7 @@ impl ErrorCode {
             ErrorCode::SessionNotReady => "The session's first job has not started yet; submit again once it is running.",
             ErrorCode::SessionExpired => "The session's keep-alive ran out; its variables and files are gone. Open a new session.",
             ErrorCode::SessionClosed => "The session was closed by a job with `session.close`.",
-            ErrorCode::SessionLost => "The session's worker died or its sandbox could not be started or restarted; its state is gone.",
+            ErrorCode::SessionLost => "The session's sandbox could not be started or restarted, or no worker could take it over after its worker went away; its state is gone.",
             ErrorCode::KernelRestarted => "The session's kernel died (`os._exit`, OOM) or ignored an interrupt and was replaced: variables and files are gone, the session still works.",
             ErrorCode::UploadFailed => "An input file's `s3_key` object does not exist or is larger than `SANDCELL_MAX_UPLOAD_FILE_BYTES`.",
             ErrorCode::SandboxUnavailable => "The worker could not create or start the sandbox container (infrastructure).",
@@ -195,8 +199,9 @@ impl ErrorCode {
             ErrorCode::PidsLimit => "The code hit the sandbox's process limit (`limits.pids`): creating a process or thread failed. The job's status says how it ended.",
             ErrorCode::WorkspaceFull => "The workspace or `/tmp` ran out of space (`limits.workspace_mb`): a write failed. The job's status says how it ended.",
             ErrorCode::ResultNotStorable => "The database refused the result as produced; the job is `infrastructure_error` and the message says why (outputs are not kept).",
-            ErrorCode::Capacity => "A job opening a session found no worker with room for another session within `SANDCELL_SESSION_START_WAIT_S`; nothing ran, the session is `failed`.",
+            ErrorCode::Capacity => "A job opening a session (or taking a moving one over) found no worker with room for another session within `SANDCELL_SESSION_START_WAIT_S`; nothing ran, the session is `failed` (`lost`).",
             ErrorCode::Stuck => "The job stayed `queued` (or its session `starting`) longer than `SANDCELL_STUCK_AFTER_S`; it was ended and its quota released.",
+            ErrorCode::WorkerLost => "The worker running the job died (or restarted) before it finished. The job is not run again (it may have had effects); its session continues on another worker (`moving`, above).",
         }
     }
 }

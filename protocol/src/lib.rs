@@ -28,6 +28,6 @@ pub use limits::{ExecutionLimits, IntakeLimits, LimitPolicy, ResourceRequest};
 pub use result::{
     Artifact, ArtifactKind, ArtifactState, ExecError, Execution, FileEntry, FileListing, JobResult, LimitHit, Output, SkippedFile, Timings, Usage,
 };
-pub use session::{JobSession, KeepAlivePolicy, Session, SessionState};
+pub use session::{Adoption, JobSession, KeepAlivePolicy, MoveCause, Session, SessionMove, SessionState};
 pub use status::JobStatus;
 pub use submission::{parse_submission, InputFile, Language, Rejection, SessionRequest, Submission};

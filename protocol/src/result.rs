@@ -104,6 +104,11 @@ pub struct Execution {
     /// from its cgroup. Absent until the job has run, and for jobs that never reached a sandbox.
     #[serde(default)]
     pub usage: Option<Usage>,
+    /// Set on the job that took its session over on another worker (its worker died or
+    /// drained): where the session came from, which files were put back, which variables were
+    /// lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved: Option<crate::session::SessionMove>,
 }
 
 /// What a job's code used: the cost of one execution. CPU time and peak memory are the

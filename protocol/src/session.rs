@@ -7,10 +7,15 @@
 //!
 //! ```text
 //! new job ──▶ starting ──▶ active ──▶ expired   (keep-alive ran out)
-//!                │            │  ├──▶ closed    (a job asked `close`)
-//!                │            │  └──▶ lost      (its worker died, or the kernel could not restart)
+//!                │          │  ▲  ├──▶ closed    (a job asked `close`)
+//!                │          │  │  └──▶ lost      (the kernel could not restart)
+//!                │          ▼  │
+//!                │         moving ──▶ lost | expired   (no worker took it over / nobody used it)
 //!                └──▶ failed  (no sandbox could be started for it)
 //! ```
+//!
+//! `moving`: its worker died or drained; its next job re-opens it on another worker from its
+//! stored workspace (and, after a drain, its variables), then it is `active` there again.
 
 use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
@@ -26,6 +31,8 @@ pub enum SessionState {
     Starting,
     /// Held by a worker, which runs its jobs.
     Active,
+    /// Its worker died or drained; its next job takes it over on another worker.
+    Moving,
     /// The keep-alive ran out; container and workspace are gone.
     Expired,
     /// A job closed it; container and workspace are gone.
@@ -38,14 +45,22 @@ pub enum SessionState {
 
 impl SessionState {
     /// Every state.
-    pub const ALL: [SessionState; 6] =
-        [SessionState::Starting, SessionState::Active, SessionState::Expired, SessionState::Closed, SessionState::Lost, SessionState::Failed];
+    pub const ALL: [SessionState; 7] = [
+        SessionState::Starting,
+        SessionState::Active,
+        SessionState::Moving,
+        SessionState::Expired,
+        SessionState::Closed,
+        SessionState::Lost,
+        SessionState::Failed,
+    ];
 
     /// The wire name.
     pub fn as_str(self) -> &'static str {
         match self {
             SessionState::Starting => "starting",
             SessionState::Active => "active",
+            SessionState::Moving => "moving",
             SessionState::Expired => "expired",
             SessionState::Closed => "closed",
             SessionState::Lost => "lost",
@@ -60,7 +75,7 @@ impl SessionState {
 
     /// Whether the session can never run a job again.
     pub fn is_terminal(self) -> bool {
-        !matches!(self, SessionState::Starting | SessionState::Active)
+        !matches!(self, SessionState::Starting | SessionState::Active | SessionState::Moving)
     }
 
     /// Whether `self → next` is a legal transition.
@@ -71,6 +86,10 @@ impl SessionState {
             // The first job was redelivered to another worker after its worker died.
             (Active, Active) => true,
             (Active, Expired | Closed | Lost) => true,
+            // Its worker died or drained; another worker takes it over with its next job.
+            (Active, Moving) | (Moving, Active) => true,
+            // Nobody took it over in time, or nobody used it before its keep-alive ran out.
+            (Moving, Lost | Expired | Closed) => true,
             _ => false,
         }
     }
@@ -83,7 +102,8 @@ impl SessionState {
     /// Why a job naming a session in this state cannot run, if it cannot.
     pub fn refusal(self, id: &str) -> Option<Reason> {
         let (code, what) = match self {
-            SessionState::Active => return None,
+            // Its jobs wait for the worker that takes it over.
+            SessionState::Active | SessionState::Moving => return None,
             SessionState::Starting => (ErrorCode::SessionNotReady, "is still starting; submit again once its first job is running"),
             SessionState::Expired => (ErrorCode::SessionExpired, "expired: its keep-alive ran out and its state is gone"),
             SessionState::Closed => (ErrorCode::SessionClosed, "was closed"),
@@ -181,8 +201,65 @@ pub struct JobSession {
     pub keep_alive_s: u64,
     /// Close the session after this job.
     pub close: bool,
+    /// This job takes the session over from the worker that held it (the scheduler sends it
+    /// on the new-sessions queue); later jobs wait until it is bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adopt: Option<Adoption>,
 }
 
+/// Why and from where a job takes a session over.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Adoption {
+    /// The worker that held the session.
+    pub from_worker: String,
+    /// Why it moved.
+    pub cause: MoveCause,
+}
+
+/// Why a session moved to another worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MoveCause {
+    /// Its worker stopped responding (killed, crashed, cut off) or restarted.
+    WorkerLost,
+    /// Its worker was told to stop and drained.
+    Drained,
+}
+
+impl MoveCause {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MoveCause::WorkerLost => "worker_lost",
+            MoveCause::Drained => "drained",
+        }
+    }
+
+    /// Parse a wire name.
+    pub fn parse(s: &str) -> Option<MoveCause> {
+        [MoveCause::WorkerLost, MoveCause::Drained].into_iter().find(|c| c.as_str() == s)
+    }
+}
+
+/// In the result of the job that took a session over: where it came from and what it kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionMove {
+    /// The worker that held the session before.
+    pub from_worker: String,
+    /// Why it moved.
+    pub cause: MoveCause,
+    /// Workspace files put back from the store before this job ran.
+    pub files_restored: u32,
+    /// Files of the workspace that could not be put back (expired, never stored, unreadable).
+    pub files_missing: Vec<String>,
+    /// True when the session's variables came along (a drain serialized them).
+    pub variables_restored: bool,
+    /// Variables that could not be carried (not serializable). When the worker died, nothing
+    /// was carried and this is `["*"]`: every variable, import and open object is gone.
+    pub variables_lost: Vec<String>,
+}
 /// A session as a client reads it (in a job result, or on its own).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -223,11 +300,21 @@ mod tests {
     }
 
     #[test]
-    fn only_an_active_session_runs_jobs() {
+    fn only_an_active_or_moving_session_takes_jobs() {
         for s in SessionState::ALL {
-            assert_eq!(s.refusal("ses_x").is_none(), s == SessionState::Active, "{s}");
+            assert_eq!(s.refusal("ses_x").is_none(), matches!(s, SessionState::Active | SessionState::Moving), "{s}");
         }
         assert_eq!(SessionState::Expired.refusal("ses_x").unwrap().code, ErrorCode::SessionExpired);
+    }
+
+    #[test]
+    fn a_moving_session_is_taken_over_or_ends_and_only_an_active_one_moves() {
+        use SessionState::*;
+        assert!(Active.can_become(Moving) && Moving.can_become(Active));
+        assert!(Moving.can_become(Lost) && Moving.can_become(Expired) && Moving.can_become(Closed));
+        assert!(!Starting.can_become(Moving) && !Moving.can_become(Starting) && !Moving.can_become(Failed));
+        assert_eq!(SessionState::sources_of(Moving), vec![Active]);
+        assert_eq!(MoveCause::parse(MoveCause::Drained.as_str()), Some(MoveCause::Drained));
     }
 
     #[test]

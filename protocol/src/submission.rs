@@ -66,7 +66,7 @@ pub fn upload_prefix(tenant: &str) -> String {
     format!("{tenant}/_uploads/")
 }
 
-/// A request to run code. Published as JSON to the `sandcell.submissions` queue.
+/// A request to run code. Published as JSON to the `sandcell.intake` exchange, with the session id (else the job id) as the routing key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Submission {

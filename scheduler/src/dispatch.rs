@@ -15,13 +15,19 @@
 //! - a held job is published at least once and run once: the row stays held until the broker
 //!   confirmed the publish; a crash in between publishes it again, and the worker's claim
 //!   refuses the second copy.
+//!
+//! The same task releases the *parked* jobs of sessions that move to another worker
+//! ([`release_round`], the steps in `sandcell_core::jobs::parked`): the oldest goes to the
+//! new-sessions queue to take the session over (`session.adopt`), the rest follow to the new
+//! owner's queue, in the order they were recorded, once it bound the session.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use lapin::Channel;
 use sandcell_core::broker;
-use sandcell_core::jobs::JobStore;
+use sandcell_core::jobs::{JobStore, Release};
+use sandcell_protocol::{Adoption, ExecutionJob};
 
 use crate::metrics::Metrics;
 
@@ -49,7 +55,50 @@ async fn dispatch_forever(jobs: &JobStore, publisher: &Channel, metrics: &Metric
     loop {
         tick.tick().await;
         while dispatch_round(jobs, publisher, metrics).await? > 0 {}
+        release_round(jobs, publisher, metrics).await?;
     }
+}
+
+/// Most sessions with parked jobs looked at per tick.
+const SESSIONS_PER_ROUND: i64 = 256;
+
+/// Release what can be released of moving sessions' parked jobs. Returns how many jobs were
+/// published.
+pub async fn release_round(jobs: &JobStore, publisher: &Channel, metrics: &Metrics) -> Result<usize> {
+    let mut published = 0;
+    for session_id in jobs.sessions_with_parked_jobs(SESSIONS_PER_ROUND).await? {
+        match jobs.release_parked(&session_id).await? {
+            None => {}
+            Some(Release::TakeOver(t)) => {
+                let mut job: ExecutionJob = serde_json::from_slice(&t.routed).with_context(|| format!("decoding parked job {}/{}", t.tenant, t.job_id))?;
+                if let Some(s) = job.session.as_mut() {
+                    s.adopt = Some(Adoption { from_worker: t.from_worker.clone(), cause: t.cause });
+                }
+                let payload = serde_json::to_vec(&job).context("serializing the taking-over job")?;
+                let props = broker::json_properties(&format!("{}/{}", t.tenant, t.job_id));
+                broker::publish_confirmed(publisher, broker::NEW_SESSIONS_QUEUE, &payload, props)
+                    .await
+                    .with_context(|| format!("publishing taking-over job {}/{}", t.tenant, t.job_id))?;
+                tracing::info!(tenant = %t.tenant, job_id = %t.job_id, %session_id, from_worker = %t.from_worker, cause = t.cause.as_str(), "job sent to take a moving session over");
+                t.dispatched().await?;
+                metrics.parked_released.inc();
+                published += 1;
+            }
+            Some(Release::Follow(f)) => {
+                let queue = broker::worker_queue(&f.owner);
+                for (tenant, job_id, payload) in &f.jobs {
+                    let props = broker::json_properties(&format!("{tenant}/{job_id}"));
+                    broker::publish_confirmed(publisher, &queue, payload, props).await.with_context(|| format!("publishing parked job {tenant}/{job_id}"))?;
+                }
+                let n = f.jobs.len();
+                tracing::info!(%session_id, jobs = n, owner = %f.owner, "parked jobs follow their session to its new owner");
+                f.dispatched().await?;
+                metrics.parked_released.inc_by(n as u64);
+                published += n;
+            }
+        }
+    }
+    Ok(published)
 }
 
 /// One round: at most one held job per tenant with room, tenants in round-robin order.

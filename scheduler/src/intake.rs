@@ -461,6 +461,14 @@ fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision 
     }
 }
 
+/// Where a job of an existing session goes.
+enum Owner {
+    /// The session's worker.
+    Worker(String),
+    /// Nowhere yet: the session is moving (or earlier jobs wait for its new owner).
+    Parked,
+}
+
 async fn accept(
     cfg: &Config,
     jobs: &JobStore,
@@ -478,20 +486,19 @@ async fn accept(
         None => (None, None),
         Some(req) if req.new => {
             let keep_alive_s = cfg.keep_alive.resolve(req.keep_alive_s);
-            (Some(JobSession { id: new_session_id(), new: true, keep_alive_s, close: false }), None)
+            (Some(JobSession { id: new_session_id(), new: true, keep_alive_s, close: false, adopt: None }), None)
         }
         Some(req) => {
             let id = req.id.clone().unwrap_or_default();
+            let keep_alive_s = req.keep_alive_s.map_or(0, |k| cfg.keep_alive.resolve(Some(k)));
+            let session = Some(JobSession { id: id.clone(), new: false, keep_alive_s, close: req.close, adopt: None });
             match sessions.route(&sub.tenant, &id).await? {
-                Route::Worker(w) => {
-                    let keep_alive_s = req.keep_alive_s.map_or(0, |k| cfg.keep_alive.resolve(Some(k)));
-                    (Some(JobSession { id, new: false, keep_alive_s, close: req.close }), Some(w))
-                }
+                Route::Worker(w) => (session, Some(Owner::Worker(w))),
+                Route::Park => (session, Some(Owner::Parked)),
                 Route::Refuse(reason) => return refuse(jobs, metrics, sub, &reason).await,
             }
         }
     };
-    let record = session.as_ref().map(|s| if s.new { JobSessionRecord::Open(&s.id, s.keep_alive_s) } else { JobSessionRecord::Existing(&s.id) });
     let mut job = ExecutionJob {
         tenant: sub.tenant.clone(),
         job_id: sub.job_id.clone(),
@@ -504,15 +511,33 @@ async fn accept(
         list_files: sub.list_files,
     };
     let mut payload = serde_json::to_vec(&job).context("serializing execution job")?;
-    // Where it goes: its session's owner, or a shared queue (one-off jobs, or new sessions).
+    // Where it goes: its session's owner (or nowhere yet: parked while the session moves), or a
+    // shared queue (one-off jobs, or new sessions).
     let queue = match &owner {
-        Some(w) => broker::worker_queue(w),
+        Some(Owner::Worker(w)) => broker::worker_queue(w),
+        Some(Owner::Parked) => String::new(),
         None => broker::shared_queue(&job).to_string(),
     };
+    let record = session.as_ref().map(|s| {
+        if s.new {
+            JobSessionRecord::Open(&s.id, s.keep_alive_s)
+        } else {
+            let owner = match &owner {
+                Some(Owner::Worker(w)) => Some(w.as_str()),
+                _ => None,
+            };
+            JobSessionRecord::Existing { id: &s.id, routed: &payload, owner }
+        }
+    });
     // Jobs of the shared queues are subject to their tenant's fair share.
     let shared = owner.is_none().then_some(payload.as_slice());
     match jobs.record_queued(sub, &limits, &digest, record, shared).await? {
         Recorded::New => {}
+        Recorded::Held if matches!(owner, Some(Owner::Parked)) => {
+            tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "session moving; job parked for its new owner");
+            metrics.submissions.with_label_values(&["parked"]).inc();
+            return Ok(Disposition::Ack);
+        }
         Recorded::Held => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "tenant at its jobs in flight; job held for the dispatcher");
             metrics.submissions.with_label_values(&["held"]).inc();
@@ -521,7 +546,9 @@ async fn accept(
         // Only the delivery that recorded the job (retried, or redelivered after the scheduler
         // died) finishes its dispatch; a concurrent duplicate must not dispatch it a second time.
         // A held job is the dispatcher's to publish.
-        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, held: false, session_id, .. } if may_redispatch => {
+        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, held: false, session_id, .. }
+            if may_redispatch && !matches!(owner, Some(Owner::Parked)) =>
+        {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "job recorded earlier but never dispatched; dispatching now");
             // The session the first copy opened, not the one this copy would have.
             if let (Some(s), Some(recorded)) = (session.as_mut(), session_id) {

@@ -7,9 +7,9 @@
 //!   tenant's quotas, records the job (or its rejection) in Postgres and publishes the
 //!   execution job to `sandcell.jobs` (or the session's worker queue);
 //! - [`dispatch`] publishes jobs held for fair share as their tenants' jobs finish, round-robin
-//!   across tenants;
-//! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, and
-//!   declares the sessions of workers whose heartbeat stopped `lost`;
+//!   across tenants, and the parked jobs of sessions moving to another worker, in order;
+//! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, sets
+//!   the sessions of workers whose heartbeat stopped `moving`, and ends what waited too long;
 //! - [`uploads`] answers tenants' upload requests (which arrive through the intake too) with
 //!   presigned PUT URLs under their own upload prefix;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
@@ -64,7 +64,8 @@ pub struct Config {
     pub stop_grace: Duration,
     /// Session keep-alive rules.
     pub keep_alive: KeepAlivePolicy,
-    /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a worker silent this long has lost its sessions.
+    /// `SANDCELL_WORKER_DEAD_AFTER_S`, default 30: a worker silent this long has its sessions
+    /// moved to other workers.
     pub worker_dead_after: Duration,
     /// `SANDCELL_DISPATCH_INTERVAL_MS`, default 100: how often the dispatcher looks for held
     /// jobs whose tenant has room again (the most a held job waits beyond a free place).

@@ -25,6 +25,9 @@ pub struct Metrics {
     pub held_dispatched: prometheus::IntCounter,
     /// `sandcell_intake_partitions_held`: intake partitions this scheduler consumes now.
     pub partitions_held: prometheus::IntGauge,
+    /// `sandcell_parked_jobs_released_total`: jobs of moving sessions published by the
+    /// dispatcher (those sent to take a session over, and those that followed it).
+    pub parked_released: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -52,6 +55,19 @@ impl Metrics {
         registry.register(Box::new(held_dispatched.clone()))?;
         let partitions_held = prometheus::IntGauge::new("sandcell_intake_partitions_held", "Intake partitions this scheduler consumes")?;
         registry.register(Box::new(partitions_held.clone()))?;
-        Ok(Metrics { registry, submissions, intake_seconds, jobs, artifacts_expired, ack_failures, stuck_ended, held_dispatched, partitions_held })
+        let parked_released = prometheus::IntCounter::new("sandcell_parked_jobs_released_total", "Jobs of moving sessions published by the dispatcher")?;
+        registry.register(Box::new(parked_released.clone()))?;
+        Ok(Metrics {
+            registry,
+            submissions,
+            intake_seconds,
+            jobs,
+            artifacts_expired,
+            ack_failures,
+            stuck_ended,
+            held_dispatched,
+            partitions_held,
+            parked_released,
+        })
     }
 }

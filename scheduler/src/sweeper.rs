@@ -1,6 +1,7 @@
 //! The artifact TTL sweeper: the real enforcement of `expires_at`.
 //!
-//! Each tick also looks for workers whose heartbeat stopped and declares their sessions lost,
+//! Each tick also looks for workers whose heartbeat stopped and sets their sessions moving,
+//! expires moving sessions nobody used within their keep-alive,
 //! ends jobs stuck in `queued` (and sessions in `starting`) past `SANDCELL_STUCK_AFTER_S`, and
 //! refuses with `capacity` new sessions no worker took within `SANDCELL_SESSION_START_WAIT_S`.
 //!
@@ -13,6 +14,7 @@ use std::time::Duration;
 use sandcell_core::jobs::JobStore;
 use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
+use sandcell_protocol::MoveCause;
 
 use crate::metrics::Metrics;
 
@@ -59,6 +61,14 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
             }
             Err(e) => tracing::warn!(error = format!("{e:#}"), "new-session sweep failed; retrying next tick"),
         }
+        match sessions.end_unadopted(session_start_wait).await {
+            Ok((0, 0)) => {}
+            Ok((expired, lost)) => {
+                metrics.stuck_ended.with_label_values(&["moving_session"]).inc_by(lost);
+                tracing::warn!(expired, lost, "ended moving sessions nobody used or no worker took over");
+            }
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "moving-session sweep failed; retrying next tick"),
+        }
         match jobs.count_by_status().await {
             Ok(counts) => {
                 metrics.jobs.reset();
@@ -90,14 +100,15 @@ pub async fn sweep_once(jobs: &JobStore, store: &ArtifactStore, metrics: &Metric
     Ok(n)
 }
 
-/// Declare the sessions of workers that stopped beating `lost` (their jobs end with
-/// `session_lost`). A worker that comes back with the same id finds them lost too.
+/// Set the sessions of workers that stopped beating `moving`: each continues on another worker
+/// with its next job (the job that was running there ends `worker_lost`). A worker that comes
+/// back with the same id does not get them back.
 pub async fn sweep_silent_workers(sessions: &SessionStore, dead_after: Duration) -> anyhow::Result<u64> {
     let mut total = 0;
     for worker in sessions.silent_workers(dead_after).await? {
         let why = format!("worker {worker} stopped responding for more than {}s", dead_after.as_secs());
-        let n = sessions.lose_worker(&worker, &why).await?;
-        tracing::warn!(worker_id = %worker, sessions = n, "worker silent; its sessions are lost");
+        let n = sessions.orphan_worker(&worker, MoveCause::WorkerLost, &why).await?;
+        tracing::warn!(worker_id = %worker, sessions = n, "worker silent; its sessions move to other workers");
         total += n;
     }
     Ok(total)

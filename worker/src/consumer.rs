@@ -13,7 +13,8 @@
 //!   job with `capacity`.
 //! - `sandcell.worker.<id>` (this worker's own): jobs of sessions it holds, handed to the
 //!   session's task in delivery order; a job for a session it does not hold is refused with
-//!   the session's reason.
+//!   the session's reason, unless the session moved to another worker (the job follows it).
+//!   A job that takes a moving session over arrives like an opening job, on `sandcell.sessions.new`.
 //!
 //! Every delivery enters the [`Ledger`](crate::ledger::Ledger), and every handler ends by
 //! settling its ticket with a [`Disposition`] — the one place messages are acked. Handlers run
@@ -41,6 +42,7 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use sandcell_core::broker;
 use sandcell_protocol::{ErrorCode, ExecutionJob, Reason, SessionState};
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::context::WorkerContext;
 use crate::ledger::{self, Disposition, Ticket};
@@ -197,7 +199,11 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
                 let delivery = delivery.context("receiving an opening job")?;
                 if let Some((job, mut ticket)) = admit(ctx, delivery).await {
                     new_sessions.take_place(&mut ticket);
-                    tokio::spawn(handle_shared(ctx.clone(), job, ticket));
+                    // The session's place is taken now, not in the task: the room the consumer
+                    // follows (below) drops at once, so a worker that became full stops
+                    // consuming before this job's ack frees a place in its prefetch window.
+                    let place = ctx.session_capacity.clone().try_acquire_owned().ok();
+                    tokio::spawn(handle_shared(ctx.clone(), job, ticket, place));
                 }
                 // Fewer places left: a smaller window, at once.
                 new_sessions.follow(ctx.session_capacity.available_permits()).await?;
@@ -207,7 +213,7 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
                 let delivery = delivery.context("receiving a job")?;
                 if let Some((job, ticket)) = admit(ctx, delivery).await {
                     // A task of its own: a reconnect of this consumer never cancels it.
-                    tokio::spawn(handle_shared(ctx.clone(), job, ticket));
+                    tokio::spawn(handle_shared(ctx.clone(), job, ticket, None));
                 }
             }
             next = own.next() => {
@@ -251,22 +257,24 @@ async fn admit(ctx: &WorkerContext, delivery: Delivery) -> Option<(ExecutionJob,
     }
 }
 
-async fn handle_shared(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
+/// Run a job of a shared queue; `place`: the session place already taken for an opening job.
+async fn handle_shared(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, place: Option<OwnedSemaphorePermit>) {
     match &job.session {
         None => {
             let result = run::job(&ctx, &job, ticket.redelivered, None, &mut OneOff::new(ctx.bound.reuses())).await;
             let disposition = ledger::disposition_of(&job, result).await;
             ticket.settle(disposition).await;
         }
-        Some(s) if s.new => open_session(ctx, job, ticket).await,
+        // Opening a session, or taking over one whose worker died or drained.
+        Some(s) if s.new || s.adopt.is_some() => open_session(ctx, job, ticket, place).await,
         // Jobs of existing sessions travel on workers' own queues; accept one here all the same.
         Some(_) => route_to_session(&ctx, Work { job, ticket, claim: None }).await,
     }
 }
 
-/// Open the session a job asks for, when this worker has room for it.
-async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
-    let permit = match ctx.session_capacity.clone().try_acquire_owned() {
+/// Open the session a job asks for, when this worker has room for it (`place`: taken already).
+async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, place: Option<OwnedSemaphorePermit>) {
+    let permit = match place.map_or_else(|| ctx.session_capacity.clone().try_acquire_owned(), Ok) {
         Ok(p) => p,
         // Returned a few times so that a worker with room can take it; then waited for here.
         Err(_) if ticket.returns + 1 < broker::DELIVERY_LIMIT => {
@@ -299,10 +307,12 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket) {
     }
 }
 
-/// Refuse a job that opens a session, and fail the session it would have opened.
+/// Refuse a job that opens a session (and fail the session it would have opened) or takes one
+/// over (and end that session `lost`).
 async fn refuse_opening(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason) -> Result<Disposition> {
     if let Some(s) = &job.session {
-        ctx.sessions.end(&s.id, None, SessionState::Failed, Some(reason)).await?;
+        let state = if s.adopt.is_some() { SessionState::Lost } else { SessionState::Failed };
+        ctx.sessions.end(&s.id, None, state, Some(reason)).await?;
     }
     run::refuse(ctx, job, reason).await?;
     Ok(Disposition::Ack)
@@ -316,12 +326,22 @@ async fn route_to_session(ctx: &WorkerContext, work: Work) {
     ticket.settle(disposition).await;
 }
 
-/// Refuse a job of a session this worker does not hold, with the session's own reason.
+/// Refuse a job of a session this worker does not hold, with the session's own reason — unless
+/// the session moved: then this is a copy left in this worker's queue (the job was parked and
+/// follows the session), and it is dropped without touching the job.
 async fn refuse_unheld(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Disposition> {
     let id = job.session.as_ref().map(|s| s.id.as_str()).unwrap_or_default();
-    let reason = match ctx.sessions.state(&job.tenant, id).await? {
+    let reason = match ctx.sessions.holder(&job.tenant, id).await? {
         None => Reason::new(ErrorCode::SessionNotFound, format!("tenant {} has no session {id}", job.tenant)),
-        Some(state) => {
+        Some((SessionState::Moving, _)) => {
+            tracing::info!(job_id = %job.job_id, session_id = id, "a job of a session that moved away; left to follow it");
+            return Ok(Disposition::Ack);
+        }
+        Some((SessionState::Active, Some(w))) if w != ctx.cfg.worker_id => {
+            tracing::info!(job_id = %job.job_id, session_id = id, holder = %w, "a job of a session now held by another worker; left to it");
+            return Ok(Disposition::Ack);
+        }
+        Some((state, _)) => {
             state.refusal(id).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, format!("session {id} is not held by worker {}", ctx.cfg.worker_id)))
         }
     };

@@ -65,7 +65,21 @@ impl Events {
     /// The events of one attempt of `job` (`attempt` 0: a job refused before it ran).
     pub fn job(&self, job: &ExecutionJob, attempt: i32) -> LiveJob {
         let attempt = u32::try_from(attempt).unwrap_or(0);
-        LiveJob { events: self.clone(), key: routing_key(&job.tenant, &job.job_id), tenant: job.tenant.clone(), job_id: job.job_id.clone(), attempt, seq: 0 }
+        LiveJob {
+            events: self.clone(),
+            key: routing_key(&job.tenant, &job.job_id),
+            tenant: job.tenant.clone(),
+            job_id: job.job_id.clone(),
+            attempt,
+            seq: 0,
+            muted: false,
+        }
+    }
+
+    /// A handle that publishes nothing: for the worker's own cells in a session (saving and
+    /// restoring its variables when it moves), which are no client's job.
+    pub fn muted(&self, job: &ExecutionJob) -> LiveJob {
+        LiveJob { muted: true, ..self.job(job, 0) }
     }
 
     fn send(&self, key: &str, event: &JobEvent) {
@@ -121,6 +135,8 @@ pub struct LiveJob {
     job_id: String,
     attempt: u32,
     seq: u64,
+    /// Publishes nothing ([`Events::muted`]).
+    muted: bool,
 }
 
 impl LiveJob {
@@ -167,6 +183,9 @@ impl LiveJob {
     }
 
     fn emit(&mut self, body: EventBody) {
+        if self.muted {
+            return;
+        }
         let event = JobEvent { tenant: self.tenant.clone(), job_id: self.job_id.clone(), attempt: self.attempt, seq: self.seq, body };
         self.seq += 1;
         self.events.send(&self.key, &event);

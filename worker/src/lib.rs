@@ -9,6 +9,8 @@
 //! → [`outcome`] (driver events into an outcome, then the result's `Execution` document; what
 //! each event adds is also published live by [`events`]) →
 //! [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
+//! [`moving`] saves a session's variables when this worker drains and puts a moved session's
+//! workspace and variables back when this worker takes it over.
 //! [`pool`] keeps started kernels ready for the next session or one-off job; [`bound`] keeps a
 //! one-off job's sandbox for its tenant's next one-off job (each runs in a process forked for it).
 //! Around them: [`config`] (every setting, from the environment), [`context`] (what every
@@ -25,6 +27,7 @@ mod events;
 mod kernel;
 mod ledger;
 mod metrics;
+mod moving;
 mod outcome;
 mod pool;
 mod run;

@@ -55,6 +55,9 @@ pub struct Metrics {
     /// worker when it had no room and went back to the queue (its new-sessions consumer had not
     /// caught up with its room yet).
     pub opening_returned: IntCounter,
+    /// `sandcell_worker_sessions_adopted_total{cause}`: sessions this worker took over from a
+    /// worker that died or restarted (`worker_lost`) or drained (`drained`).
+    pub sessions_adopted: IntCounterVec,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -108,7 +111,11 @@ impl Metrics {
         let opening_returned =
             IntCounter::new("sandcell_worker_opening_jobs_returned_total", "Jobs opening a session returned to the queue for lack of room here")?;
         registry.register(Box::new(opening_returned.clone()))?;
+        let sessions_adopted =
+            IntCounterVec::new(Opts::new("sandcell_worker_sessions_adopted_total", "Sessions taken over from another worker, by why they moved"), &["cause"])?;
+        registry.register(Box::new(sessions_adopted.clone()))?;
         Ok(Metrics {
+            sessions_adopted,
             opening_returned,
             events_published,
             events_dropped,

@@ -162,6 +162,7 @@ impl Outcome {
             skipped_files: self.skipped_files,
             processes_killed: self.processes_killed,
             usage: self.usage,
+            moved: extras.moved,
         };
         let fin =
             Finished { status: self.status, reason: self.reason, execution, artifacts: Vec::new(), container_id: extras.container_id, session: extras.session };

@@ -49,6 +49,11 @@ pub trait Host {
     fn held_slot(&mut self) -> Option<Slot> {
         None
     }
+    /// Files to write into the workspace before the job's own: a moved session's workspace,
+    /// put back from the store for the job that took it over.
+    fn restored(&mut self) -> Vec<InputFile> {
+        Vec::new()
+    }
 }
 
 /// A one-off job's host: a sandbox bound to the job's tenant (one that waits in
@@ -112,6 +117,7 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: 
     // Taken first, so that it is released on every path, the job's refusal included.
     let held = host.held_slot();
     let Some((files, claim)) = prepare(ctx, job, redelivered, claimed).await? else { return Ok(Disposition::Ack) };
+    let files = with_restored(host.restored(), files);
     let session_id = job.session.as_ref().map(|s| s.id.as_str());
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
@@ -134,6 +140,21 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: 
     ctx.metrics.execution_seconds.observe(started.elapsed().as_secs_f64());
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id, %status, elapsed_ms = started.elapsed().as_millis() as u64, "job finished");
     Ok(Disposition::Ack)
+}
+
+/// The job's input files after the files put back into the workspace: one file per path (the
+/// driver refuses a path twice), the last one written winning, the job's own last of all.
+fn with_restored(restored: Vec<InputFile>, own: Vec<InputFile>) -> Vec<InputFile> {
+    if restored.is_empty() {
+        return own;
+    }
+    let mut all: Vec<InputFile> = restored.into_iter().chain(own).collect();
+    let mut seen = std::collections::HashSet::new();
+    // Keep the last of each path, in the order of those kept.
+    all.reverse();
+    all.retain(|f| seen.insert(f.path.clone()));
+    all.reverse();
+    all
 }
 
 /// Replace every `s3_key` input file by its content. A missing or oversize object is the
@@ -267,6 +288,8 @@ pub struct Extras {
     pub container_id: Option<String>,
     /// The session to extend or close.
     pub session: Option<SessionTouch>,
+    /// The job took its session over from another worker.
+    pub moved: Option<sandcell_protocol::SessionMove>,
 }
 
 /// Store the outcome's files and commit the result (with retries). An error means nothing was
@@ -348,3 +371,27 @@ where
 
 /// Tries of a commit before the job's message goes back to the queue (~2 minutes of backoff).
 const COMMIT_TRIES: u32 = 30;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(path: &str, content: &str) -> InputFile {
+        InputFile::inline(path, content.as_bytes())
+    }
+
+    #[test]
+    fn a_restored_workspace_keeps_the_last_version_of_each_path_and_the_jobs_own_files_win() {
+        let restored = vec![file("a.txt", "1"), file("b.txt", "1"), file("a.txt", "2")];
+        let own = vec![file("b.txt", "job")];
+        let files = with_restored(restored, own);
+        let paths: Vec<_> = files.iter().map(|f| (f.path.as_str(), f.content_b64.clone())).collect();
+        assert_eq!(paths, vec![("a.txt", file("a.txt", "2").content_b64), ("b.txt", file("b.txt", "job").content_b64)]);
+    }
+
+    #[test]
+    fn without_a_restored_workspace_the_jobs_files_are_unchanged() {
+        let own = vec![file("x", "1"), file("y", "2")];
+        assert_eq!(with_restored(Vec::new(), own.clone()), own);
+    }
+}

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use sandcell_core::jobs::JobStore;
 use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
+use sandcell_protocol::MoveCause;
 use tokio::sync::Semaphore;
 
 use crate::config::Config;
@@ -22,6 +23,9 @@ pub async fn connect_docker() -> Result<bollard::Docker> {
     docker.ping().await.context("pinging Docker")?;
     Ok(docker)
 }
+
+/// How long a draining worker waits for its sessions to save their variables.
+const SNAPSHOT_GRACE: Duration = Duration::from_secs(20);
 
 /// Run the worker until a fatal error. Services that are down are waited for, not fatal.
 pub async fn run(cfg: Config) -> Result<()> {
@@ -36,10 +40,12 @@ pub async fn run(cfg: Config) -> Result<()> {
     let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, u32::from(cfg.slots) + 4)).await;
     let jobs = JobStore::new(pool.clone());
     let sessions = SessionStore::new(pool);
-    // The containers of this worker's previous run are gone, and its sessions with them.
-    let lost = sandcell_core::retry_forever("postgres", |_| sessions.lose_worker(&cfg.worker_id, "the worker holding it restarted")).await;
-    if lost > 0 {
-        tracing::warn!(lost, worker_id = %cfg.worker_id, "sessions of a previous run declared lost");
+    // The containers of this worker's previous run are gone: its sessions move, each with its
+    // next job, to a worker that puts their stored workspace back.
+    let moved =
+        sandcell_core::retry_forever("postgres", |_| sessions.orphan_worker(&cfg.worker_id, MoveCause::WorkerLost, "the worker holding it restarted")).await;
+    if moved > 0 {
+        tracing::warn!(moved, worker_id = %cfg.worker_id, "sessions of a previous run set moving");
     }
     let store = ArtifactStore::new(&cfg.services.s3);
     let warm = pool::WarmPool::new(cfg.warm_pool, &cfg.kernel, cfg.policy.default.clone(), &cfg.worker_id, metrics.clone());
@@ -84,7 +90,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         registry: session::Registry::default(),
     };
     let worker_id = ctx.cfg.worker_id.clone();
-    let (ledger, grace) = (ctx.ledger.clone(), ctx.cfg.drain_grace);
+    let (ledger, grace, registry) = (ctx.ledger.clone(), ctx.cfg.drain_grace, ctx.registry.clone());
     let consuming = tokio::spawn(consumer::run(ctx, broker_up));
     let result = tokio::select! {
         r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
@@ -98,13 +104,18 @@ pub async fn run(cfg: Config) -> Result<()> {
             while ledger.len() > 0 && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            tracing::info!(unfinished = ledger.len(), "drained; stopping");
+            // Each session saves its variables for the worker that takes it over (its jobs
+            // are done, or the grace is over and the snapshot waits behind them).
+            let saving = tokio::time::timeout(SNAPSHOT_GRACE, registry.snapshot_all()).await;
+            tracing::info!(unfinished = ledger.len(), snapshots_done = saving.is_ok(), "drained; stopping");
             Ok(())
         }
     };
-    // Sessions die with the worker: say so now rather than after the heartbeat times out.
-    if let Err(e) = sessions.lose_worker(&worker_id, "the worker holding it stopped").await {
-        tracing::warn!(error = format!("{e:#}"), "could not mark this worker's sessions lost");
+    // The sessions move: each continues on another worker with its next job (its jobs still
+    // queued here are parked for the new owner), now rather than after the heartbeat times out.
+    match sessions.orphan_worker(&worker_id, MoveCause::Drained, "the worker holding it was stopped").await {
+        Ok(n) => tracing::info!(sessions = n, "this worker's sessions are moving to other workers"),
+        Err(e) => tracing::warn!(error = format!("{e:#}"), "could not hand this worker's sessions over; the sweeper will once its heartbeat stops"),
     }
     warm.drain().await;
     bound.drain().await;

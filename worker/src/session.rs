@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use sandcell_core::jobs::{Claim, SessionTouch};
-use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, JobStatus, Reason, SessionState};
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason, SessionMove, SessionState};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use crate::context::{Slot, WorkerContext};
 use crate::kernel::{CellRun, Kernel, OnTimeout};
@@ -37,9 +37,18 @@ pub struct Work {
     pub claim: Option<Claim>,
 }
 
+/// What reaches a session's task.
+enum Mail {
+    /// A job to run (boxed: a job is far larger than a snapshot request).
+    Job(Box<Work>),
+    /// Save the session's variables to the store before it moves (a draining worker); the
+    /// task answers once it is done (or could not).
+    Snapshot(oneshot::Sender<()>),
+}
+
 struct Entry {
     tenant: String,
-    mailbox: mpsc::UnboundedSender<Work>,
+    mailbox: mpsc::UnboundedSender<Mail>,
 }
 
 /// The sessions this worker holds, cheap to clone.
@@ -55,9 +64,29 @@ impl Registry {
         let Some(session) = work.job.session.as_ref() else { return Err(Box::new(work)) };
         let Ok(map) = self.map.lock() else { return Err(Box::new(work)) };
         match map.get(&session.id) {
-            Some(e) if e.tenant == work.job.tenant => e.mailbox.send(work).map_err(|e| Box::new(e.0)),
+            Some(e) if e.tenant == work.job.tenant => match e.mailbox.send(Mail::Job(Box::new(work))) {
+                Err(mpsc::error::SendError(Mail::Job(w))) => Err(w),
+                // Sent (a snapshot request is never what comes back here).
+                _ => Ok(()),
+            },
             _ => Err(Box::new(work)),
         }
+    }
+
+    /// Ask every session held here to save its variables (a draining worker, its jobs done);
+    /// resolves when each has answered.
+    pub async fn snapshot_all(&self) {
+        let waits: Vec<oneshot::Receiver<()>> = match self.map.lock() {
+            Ok(map) => map
+                .values()
+                .filter_map(|e| {
+                    let (tx, rx) = oneshot::channel();
+                    e.mailbox.send(Mail::Snapshot(tx)).ok().map(|()| rx)
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        futures::future::join_all(waits).await;
     }
 
     /// Number of sessions held.
@@ -65,7 +94,7 @@ impl Registry {
         self.map.lock().map(|m| m.len()).unwrap_or(0)
     }
 
-    fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Work>) {
+    fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Mail>) {
         if let Ok(mut m) = self.map.lock() {
             m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox });
         }
@@ -103,7 +132,7 @@ pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) 
 enum Opened {
     /// The session is bound here; its task runs the opening job. (Boxed: a task holds its
     /// kernel, far larger than the refusal.)
-    Task(Box<SessionTask>, mpsc::UnboundedReceiver<Work>),
+    Task(Box<SessionTask>, mpsc::UnboundedReceiver<Mail>),
     /// The job was refused (no sandbox, or the session ended meanwhile) and that is recorded.
     Refused,
 }
@@ -113,6 +142,11 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     let Some(session) = job.session.clone() else { anyhow::bail!("open called for a job without a session") };
     let limits = ctx.cfg.policy.cap(&job.limits);
     let spec = run::spec_for(ctx, job, &limits);
+    // A session taken over: its workspace as the store has it, read before a container exists.
+    let restore = match &session.adopt {
+        Some(_) => Some(crate::moving::restore_workspace(ctx, job).await?),
+        None => None,
+    };
     // The slot that starts the container is kept for the opening job (`Host::held_slot`).
     let slot = ctx.slot().await?;
     let started = run::kernel_for(ctx, &spec, &slot).await;
@@ -120,7 +154,8 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         Ok(k) => k,
         Err(e) => {
             let reason = Reason::new(ErrorCode::SandboxUnavailable, format!("{e:#}"));
-            ctx.sessions.end(&session.id, None, SessionState::Failed, Some(&reason)).await?;
+            let state = if session.adopt.is_some() { SessionState::Lost } else { SessionState::Failed };
+            ctx.sessions.end(&session.id, None, state, Some(&reason)).await?;
             run::commit(ctx, job, &limits, Outcome::new(&limits).infra(reason.code, reason.message.clone()), Extras::default()).await?;
             return Ok(Opened::Refused);
         }
@@ -128,9 +163,13 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     // In the registry before it is active in Postgres: a job routed here finds it.
     let (tx, rx) = mpsc::unbounded_channel();
     ctx.registry.insert(&session.id, &job.tenant, tx);
-    match ctx.sessions.bind(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
+    let bound = match &session.adopt {
+        None => ctx.sessions.bind(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await.map(|b| b.then_some(None)),
+        Some(_) => ctx.sessions.adopt(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await.map(|a| a.map(Some)),
+    };
+    let adopted = match bound {
+        Ok(Some(adopted)) => adopted,
+        Ok(None) | Err(_) => {
             ctx.registry.remove(&session.id);
             kernel.destroy().await;
             let state = ctx.sessions.state(&job.tenant, &session.id).await.ok().flatten();
@@ -140,13 +179,44 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
             run::refuse(ctx, job, &reason).await?;
             return Ok(Opened::Refused);
         }
-    }
+    };
     ctx.metrics.sessions.inc();
-    tracing::info!(tenant = %job.tenant, session_id = %session.id, keep_alive_s = session.keep_alive_s, container = %kernel.id(), "session opened");
+    let keep_alive_s = adopted.as_ref().map_or(session.keep_alive_s, |a| a.keep_alive_s);
+    let mut kernel = kernel;
+    let (restore, moved) = match (restore, adopted) {
+        (Some((mut files, missing)), Some(a)) => {
+            // The variables a drain saved, loaded with the files before the first job here.
+            let files_restored = u32::try_from(files.len()).unwrap_or(u32::MAX);
+            let (variables_restored, variables_lost) = match &a.snapshot {
+                None => (false, vec!["*".to_string()]),
+                Some(snapshot) => match crate::moving::restore(ctx, &mut kernel, job, &files, snapshot).await {
+                    Ok(r) => {
+                        files.clear();
+                        (r.variables, r.lost)
+                    }
+                    Err(e) => {
+                        tracing::warn!(session_id = %session.id, error = format!("{e:#}"), "the saved variables of a moved session could not be loaded");
+                        (false, vec!["*".to_string()])
+                    }
+                },
+            };
+            ctx.metrics.sessions_adopted.with_label_values(&[a.cause.as_str()]).inc();
+            tracing::info!(tenant = %job.tenant, session_id = %session.id, from_worker = %a.from_worker, cause = a.cause.as_str(),
+                files = files_restored, missing = missing.len(), variables_restored, container = %kernel.id(), "session taken over");
+            let moved = SessionMove { from_worker: a.from_worker, cause: a.cause, files_restored, files_missing: missing, variables_restored, variables_lost };
+            (files, Some(moved))
+        }
+        _ => {
+            tracing::info!(tenant = %job.tenant, session_id = %session.id, keep_alive_s, container = %kernel.id(), "session opened");
+            (Vec::new(), None)
+        }
+    };
     let task = SessionTask {
         id: session.id.clone(),
         tenant: job.tenant.clone(),
-        keep_alive: Duration::from_secs(session.keep_alive_s.max(1)),
+        keep_alive: Duration::from_secs(keep_alive_s.max(1)),
+        restore,
+        moved,
         spec,
         kernel: Some(kernel),
         opening_slot: Some(slot),
@@ -165,6 +235,10 @@ struct SessionTask {
     kernel: Option<Kernel>,
     /// The slot its container started under, until the opening job takes it.
     opening_slot: Option<Slot>,
+    /// A taken-over session's workspace, written before its first job here.
+    restore: Vec<InputFile>,
+    /// What the first job here reports of the move.
+    moved: Option<SessionMove>,
     /// Set by the job that ends the session (it closed it, or its kernel could not be replaced).
     end: Option<End>,
     ctx: WorkerContext,
@@ -186,6 +260,10 @@ impl run::Host for SessionTask {
         self.opening_slot.take()
     }
 
+    fn restored(&mut self) -> Vec<InputFile> {
+        std::mem::take(&mut self.restore)
+    }
+
     async fn kernel(&mut self, _ctx: &WorkerContext, _job: &ExecutionJob, _limits: &ExecutionLimits, _slot: &Slot) -> Result<&mut Kernel> {
         let id = &self.id;
         self.kernel.as_mut().ok_or_else(|| anyhow::anyhow!("session {id} has no kernel"))
@@ -200,7 +278,12 @@ impl run::Host for SessionTask {
         }
         let mut outcome = cell.outcome;
         let container_id = self.kernel.as_ref().map(|k| k.id().to_string());
-        let mut extras = Extras { kernel_restarted: false, container_id, session: Some(SessionTouch { id: self.id.clone(), close, keep_alive_s }) };
+        let mut extras = Extras {
+            kernel_restarted: false,
+            container_id,
+            session: Some(SessionTouch { id: self.id.clone(), close, keep_alive_s }),
+            moved: self.moved.take(),
+        };
         self.end = close.then_some(End::Closed);
         if cell.alive {
             return (outcome, extras);
@@ -235,16 +318,20 @@ impl run::Host for SessionTask {
 }
 
 impl SessionTask {
-    async fn run(mut self, first: Work, mut mailbox: mpsc::UnboundedReceiver<Work>) {
+    async fn run(mut self, first: Work, mut mailbox: mpsc::UnboundedReceiver<Mail>) {
         let mut end = self.step(first).await;
         let mut deadline = tokio::time::Instant::now() + self.keep_alive;
         while end.is_none() {
             tokio::select! {
                 biased;
-                work = mailbox.recv() => match work {
-                    Some(work) => {
-                        end = self.step(work).await;
+                mail = mailbox.recv() => match mail {
+                    Some(Mail::Job(work)) => {
+                        end = self.step(*work).await;
                         deadline = tokio::time::Instant::now() + self.keep_alive;
+                    }
+                    Some(Mail::Snapshot(done)) => {
+                        self.snapshot().await;
+                        let _ = done.send(());
                     }
                     None => end = Some(End::Lost(Reason::new(ErrorCode::SessionLost, "the worker is shutting down"))),
                 },
@@ -268,6 +355,22 @@ impl SessionTask {
         self.end.take()
     }
 
+    /// Save the session's variables to the store and record it, for the worker that takes the
+    /// session over (this one is draining). A failure only means they do not come along.
+    async fn snapshot(&mut self) {
+        let ctx = self.ctx.clone();
+        let Some(kernel) = self.kernel.as_mut() else { return };
+        let limits = self.spec.limits.clone();
+        let saved = match crate::moving::snapshot(&ctx, kernel, &self.tenant, &self.id, &limits).await {
+            Ok(snapshot) => ctx.sessions.record_snapshot(&self.id, &ctx.cfg.worker_id, &snapshot).await.map(|_| snapshot.variables_lost.len()),
+            Err(e) => Err(e),
+        };
+        match saved {
+            Ok(lost) => tracing::info!(session_id = %self.id, lost, "session variables saved for its move"),
+            Err(e) => tracing::warn!(session_id = %self.id, error = format!("{e:#}"), "session variables could not be saved; they will not move with it"),
+        }
+    }
+
     /// Replace a dead kernel with a fresh one of the same shape; returns its container id.
     async fn restart(&mut self) -> Result<String> {
         if let Some(k) = self.kernel.take() {
@@ -286,7 +389,7 @@ impl SessionTask {
     }
 
     /// End the session: record it, leave the registry, refuse what is still queued, destroy.
-    async fn finish(mut self, end: End, mut mailbox: mpsc::UnboundedReceiver<Work>) {
+    async fn finish(mut self, end: End, mut mailbox: mpsc::UnboundedReceiver<Mail>) {
         let ctx = self.ctx.clone();
         let (state, reason) = match end {
             End::Expired => (SessionState::Expired, None),
@@ -304,7 +407,9 @@ impl SessionTask {
         ctx.registry.remove(&self.id);
         mailbox.close();
         let refusal = reason.clone().or_else(|| state.refusal(&self.id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "session ended"));
-        while let Ok(work) = mailbox.try_recv() {
+        while let Ok(mail) = mailbox.try_recv() {
+            let Mail::Job(work) = mail else { continue };
+            let work = *work;
             let disposition = match run::refuse(&ctx, &work.job, &refusal).await {
                 Ok(()) => Disposition::Ack,
                 Err(e) => {

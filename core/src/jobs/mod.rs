@@ -19,10 +19,12 @@ use crate::tenants::{self, Quotas};
 
 mod artifacts;
 mod held;
+mod parked;
 mod results;
 
 pub use artifacts::ExpiredArtifact;
 pub use held::HeldJob;
+pub use parked::{Follow, Release, TakeOver};
 pub use results::{Finished, NewArtifact};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
@@ -80,8 +82,19 @@ pub enum Recorded {
 pub enum JobSessionRecord<'a> {
     /// The job opens this new session with this keep-alive (seconds).
     Open(&'a str, u64),
-    /// The job runs in this existing session.
-    Existing(&'a str),
+    /// The job runs in this existing session: `routed` is the execution job as published, kept
+    /// while the session lives (it is published again should the session move before the job
+    /// ran, and its input files help put a moved session's workspace back); `owner` is the
+    /// worker it is published to, or `None`: the session is moving, and the job is *parked*
+    /// until the dispatcher publishes it to the session's new owner.
+    Existing {
+        /// The session.
+        id: &'a str,
+        /// The execution job.
+        routed: &'a [u8],
+        /// Its worker, or none (parked).
+        owner: Option<&'a str>,
+    },
 }
 
 /// What committing a session job does to its session.
@@ -204,15 +217,23 @@ impl JobStore {
                 crate::sessions::create(&mut tx, id, &sub.tenant, keep_alive_s, &sub.job_id).await?;
                 Some(id)
             }
-            Some(JobSessionRecord::Existing(id)) => Some(id),
+            Some(JobSessionRecord::Existing { id, .. }) => Some(id),
             None => None,
+        };
+        // A session job's execution job is kept while the session lives (the opening job's too:
+        // its input files are part of the workspace a moved session gets back).
+        let (routed, routed_to, parked) = match session {
+            Some(JobSessionRecord::Existing { routed, owner, .. }) => (Some(routed), owner, owner.is_none()),
+            Some(JobSessionRecord::Open(..)) => (shared, None, false),
+            None => (None, None, false),
         };
         // `queued_at` is read now, under the tenant's row lock, not at the transaction's start:
         // one tenant's jobs are then recorded in the order they were admitted, which is the
         // order held jobs are dispatched in (`take_held`).
         let inserted = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job, execution, queued_at)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, clock_timestamp())
+            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job, execution, queued_at,
+                               routed, routed_to, parked)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), $10, $11, $12)
              ON CONFLICT (tenant, job_id) DO NOTHING",
         )
         .bind(&sub.tenant)
@@ -224,18 +245,21 @@ impl JobStore {
         .bind(shared.is_some())
         .bind(held_job)
         .bind(not_run())
+        .bind(routed)
+        .bind(routed_to)
+        .bind(parked)
         .execute(&mut *tx)
         .await
         .context("inserting job")?
         .rows_affected();
         if inserted == 1 {
             tx.commit().await.context("committing job")?;
-            return Ok(if held_job.is_some() { Recorded::Held } else { Recorded::New });
+            return Ok(if held_job.is_some() || parked { Recorded::Held } else { Recorded::New });
         }
         // The id is taken: drop the session this copy would have opened.
         tx.rollback().await.context("rolling back duplicate")?;
         let row = sqlx::query(
-            "SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256, session_id, held_job IS NOT NULL AS held
+            "SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256, session_id, held_job IS NOT NULL OR parked AS held
              FROM jobs WHERE tenant = $1 AND job_id = $2",
         )
         .bind(&sub.tenant)
@@ -317,6 +341,11 @@ impl JobStore {
     /// taken over only when its worker is this one (an earlier life of it died mid-job) or has
     /// not beaten for `dead_after`: after a broker restart, a job still running on a live worker
     /// is left to it.
+    ///
+    /// A session job is claimed only by its session's worker, or by the worker opening or
+    /// taking over the session with it: a copy left in the queue of a worker the session moved
+    /// away from is never run there. A parked job is claimed only by the worker the dispatcher
+    /// addressed it to (`routed_to`), its session's new owner.
     pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, takeover: bool, dead_after: Duration) -> Result<Option<Claim>> {
         let mut sources = status_list(JobStatus::Running);
         if !takeover {
@@ -324,10 +353,13 @@ impl JobStore {
         }
         let row = sqlx::query(
             "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1
-             WHERE tenant = $1 AND job_id = $2 AND status = ANY($4)
+             WHERE tenant = $1 AND job_id = $2 AND status = ANY($4) AND (NOT parked OR routed_to = $3)
                AND (status <> 'running' OR worker_id IS NULL OR worker_id = $3
                     OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id
                                    AND w.last_seen_at > now() - $5 * interval '1 millisecond'))
+               AND (session_id IS NULL OR EXISTS (
+                    SELECT 1 FROM sessions s WHERE s.session_id = jobs.session_id
+                      AND (s.worker_id = $3 OR s.created_by_job = jobs.job_id OR s.adopting_job = jobs.job_id)))
              RETURNING attempts, queued_at",
         )
         .bind(tenant)
@@ -400,7 +432,7 @@ pub(crate) async fn reject_stuck(tx: &mut sqlx::PgConnection, millis: i64, reaso
     debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected));
     let n = sqlx::query(
         "UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now()
-         WHERE status = 'queued' AND held_job IS NULL
+         WHERE status = 'queued' AND held_job IS NULL AND NOT parked
            AND COALESCE(dispatched_at, queued_at) < now() - $1 * interval '1 millisecond'",
     )
     .bind(millis)
