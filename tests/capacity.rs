@@ -3,6 +3,9 @@
 //! `SANDCELL_SESSION_START_WAIT_S` — never lost to the dead-letter queue, never
 //! `queued`/`starting` forever; a session that ends makes room for the next.
 //!
+//! Likewise a session whose worker drains while no other worker can take it over: its next job
+//! waits, then the session ends `lost` and the job is refused, both with `capacity`.
+//!
 //! A test binary of its own: it restarts the worker with room for two sessions and the scheduler
 //! with a short wait (as a supervisor would), and gives them back their usual settings at the end.
 
@@ -19,8 +22,12 @@ impl Drop for Restore {
     }
 }
 
+/// The tests restart the same services: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
+    let _serial = SERIAL.lock().await;
     let _restore = Restore;
     restart_service("worker", &[("SANDCELL_WORKER_MAX_SESSIONS", "2"), ("SANDCELL_SESSION_START_WAIT_S", "6")]);
     restart_service("scheduler", &[("SANDCELL_SESSION_START_WAIT_S", "6")]);
@@ -55,4 +62,26 @@ async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
     assert_eq!(closed.status, JobStatus::Succeeded, "{closed:?}");
     let r = c.wait(&t, &fourth.job_id, JOB_WAIT).await.unwrap();
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
+}
+
+#[tokio::test]
+async fn a_drained_workers_session_with_no_other_worker_to_take_it_ends_lost_with_capacity() {
+    let _serial = SERIAL.lock().await;
+    let _restore = Restore;
+    restart_service("scheduler", &[("SANDCELL_SESSION_START_WAIT_S", "6")]);
+    both_healthy().await;
+    let c = client().await;
+    let t = tenant();
+    let r = run(&c, &open_session(&t, "x = 1", Some(120))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let id = session_id(&r);
+    // The only worker drains and stops: the session moves, but nobody can take it over.
+    terminate_service("worker");
+    let stopped = eventually(std::time::Duration::from_secs(60), || async { (!service_running("worker")).then_some(()) }).await;
+    assert!(stopped.is_some(), "the worker did not stop on SIGTERM");
+    let next = in_session(&t, &id, "x");
+    let r = run(&c, &next).await;
+    assert_eq!((r.status, r.reason.as_ref().map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::Capacity)), "{r:?}");
+    let session = r.session.as_ref().expect("the job names its session");
+    assert_eq!((session.state, session.end_reason.as_ref().map(|x| x.code)), (sandcell_protocol::SessionState::Lost, Some(ErrorCode::Capacity)), "{r:?}");
 }
