@@ -61,7 +61,7 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
             }
             Err(e) => tracing::warn!(error = format!("{e:#}"), "new-session sweep failed; retrying next tick"),
         }
-        match sessions.end_unadopted(session_start_wait, worker_dead_after).await {
+        match sessions.end_unadopted(session_start_wait).await {
             Ok((0, 0)) => {}
             Ok((expired, lost)) => {
                 metrics.stuck_ended.with_label_values(&["moving_session"]).inc_by(lost);

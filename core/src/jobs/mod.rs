@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use sandcell_protocol::storable;
-use sandcell_protocol::{ExecutionLimits, JobStatus, Reason, SessionState, Submission};
+use sandcell_protocol::{ExecutionLimits, JobStatus, Reason, Submission};
 
 use crate::tenants::{self, Quotas};
 
@@ -60,9 +60,6 @@ pub enum Recorded {
     /// A new job of the shared queue, held: its tenant has `max_jobs_in_flight` jobs out
     /// already (or older jobs held). The dispatcher publishes it when one of them finishes.
     Held,
-    /// A new job of a session that is moving (or whose owner changed since it was routed):
-    /// parked; the dispatcher publishes it to the session's next owner.
-    Parked,
     /// The job id was already used by this tenant.
     Duplicate {
         /// Status of the existing job.
@@ -226,25 +223,7 @@ impl JobStore {
         // A session job's execution job is kept while the session lives (the opening job's too:
         // its input files are part of the workspace a moved session gets back).
         let (routed, routed_to, parked) = match session {
-            Some(JobSessionRecord::Existing { id, routed, owner }) => {
-                // The owner the caller read may be stale: read it again under a share lock, which
-                // orders this job with a move of the session (`orphan_worker` parks what is
-                // recorded before it; what comes after sees it moving) and with its end.
-                let row = sqlx::query("SELECT state, worker_id FROM sessions WHERE session_id = $1 FOR SHARE")
-                    .bind(id)
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .context("reading the session's owner")?;
-                let mut live: Option<String> = None;
-                if let Some(r) = row {
-                    let state: String = r.try_get("state")?;
-                    if state == SessionState::Active.as_str() {
-                        live = r.try_get("worker_id")?;
-                    }
-                }
-                let owner = owner.filter(|w| live.as_deref() == Some(*w));
-                (Some(routed), owner, owner.is_none())
-            }
+            Some(JobSessionRecord::Existing { routed, owner, .. }) => (Some(routed), owner, owner.is_none()),
             Some(JobSessionRecord::Open(..)) => (shared, None, false),
             None => (None, None, false),
         };
@@ -275,13 +254,7 @@ impl JobStore {
         .rows_affected();
         if inserted == 1 {
             tx.commit().await.context("committing job")?;
-            return Ok(if parked {
-                Recorded::Parked
-            } else if held_job.is_some() {
-                Recorded::Held
-            } else {
-                Recorded::New
-            });
+            return Ok(if held_job.is_some() || parked { Recorded::Held } else { Recorded::New });
         }
         // The id is taken: drop the session this copy would have opened.
         tx.rollback().await.context("rolling back duplicate")?;
@@ -319,20 +292,6 @@ impl JobStore {
         .await
         .context("refusing job")?
         .rows_affected();
-        Ok(n == 1)
-    }
-
-    /// Refuse a job only while it is still `queued` (a copy of a job another worker runs is
-    /// left to it). Returns whether it changed.
-    pub async fn refuse_queued(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
-        let n = sqlx::query("UPDATE jobs SET status = 'rejected', reason = $3, finished_at = now() WHERE tenant = $1 AND job_id = $2 AND status = 'queued'")
-            .bind(tenant)
-            .bind(job_id)
-            .bind(storable::json(reason)?)
-            .execute(&self.pool)
-            .await
-            .context("refusing a queued job")?
-            .rows_affected();
         Ok(n == 1)
     }
 
