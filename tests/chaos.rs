@@ -41,8 +41,11 @@ async fn submit(c: &mut sandcell_client::Client, sub: &Submission) {
 }
 
 /// The job's terminal result, waiting through restarts.
+/// The job's terminal result, waiting until `deadline`; looked up at least once, so that once
+/// the deadline passed, every later job is still judged by its own state (not reported stuck
+/// because an earlier one used the time up).
 async fn final_result(sub: &Submission, deadline: Instant) -> Option<JobResult> {
-    while Instant::now() < deadline {
+    loop {
         if let Ok(c) = sandcell_client::Client::from_env().await {
             if let Ok(Some(r)) = c.result(&sub.tenant, &sub.job_id).await {
                 if r.status.is_terminal() {
@@ -50,9 +53,11 @@ async fn final_result(sub: &Submission, deadline: Instant) -> Option<JobResult> 
                 }
             }
         }
+        if Instant::now() >= deadline {
+            return None;
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    None
 }
 
 #[tokio::test]

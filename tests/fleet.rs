@@ -329,3 +329,42 @@ async fn a_drained_workers_sessions_continue_on_other_workers_with_their_files_a
     each_session_continues_elsewhere(&t, &c, &sessions, sandcell_protocol::MoveCause::Drained).await;
     restart_worker(0, &[]).await;
 }
+
+#[tokio::test]
+async fn a_one_off_job_whose_worker_was_killed_ends_worker_lost_rather_than_running_forever() {
+    let _fleet = workers_healthy().await;
+    let t = TestTenant::create(None).await;
+    let c = t.client().await;
+    let sub = python(&t.name, "import time\ntime.sleep(300)\nprint('not reached')");
+    c.submit(&sub).await.expect("submit");
+    // The worker running it, from the job's row.
+    let db = service_db().await;
+    let holder = eventually(Duration::from_secs(60), || async {
+        let row: Option<(String, Option<String>)> = sqlx::query_as("SELECT status, worker_id FROM jobs WHERE tenant = $1 AND job_id = $2")
+            .bind(&t.name)
+            .bind(&sub.job_id)
+            .fetch_optional(&db)
+            .await
+            .ok()?;
+        match row {
+            Some((status, Some(w))) if status == "running" => Some(w),
+            _ => None,
+        }
+    })
+    .await
+    .expect("the job running on some worker");
+    let i = WORKERS.iter().position(|w| w.1 == holder).expect("a worker of the fleet");
+    kill_service(WORKERS[i].0);
+    // The broker hands its message to another worker at once, while the dead worker's heartbeat
+    // is still fresh: that copy is dropped (the job may be running), and the sweeper ends the
+    // job once the worker has been silent for SANDCELL_WORKER_DEAD_AFTER_S (12 s here).
+    let killed = Instant::now();
+    let r = c.wait(&t.name, &sub.job_id, Duration::from_secs(90)).await.expect("a result, not a job running forever");
+    println!("ended {:?} after the kill: {:?} {:?}", killed.elapsed(), r.status, r.reason.as_ref().map(|x| x.code));
+    assert_eq!(
+        (r.status, r.reason.as_ref().map(|x| x.code), r.attempts),
+        (JobStatus::InfrastructureError, Some(sandcell_protocol::ErrorCode::WorkerLost), 1),
+        "{r:?}"
+    );
+    restart_worker(i, &[]).await;
+}

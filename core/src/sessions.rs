@@ -144,6 +144,19 @@ async fn forget_routed(tx: &mut sqlx::PgConnection, session_id: &str) -> Result<
     Ok(())
 }
 
+/// What ending a session does to its jobs, in the transaction that ends it: the execution jobs
+/// kept to move it are dropped, and jobs parked for a new owner it will never have are refused.
+async fn after_end(tx: &mut sqlx::PgConnection, session_id: &str, refusal: &Reason) -> Result<()> {
+    forget_routed(&mut *tx, session_id).await?;
+    sqlx::query("UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now() WHERE session_id = $1 AND parked AND status = 'queued'")
+        .bind(session_id)
+        .bind(storable::json(refusal)?)
+        .execute(tx)
+        .await
+        .context("refusing the parked jobs of an ended session")?;
+    Ok(())
+}
+
 impl SessionStore {
     /// Wrap a pool.
     pub fn new(pool: PgPool) -> Self {
@@ -272,15 +285,31 @@ impl SessionStore {
         .context("ending session")?
         .rows_affected();
         if n == 1 {
-            forget_routed(&mut tx, session_id).await?;
-            // Jobs parked for a new owner it will never have.
             let refusal = reason.cloned().or_else(|| state.refusal(session_id)).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, "the session ended"));
-            sqlx::query("UPDATE jobs SET status = 'rejected', reason = $2, finished_at = now() WHERE session_id = $1 AND parked AND status = 'queued'")
-                .bind(session_id)
-                .bind(storable::json(&refusal)?)
-                .execute(&mut *tx)
-                .await
-                .context("refusing the parked jobs of an ended session")?;
+            after_end(&mut tx, session_id, &refusal).await?;
+        }
+        tx.commit().await.context("committing the end of a session")?;
+        Ok(n == 1)
+    }
+
+    /// End a moving session `lost` because the job sent to take it over (`job_id`) cannot: only
+    /// while that job is still its taking-over job (a stale copy of it changes nothing).
+    pub async fn end_adoption(&self, session_id: &str, job_id: &str, reason: &Reason) -> Result<bool> {
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let n = sqlx::query(
+            "UPDATE sessions SET state = 'lost', ended_at = now(), end_reason = $3
+             WHERE session_id = $1 AND adopting_job = $2 AND state = 'moving' AND state = ANY($4)",
+        )
+        .bind(session_id)
+        .bind(job_id)
+        .bind(storable::json(reason)?)
+        .bind(states(SessionState::Lost))
+        .execute(&mut *tx)
+        .await
+        .context("ending a session no worker could take over")?
+        .rows_affected();
+        if n == 1 {
+            after_end(&mut tx, session_id, reason).await?;
         }
         tx.commit().await.context("committing the end of a session")?;
         Ok(n == 1)
@@ -510,12 +539,49 @@ impl SessionStore {
 
     /// End moving sessions nobody took over: those no job asked for within their keep-alive
     /// (`expired`), and those whose taking-over job no worker took within `wait` (`lost`, with
-    /// `capacity`; their parked jobs are `rejected` with it). Returns (expired, lost).
-    pub async fn end_unadopted(&self, wait: Duration) -> Result<(u64, u64)> {
+    /// `capacity`; their parked jobs are `rejected` with it). A taking-over job that will never
+    /// bind its session — it ended without binding it, or the worker running it has been silent
+    /// for `dead_after` (killed between its claim and the binding; it ends `worker_lost`) — is
+    /// forgotten, so that the dispatcher sends the next parked job. Jobs parked for a session
+    /// that ended meanwhile (recorded in the instant it ended) are `rejected` with its reason.
+    /// Returns (expired, lost).
+    pub async fn end_unadopted(&self, wait: Duration, dead_after: Duration) -> Result<(u64, u64)> {
         let millis = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+        let dead_millis = i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX);
         let why = format!("no worker had room to take the session over within {} s", wait.as_secs());
         let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Capacity, why))?;
+        let died = storable::json(&Reason::new(ErrorCode::WorkerLost, "the worker taking its session over died before it had; the job is not run again"))?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        sqlx::query(
+            "UPDATE jobs SET status = 'infrastructure_error', reason = $2, finished_at = now()
+             FROM sessions s
+             WHERE s.state = 'moving' AND jobs.tenant = s.tenant AND jobs.job_id = s.adopting_job AND jobs.status = 'running'
+               AND NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id AND w.last_seen_at > now() - $1 * interval '1 millisecond')",
+        )
+        .bind(dead_millis)
+        .bind(&died)
+        .execute(&mut *tx)
+        .await
+        .context("ending taking-over jobs whose worker died")?;
+        sqlx::query(
+            "UPDATE sessions SET adopting_job = NULL
+             WHERE state = 'moving' AND adopting_job IS NOT NULL
+               AND EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = sessions.tenant AND j.job_id = sessions.adopting_job
+                             AND j.status NOT IN ('queued', 'running'))",
+        )
+        .execute(&mut *tx)
+        .await
+        .context("forgetting taking-over jobs that ended")?;
+        let stray = storable::json(&Reason::new(ErrorCode::SessionLost, "the session ended while this job was being recorded"))?;
+        sqlx::query(
+            "UPDATE jobs SET status = 'rejected', reason = COALESCE(s.end_reason, $1), finished_at = now()
+             FROM sessions s
+             WHERE jobs.session_id = s.session_id AND jobs.parked AND jobs.status = 'queued' AND s.state NOT IN ('moving', 'active')",
+        )
+        .bind(&stray)
+        .execute(&mut *tx)
+        .await
+        .context("refusing parked jobs of ended sessions")?;
         let expired = sqlx::query(
             "UPDATE sessions SET state = 'expired', ended_at = now()
              WHERE state = 'moving' AND state = ANY($1) AND adopting_job IS NULL AND expires_at < now()
@@ -544,6 +610,27 @@ impl SessionStore {
         }
         tx.commit().await.context("committing unadopted sessions")?;
         Ok((expired, lost.len() as u64))
+    }
+
+    /// Park the strays of moved sessions: jobs recorded for a session's old owner in the instant
+    /// it moved (the intake read the owner, then the move was committed, then the job). Left
+    /// alone they would wait in a queue no worker of the session reads until the stuck-job sweep
+    /// ended them; parked, the dispatcher sends them to the session's new owner like any other.
+    /// The intake takes no lock on the session row to prevent them (the one CI run with a share
+    /// lock there stalled in the fleet's chaos test). Returns how many were parked.
+    pub async fn park_strays(&self) -> Result<u64> {
+        let n = sqlx::query(
+            "UPDATE jobs SET parked = true, routed_to = NULL
+             FROM sessions s
+             WHERE jobs.session_id = s.session_id AND s.moves > 0 AND s.state IN ('moving', 'active')
+               AND jobs.status = 'queued' AND NOT jobs.parked AND jobs.routed_to IS NOT NULL
+               AND jobs.routed_to IS DISTINCT FROM s.worker_id",
+        )
+        .execute(&self.pool)
+        .await
+        .context("parking jobs recorded for a moved session's old worker")?
+        .rows_affected();
+        Ok(n)
     }
 }
 

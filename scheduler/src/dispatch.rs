@@ -67,37 +67,48 @@ const SESSIONS_PER_ROUND: i64 = 256;
 pub async fn release_round(jobs: &JobStore, publisher: &Channel, metrics: &Metrics) -> Result<usize> {
     let mut published = 0;
     for session_id in jobs.sessions_with_parked_jobs(SESSIONS_PER_ROUND).await? {
-        match jobs.release_parked(&session_id).await? {
-            None => {}
-            Some(Release::TakeOver(t)) => {
-                let mut job: ExecutionJob = serde_json::from_slice(&t.routed).with_context(|| format!("decoding parked job {}/{}", t.tenant, t.job_id))?;
-                if let Some(s) = job.session.as_mut() {
-                    s.adopt = Some(Adoption { from_worker: t.from_worker.clone(), cause: t.cause });
-                }
-                let payload = serde_json::to_vec(&job).context("serializing the taking-over job")?;
-                let props = broker::json_properties(&format!("{}/{}", t.tenant, t.job_id));
-                broker::publish_confirmed(publisher, broker::NEW_SESSIONS_QUEUE, &payload, props)
-                    .await
-                    .with_context(|| format!("publishing taking-over job {}/{}", t.tenant, t.job_id))?;
-                tracing::info!(tenant = %t.tenant, job_id = %t.job_id, %session_id, from_worker = %t.from_worker, cause = t.cause.as_str(), "job sent to take a moving session over");
-                t.dispatched().await?;
-                metrics.parked_released.inc();
-                published += 1;
-            }
-            Some(Release::Follow(f)) => {
-                let queue = broker::worker_queue(&f.owner);
-                for (tenant, job_id, payload) in &f.jobs {
-                    let props = broker::json_properties(&format!("{tenant}/{job_id}"));
-                    broker::publish_confirmed(publisher, &queue, payload, props).await.with_context(|| format!("publishing parked job {tenant}/{job_id}"))?;
-                }
-                let n = f.jobs.len();
-                tracing::info!(%session_id, jobs = n, owner = %f.owner, "parked jobs follow their session to its new owner");
-                f.dispatched().await?;
-                metrics.parked_released.inc_by(n as u64);
-                published += n;
-            }
+        // One session's failure (a broker or database error) is retried next round and never
+        // holds the others back.
+        match release_one(jobs, publisher, metrics, &session_id).await {
+            Ok(n) => published += n,
+            Err(e) => tracing::warn!(%session_id, error = format!("{e:#}"), "could not release a moving session's parked jobs; retrying next round"),
         }
     }
+    Ok(published)
+}
+
+/// Release what can be released of one session's parked jobs; returns how many were published.
+async fn release_one(jobs: &JobStore, publisher: &Channel, metrics: &Metrics, session_id: &str) -> Result<usize> {
+    let published = match jobs.release_parked(session_id).await? {
+        None => 0,
+        Some(Release::TakeOver(t)) => {
+            let mut job: ExecutionJob = serde_json::from_slice(&t.routed).with_context(|| format!("decoding parked job {}/{}", t.tenant, t.job_id))?;
+            if let Some(s) = job.session.as_mut() {
+                s.adopt = Some(Adoption { from_worker: t.from_worker.clone(), cause: t.cause });
+            }
+            let payload = serde_json::to_vec(&job).context("serializing the taking-over job")?;
+            let props = broker::json_properties(&format!("{}/{}", t.tenant, t.job_id));
+            broker::publish_confirmed(publisher, broker::NEW_SESSIONS_QUEUE, &payload, props)
+                .await
+                .with_context(|| format!("publishing taking-over job {}/{}", t.tenant, t.job_id))?;
+            tracing::info!(tenant = %t.tenant, job_id = %t.job_id, %session_id, from_worker = %t.from_worker, cause = t.cause.as_str(), "job sent to take a moving session over");
+            t.dispatched().await?;
+            metrics.parked_released.inc();
+            1
+        }
+        Some(Release::Follow(f)) => {
+            let queue = broker::worker_queue(&f.owner);
+            for (tenant, job_id, payload) in &f.jobs {
+                let props = broker::json_properties(&format!("{tenant}/{job_id}"));
+                broker::publish_confirmed(publisher, &queue, payload, props).await.with_context(|| format!("publishing parked job {tenant}/{job_id}"))?;
+            }
+            let n = f.jobs.len();
+            tracing::info!(%session_id, jobs = n, owner = %f.owner, "parked jobs follow their session to its new owner");
+            f.dispatched().await?;
+            metrics.parked_released.inc_by(n as u64);
+            n
+        }
+    };
     Ok(published)
 }
 

@@ -533,7 +533,7 @@ async fn accept(
     let shared = owner.is_none().then_some(payload.as_slice());
     match jobs.record_queued(sub, &limits, &digest, record, shared).await? {
         Recorded::New => {}
-        Recorded::Held if matches!(owner, Some(Owner::Parked)) => {
+        Recorded::Parked => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "session moving; job parked for its new owner");
             metrics.submissions.with_label_values(&["parked"]).inc();
             return Ok(Disposition::Ack);

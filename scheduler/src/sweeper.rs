@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use sandcell_core::jobs::JobStore;
+use sandcell_core::jobs::{Gone, JobStore};
 use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
 use sandcell_protocol::MoveCause;
@@ -44,6 +44,14 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
         if let Err(e) = sweep_silent_workers(&sessions, worker_dead_after).await {
             tracing::warn!(error = format!("{e:#}"), "worker liveness sweep failed; retrying next tick");
         }
+        match jobs.end_jobs_of_gone_worker(Gone::Silent(worker_dead_after)).await {
+            Ok(0) => {}
+            Ok(n) => {
+                metrics.stuck_ended.with_label_values(&["job_of_dead_worker"]).inc_by(n);
+                tracing::warn!(jobs = n, "jobs running on silent workers ended worker_lost");
+            }
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "dead-worker job sweep failed; retrying next tick"),
+        }
         match sessions.end_stuck(stuck_after).await {
             Ok((0, 0)) => {}
             Ok((jobs, sessions)) => {
@@ -61,13 +69,18 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
             }
             Err(e) => tracing::warn!(error = format!("{e:#}"), "new-session sweep failed; retrying next tick"),
         }
-        match sessions.end_unadopted(session_start_wait).await {
+        match sessions.end_unadopted(session_start_wait, worker_dead_after).await {
             Ok((0, 0)) => {}
             Ok((expired, lost)) => {
                 metrics.stuck_ended.with_label_values(&["moving_session"]).inc_by(lost);
                 tracing::warn!(expired, lost, "ended moving sessions nobody used or no worker took over");
             }
             Err(e) => tracing::warn!(error = format!("{e:#}"), "moving-session sweep failed; retrying next tick"),
+        }
+        match sessions.park_strays().await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(jobs = n, "parked jobs recorded for a moved session's old worker"),
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "stray-job sweep failed; retrying next tick"),
         }
         match jobs.count_by_status().await {
             Ok(counts) => {

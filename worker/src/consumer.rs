@@ -41,7 +41,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use sandcell_core::broker;
-use sandcell_protocol::{ErrorCode, ExecutionJob, Reason, SessionState};
+use sandcell_protocol::{ErrorCode, ExecutionJob, JobStatus, Reason, SessionState};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::context::WorkerContext;
@@ -310,11 +310,20 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, pla
 /// Refuse a job that opens a session (and fail the session it would have opened) or takes one
 /// over (and end that session `lost`).
 async fn refuse_opening(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason) -> Result<Disposition> {
+    // Guarded both: a copy of an opening job whose session is active elsewhere (`failed` is
+    // entered only from `starting`), or of a taking-over job that was replaced, changes nothing.
     if let Some(s) = &job.session {
-        let state = if s.adopt.is_some() { SessionState::Lost } else { SessionState::Failed };
-        ctx.sessions.end(&s.id, None, state, Some(reason)).await?;
+        if s.adopt.is_some() {
+            ctx.sessions.end_adoption(&s.id, &job.job_id, reason).await?;
+        } else {
+            ctx.sessions.end(&s.id, None, SessionState::Failed, Some(reason)).await?;
+        }
     }
-    run::refuse(ctx, job, reason).await?;
+    // Only a job still queued: another worker may be running the first copy.
+    if ctx.jobs.refuse_queued(&job.tenant, &job.job_id, reason).await? {
+        ctx.events.job(job, 0).end(JobStatus::Rejected);
+        ctx.metrics.jobs.with_label_values(&[JobStatus::Rejected.as_str()]).inc();
+    }
     Ok(Disposition::Ack)
 }
 

@@ -16,7 +16,7 @@
 use anyhow::{Context, Result};
 use sandcell_core::sessions::{Snapshot, WorkspaceFile};
 use sandcell_core::store::Fetched;
-use sandcell_protocol::{ExecutionJob, ExecutionLimits, InputFile, JobSession, JobStatus, Language};
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobSession, JobStatus, Language};
 
 use crate::context::WorkerContext;
 use crate::kernel::{Kernel, OnTimeout};
@@ -108,9 +108,10 @@ pub async fn snapshot(ctx: &WorkerContext, kernel: &mut Kernel, tenant: &str, se
     Ok(Snapshot { key, variables_lost })
 }
 
-/// What came back into a taken-over session's kernel: whether its variables did, and the names
-/// that did not.
+/// What came back into a taken-over session's kernel.
 pub struct Restored {
+    /// The workspace files were written (they were not when the sandbox refused one).
+    pub files: bool,
     /// The snapshot was loaded.
     pub variables: bool,
     /// Variables not carried (`["*"]`: none was).
@@ -118,24 +119,30 @@ pub struct Restored {
 }
 
 /// Write the workspace `files` and load the `snapshot` in a taken-over session's new kernel,
-/// before its first job there. The files are written even when the variables fail to load.
-pub async fn restore(ctx: &WorkerContext, kernel: &mut Kernel, job: &ExecutionJob, files: &[InputFile], snapshot: &Snapshot) -> Result<Restored> {
+/// before its first job there, in one request (the files first: a variable may need one).
+/// `pickle` is the snapshot's object ([`fetch_snapshot`]).
+pub async fn restore(
+    ctx: &WorkerContext,
+    kernel: &mut Kernel,
+    job: &ExecutionJob,
+    mut files: Vec<InputFile>,
+    snapshot: &Snapshot,
+    pickle: Vec<u8>,
+) -> Restored {
     let everything_lost = || vec!["*".to_string()];
-    let bytes = match ctx.store.get_limited(&snapshot.key, ctx.cfg.max_upload_bytes).await.context("reading the snapshot")? {
-        Fetched::Found(b) => b,
-        _ => anyhow::bail!("the snapshot {} is gone or too large", snapshot.key),
-    };
-    let mut with_snapshot = files.to_vec();
-    with_snapshot.push(InputFile::inline(SNAPSHOT_PATH, &bytes));
+    files.push(InputFile::inline(SNAPSHOT_PATH, &pickle));
+    drop(pickle);
     let limits = ctx.cfg.policy.cap(&job.limits);
     let session_id = job.session.as_ref().map(|s| s.id.as_str()).unwrap_or_default();
     let cell = own_cell(&job.tenant, session_id, &limits, RESTORE_CODE, Vec::new());
     let mut live = ctx.events.muted(&cell);
-    let run = kernel.run(&cell, &with_snapshot, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace), false, &mut live).await;
+    let run = kernel.run(&cell, &files, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace), false, &mut live).await;
+    drop(files);
     let out = run.outcome;
+    let files_written = out.reason.as_ref().is_none_or(|r| r.code != ErrorCode::InputFileRejected);
     if out.status != JobStatus::Succeeded {
-        tracing::warn!(session_id, status = %out.status, error = ?out.error.as_ref().map(|e| &e.evalue), "the variables of a moved session could not be loaded");
-        return Ok(Restored { variables: false, lost: everything_lost() });
+        tracing::warn!(session_id, status = %out.status, reason = ?out.reason.as_ref().map(|r| &r.message), error = ?out.error.as_ref().map(|e| &e.evalue), "the variables of a moved session could not be loaded");
+        return Restored { files: files_written, variables: false, lost: everything_lost() };
     }
     let mut lost = snapshot.variables_lost.clone();
     lost.extend(printed_names(&out.stdout.text).unwrap_or_else(|_| everything_lost()));
@@ -144,29 +151,57 @@ pub async fn restore(ctx: &WorkerContext, kernel: &mut Kernel, job: &ExecutionJo
     if let Err(e) = ctx.store.delete(&snapshot.key).await {
         tracing::warn!(key = %snapshot.key, error = format!("{e:#}"), "could not delete a restored snapshot");
     }
-    Ok(Restored { variables: true, lost })
+    Restored { files: true, variables: true, lost }
 }
 
-/// A taken-over session's workspace from the store: the files to write (one per path, the
-/// latest), and the paths that could not be put back.
+/// The pickled variables of a snapshot, from the store.
+pub async fn fetch_snapshot(ctx: &WorkerContext, snapshot: &Snapshot) -> Result<Vec<u8>> {
+    match ctx.store.get_limited(&snapshot.key, ctx.cfg.max_upload_bytes).await.context("reading the snapshot")? {
+        Fetched::Found(b) => Ok(b),
+        _ => anyhow::bail!("the snapshot {} is gone or too large", snapshot.key),
+    }
+}
+
+/// Whether `a` and `b` cannot both be in a workspace: the same path, or one a directory of
+/// the other.
+fn clash(a: &str, b: &str) -> bool {
+    a == b || b.strip_prefix(a).is_some_and(|rest| rest.starts_with('/')) || a.strip_prefix(b).is_some_and(|rest| rest.starts_with('/'))
+}
+
+/// A taken-over session's workspace from the store: the files to write (the latest of each
+/// path; an older file that would clash with a newer one — a file where a directory now is, or
+/// the reverse — is left out), and the paths that could not be put back (their object expired
+/// or is gone, or the session's workspace size would be exceeded: what is put back is bounded
+/// by `workspace_mb`, so no history of rewritten files can make this worker hold more).
 pub async fn restore_workspace(ctx: &WorkerContext, job: &ExecutionJob) -> Result<(Vec<InputFile>, Vec<String>)> {
     let Some(session) = &job.session else { return Ok((Vec::new(), Vec::new())) };
     let stored = ctx.sessions.workspace_of(&job.tenant, &session.id).await?;
-    // The latest version of each path only: nothing is fetched that is overwritten later.
     let mut latest: Vec<WorkspaceFile> = Vec::new();
     for f in stored.into_iter().rev() {
-        if !latest.iter().any(|l| l.path() == f.path()) {
+        if !latest.iter().any(|l| clash(l.path(), f.path())) {
             latest.push(f);
         }
     }
     latest.reverse();
+    let mut left = ctx.cfg.policy.cap(&job.limits).workspace_mb.saturating_mul(1 << 20);
     let (mut files, mut missing) = (Vec::new(), Vec::new());
     for f in latest {
         match f {
-            WorkspaceFile::Inline { path, content_b64 } => files.push(InputFile { path, content_b64: Some(content_b64), s3_key: None }),
+            WorkspaceFile::Inline { path, content_b64 } => {
+                let size = (content_b64.len() as u64 / 4) * 3;
+                if size > left {
+                    missing.push(path);
+                    continue;
+                }
+                left -= size;
+                files.push(InputFile { path, content_b64: Some(content_b64), s3_key: None });
+            }
             WorkspaceFile::Stored { path, available: false, .. } => missing.push(path),
-            WorkspaceFile::Stored { path, s3_key, available: true } => match ctx.store.get_limited(&s3_key, ctx.cfg.max_upload_bytes).await {
-                Ok(Fetched::Found(bytes)) => files.push(InputFile::inline(path, &bytes)),
+            WorkspaceFile::Stored { path, s3_key, available: true } => match ctx.store.get_limited(&s3_key, ctx.cfg.max_upload_bytes.min(left)).await {
+                Ok(Fetched::Found(bytes)) => {
+                    left -= bytes.len() as u64;
+                    files.push(InputFile::inline(path, &bytes));
+                }
                 Ok(_) => missing.push(path),
                 Err(e) => {
                     tracing::warn!(session_id = %session.id, path, error = format!("{e:#}"), "a file of a moved session could not be read from the store");
@@ -180,7 +215,13 @@ pub async fn restore_workspace(ctx: &WorkerContext, job: &ExecutionJob) -> Resul
 
 #[cfg(test)]
 mod tests {
-    use super::printed_names;
+    use super::{clash, printed_names};
+
+    #[test]
+    fn a_path_clashes_with_itself_and_with_its_directories_only() {
+        assert!(clash("out", "out") && clash("out", "out/x.csv") && clash("a/b/c", "a/b"));
+        assert!(!clash("out", "output.csv") && !clash("a/b", "a/bc") && !clash("x", "y"));
+    }
 
     #[test]
     fn the_names_a_cell_prints_are_read_from_its_last_line() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use sandcell_core::jobs::JobStore;
+use sandcell_core::jobs::{Gone, JobStore};
 use sandcell_core::sessions::SessionStore;
 use sandcell_core::store::ArtifactStore;
 use sandcell_protocol::MoveCause;
@@ -46,6 +46,12 @@ pub async fn run(cfg: Config) -> Result<()> {
         sandcell_core::retry_forever("postgres", |_| sessions.orphan_worker(&cfg.worker_id, MoveCause::WorkerLost, "the worker holding it restarted")).await;
     if moved > 0 {
         tracing::warn!(moved, worker_id = %cfg.worker_id, "sessions of a previous run set moving");
+    }
+    // Its one-off jobs that were running died with its containers (a redelivered copy that
+    // reaches this worker now is dropped rather than run a second time).
+    let ended = sandcell_core::retry_forever("postgres", |_| jobs.end_jobs_of_gone_worker(Gone::Restarted(&cfg.worker_id))).await;
+    if ended > 0 {
+        tracing::warn!(ended, worker_id = %cfg.worker_id, "jobs a previous run was running ended worker_lost");
     }
     let store = ArtifactStore::new(&cfg.services.s3);
     let warm = pool::WarmPool::new(cfg.warm_pool, &cfg.kernel, cfg.policy.default.clone(), &cfg.worker_id, metrics.clone());

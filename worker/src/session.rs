@@ -154,8 +154,11 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         Ok(k) => k,
         Err(e) => {
             let reason = Reason::new(ErrorCode::SandboxUnavailable, format!("{e:#}"));
-            let state = if session.adopt.is_some() { SessionState::Lost } else { SessionState::Failed };
-            ctx.sessions.end(&session.id, None, state, Some(&reason)).await?;
+            if session.adopt.is_some() {
+                ctx.sessions.end_adoption(&session.id, &job.job_id, &reason).await?;
+            } else {
+                ctx.sessions.end(&session.id, None, SessionState::Failed, Some(&reason)).await?;
+            }
             run::commit(ctx, job, &limits, Outcome::new(&limits).infra(reason.code, reason.message.clone()), Extras::default()).await?;
             return Ok(Opened::Refused);
         }
@@ -172,6 +175,12 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         Ok(None) | Err(_) => {
             ctx.registry.remove(&session.id);
             kernel.destroy().await;
+            // Bound after all, should the database's answer have been lost: without its kernel
+            // it cannot live here (this matches only a session bound to this worker).
+            let unbound = Reason::new(ErrorCode::SessionLost, "the session could not be bound to this worker");
+            if let Err(e) = ctx.sessions.end(&session.id, Some(&ctx.cfg.worker_id), SessionState::Lost, Some(&unbound)).await {
+                tracing::warn!(session_id = %session.id, error = format!("{e:#}"), "could not make sure a session that failed to bind is not left bound here");
+            }
             let state = ctx.sessions.state(&job.tenant, &session.id).await.ok().flatten();
             let reason = state
                 .and_then(|s| s.refusal(&session.id))
@@ -184,18 +193,24 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     let keep_alive_s = adopted.as_ref().map_or(session.keep_alive_s, |a| a.keep_alive_s);
     let mut kernel = kernel;
     let (restore, moved) = match (restore, adopted) {
-        (Some((mut files, missing)), Some(a)) => {
-            // The variables a drain saved, loaded with the files before the first job here.
-            let files_restored = u32::try_from(files.len()).unwrap_or(u32::MAX);
+        (Some((mut files, mut missing)), Some(a)) => {
+            // The variables a drain saved, loaded with the files before the first job here
+            // (without a snapshot the files go with that job).
+            let mut files_restored = u32::try_from(files.len()).unwrap_or(u32::MAX);
             let (variables_restored, variables_lost) = match &a.snapshot {
                 None => (false, vec!["*".to_string()]),
-                Some(snapshot) => match crate::moving::restore(ctx, &mut kernel, job, &files, snapshot).await {
-                    Ok(r) => {
-                        files.clear();
+                Some(snapshot) => match crate::moving::fetch_snapshot(ctx, snapshot).await {
+                    Ok(pickle) => {
+                        let paths: Vec<String> = files.iter().map(|f| f.path.clone()).collect();
+                        let r = crate::moving::restore(ctx, &mut kernel, job, std::mem::take(&mut files), snapshot, pickle).await;
+                        if !r.files {
+                            files_restored = 0;
+                            missing.extend(paths);
+                        }
                         (r.variables, r.lost)
                     }
                     Err(e) => {
-                        tracing::warn!(session_id = %session.id, error = format!("{e:#}"), "the saved variables of a moved session could not be loaded");
+                        tracing::warn!(session_id = %session.id, error = format!("{e:#}"), "the saved variables of a moved session could not be read");
                         (false, vec!["*".to_string()])
                     }
                 },

@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use sandcell_protocol::storable;
-use sandcell_protocol::{ExecutionLimits, JobStatus, Reason, Submission};
+use sandcell_protocol::{ErrorCode, ExecutionLimits, JobStatus, Reason, Submission};
 
 use crate::tenants::{self, Quotas};
 
@@ -52,6 +52,15 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
     Ok(pool)
 }
 
+/// A worker whose `running` jobs will never be committed ([`JobStore::end_jobs_of_gone_worker`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Gone<'a> {
+    /// This worker started again: what its previous life was running died with it.
+    Restarted(&'a str),
+    /// Any worker whose heartbeat is older than this.
+    Silent(Duration),
+}
+
 /// What happened when a submission was recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recorded {
@@ -60,6 +69,9 @@ pub enum Recorded {
     /// A new job of the shared queue, held: its tenant has `max_jobs_in_flight` jobs out
     /// already (or older jobs held). The dispatcher publishes it when one of them finishes.
     Held,
+    /// A new job of a session that is moving (or whose owner changed since it was routed):
+    /// parked; the dispatcher publishes it to the session's next owner.
+    Parked,
     /// The job id was already used by this tenant.
     Duplicate {
         /// Status of the existing job.
@@ -223,6 +235,8 @@ impl JobStore {
         // A session job's execution job is kept while the session lives (the opening job's too:
         // its input files are part of the workspace a moved session gets back).
         let (routed, routed_to, parked) = match session {
+            // The owner the caller read may be stale by now (the session moved meanwhile): such a
+            // stray is parked by the sweeper (`SessionStore::park_strays`).
             Some(JobSessionRecord::Existing { routed, owner, .. }) => (Some(routed), owner, owner.is_none()),
             Some(JobSessionRecord::Open(..)) => (shared, None, false),
             None => (None, None, false),
@@ -254,7 +268,13 @@ impl JobStore {
         .rows_affected();
         if inserted == 1 {
             tx.commit().await.context("committing job")?;
-            return Ok(if held_job.is_some() || parked { Recorded::Held } else { Recorded::New });
+            return Ok(if parked {
+                Recorded::Parked
+            } else if held_job.is_some() {
+                Recorded::Held
+            } else {
+                Recorded::New
+            });
         }
         // The id is taken: drop the session this copy would have opened.
         tx.rollback().await.context("rolling back duplicate")?;
@@ -292,6 +312,20 @@ impl JobStore {
         .await
         .context("refusing job")?
         .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Refuse a job only while it is still `queued` (a copy of a job another worker runs is
+    /// left to it). Returns whether it changed.
+    pub async fn refuse_queued(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
+        let n = sqlx::query("UPDATE jobs SET status = 'rejected', reason = $3, finished_at = now() WHERE tenant = $1 AND job_id = $2 AND status = 'queued'")
+            .bind(tenant)
+            .bind(job_id)
+            .bind(storable::json(reason)?)
+            .execute(&self.pool)
+            .await
+            .context("refusing a queued job")?
+            .rows_affected();
         Ok(n == 1)
     }
 
@@ -371,6 +405,39 @@ impl JobStore {
         .await
         .context("claiming job")?;
         row.map(|r| Ok(Claim { attempt: r.try_get("attempts")?, queued_at: r.try_get("queued_at")? })).transpose()
+    }
+
+    /// End `infrastructure_error/worker_lost` the jobs still `running` on a worker that is gone
+    /// (it restarted, or its heartbeat is older than the given silence): their worker will never
+    /// commit them. A redelivered copy of such a job is taken over by another worker only once
+    /// its worker looks dead, and the first copy usually arrives before that (the broker
+    /// redelivers the moment the connection drops) and is dropped; without this the job stayed
+    /// `running` forever. Ended, any later copy is dropped too: the job is not run again (it may
+    /// have had effects), as with the jobs of sessions. Returns how many were ended.
+    pub async fn end_jobs_of_gone_worker(&self, gone: Gone<'_>) -> Result<u64> {
+        let why = match gone {
+            Gone::Restarted(worker_id) => format!("worker {worker_id} restarted while running the job"),
+            Gone::Silent(silence) => format!("the worker running the job stopped responding for more than {} s", silence.as_secs()),
+        };
+        let reason = storable::json(&Reason::new(ErrorCode::WorkerLost, format!("{why}; the job is not run again (it may have had effects)")))?;
+        let query = match gone {
+            Gone::Restarted(worker_id) => sqlx::query(
+                "UPDATE jobs SET status = 'infrastructure_error', reason = $1, finished_at = now()
+                 WHERE status = 'running' AND worker_id = $2",
+            )
+            .bind(reason)
+            .bind(worker_id),
+            Gone::Silent(silence) => sqlx::query(
+                "UPDATE jobs SET status = 'infrastructure_error', reason = $1, finished_at = now()
+                 WHERE status = 'running' AND worker_id IS NOT NULL
+                   AND NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id
+                                   AND w.last_seen_at > now() - $2 * interval '1 millisecond')",
+            )
+            .bind(reason)
+            .bind(i64::try_from(silence.as_millis()).unwrap_or(i64::MAX)),
+        };
+        let n = query.execute(&self.pool).await.context("ending the jobs of a gone worker")?.rows_affected();
+        Ok(n)
     }
 
     /// Move an unfinished job to a terminal status with a reason (infrastructure failures).

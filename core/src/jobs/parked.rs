@@ -70,12 +70,15 @@ impl Follow {
     pub async fn dispatched(self) -> Result<()> {
         let (tenants, ids): (Vec<String>, Vec<String>) = self.jobs.into_iter().map(|(t, j, _)| (t, j)).unzip();
         sqlx::query(
+            // Only while still addressed to this owner: should it have died meanwhile, the jobs
+            // were parked again for the next one and stay so.
             "UPDATE jobs SET parked = false, dispatched_at = now()
              FROM unnest($1::text[], $2::text[]) AS r(tenant, job_id)
-             WHERE jobs.tenant = r.tenant AND jobs.job_id = r.job_id AND jobs.parked",
+             WHERE jobs.tenant = r.tenant AND jobs.job_id = r.job_id AND jobs.parked AND jobs.routed_to = $3",
         )
         .bind(&tenants)
         .bind(&ids)
+        .bind(&self.owner)
         .execute(&self.pool)
         .await
         .context("marking released parked jobs dispatched")?;
@@ -89,7 +92,8 @@ impl JobStore {
     pub async fn sessions_with_parked_jobs(&self, limit: i64) -> Result<Vec<String>> {
         sqlx::query_scalar(
             "SELECT session_id FROM (
-                SELECT DISTINCT j.session_id FROM jobs j WHERE j.parked AND j.status = 'queued'
+                SELECT DISTINCT j.session_id FROM jobs j JOIN sessions s ON s.session_id = j.session_id
+                WHERE j.parked AND j.status = 'queued' AND s.state IN ('moving', 'active')
                 UNION
                 SELECT s.session_id FROM sessions s
                 WHERE s.state = 'moving' AND s.adopting_job IS NOT NULL
