@@ -368,3 +368,38 @@ async fn a_one_off_job_whose_worker_was_killed_ends_worker_lost_rather_than_runn
     );
     restart_worker(i, &[]).await;
 }
+
+#[tokio::test]
+async fn a_database_outage_longer_than_a_workers_silence_ends_no_job_and_moves_no_session() {
+    let _fleet = workers_healthy().await;
+    let t = TestTenant::create(None).await;
+    let c = t.client().await;
+    let opened = run(&c, &open_session(&t.name, "kept = 42", Some(600))).await;
+    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
+    let session = session_id(&opened);
+    let mut long = python(&t.name, "import time\ntime.sleep(28)\nprint('outlived the outage')");
+    long.timeout_ms = Some(60_000);
+    c.submit(&long).await.expect("submit");
+    let db = service_db().await;
+    let running = eventually(Duration::from_secs(60), || async {
+        let s: Option<String> =
+            sqlx::query_scalar("SELECT status FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t.name).bind(&long.job_id).fetch_optional(&db).await.ok()?;
+        (s.as_deref() == Some("running")).then_some(())
+    })
+    .await;
+    assert!(running.is_some(), "the long job did not start");
+    drop(db);
+    // Longer than SANDCELL_WORKER_DEAD_AFTER_S (12 s here): every heartbeat is old when the
+    // database comes back, though no worker died.
+    let stopped = std::process::Command::new("pg_ctlcluster").args(["15", "main", "stop"]).status().expect("pg_ctlcluster");
+    assert!(stopped.success());
+    tokio::time::sleep(Duration::from_secs(16)).await;
+    let started = std::process::Command::new("pg_ctlcluster").args(["15", "main", "start"]).status().expect("pg_ctlcluster");
+    assert!(started.success());
+    let r = c.wait(&t.name, &long.job_id, Duration::from_secs(180)).await.expect("the long job's result");
+    assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "outlived the outage\n", 1), "{r:?}");
+    // The session stayed where it was, its variables with it.
+    let next = run(&c, &in_session(&t.name, &session, "kept")).await;
+    assert_eq!((next.status, value(&next).as_deref()), (JobStatus::Succeeded, Some("42")), "{next:?}");
+    assert!(next.execution.moved.is_none(), "the session moved: {next:?}");
+}

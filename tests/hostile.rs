@@ -294,6 +294,45 @@ async fn a_job_stuck_in_queued_is_ended_and_its_quota_released() {
 }
 
 #[tokio::test]
+async fn a_job_running_far_past_its_time_limit_on_a_live_worker_is_ended_stuck() {
+    let pool = service_db().await;
+    let t = tenant();
+    let job_id = unique("overdue");
+    // What a worker that lost track of a job leaves behind (a claim whose answer was lost, a
+    // commit that gave up) while it keeps beating: a job `running` on it, claimed an hour ago
+    // with a 30 s limit. No silence will ever end it.
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 20, 1000, 1000000)")
+        .bind(&t)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let worker: String = sqlx::query_scalar("SELECT worker_id FROM workers ORDER BY last_seen_at DESC LIMIT 1").fetch_one(&pool).await.unwrap();
+    // The limits every job gets by default (30 s), copied from a job the stack just ran.
+    let c = client().await;
+    let model = run(&c, &python(&t, "1")).await;
+    let limits = serde_json::to_value(model.limits.expect("the limits of a finished job")).unwrap();
+    sqlx::query(
+        "INSERT INTO jobs (tenant, job_id, status, language, limits, execution, queued_at, started_at, worker_id)
+         VALUES ($1, $2, 'running', 'python', $5, $3, now() - interval '1 hour', now() - interval '1 hour', $4)",
+    )
+    .bind(&t)
+    .bind(&job_id)
+    .bind(serde_json::to_value(sandcell_protocol::Execution::default()).unwrap())
+    .bind(&worker)
+    .bind(&limits)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let r = eventually(Duration::from_secs(30), || async { c.result(&t, &job_id).await.ok().flatten().filter(|r| r.status != JobStatus::Running) }).await;
+    let r = r.expect("the overdue job was ended");
+    assert_eq!((r.status, code_of(&r)), (JobStatus::InfrastructureError, Some(ErrorCode::Stuck)), "{r:?}");
+    // A job that is merely long is left alone: this one's limit is far off.
+    let long = python(&t, "import time\ntime.sleep(4)\nprint('done')");
+    let r = run(&c, &long).await;
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "done\n"), "{r:?}");
+}
+
+#[tokio::test]
 async fn a_sandbox_that_dies_while_starting_is_replaced_before_the_job_fails() {
     let c = client().await;
     let retries_before = worker_metric("sandcell_worker_sandbox_start_retries_total").await.unwrap_or(0.0);

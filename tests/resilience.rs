@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sandcell_protocol::JobStatus;
 use sandcell_tests::*;
+use tokio::io::AsyncBufReadExt;
 use tokio::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
@@ -193,4 +194,61 @@ async fn a_worker_told_to_stop_finishes_the_jobs_it_holds_and_takes_no_more() {
     both_healthy_again().await;
     let r = c.wait(&t, &later.job_id, JOB_WAIT).await.expect("the later job's result");
     assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "after the drain\n"), "{r:?}");
+}
+
+#[tokio::test]
+async fn a_worker_refuses_a_sandbox_image_whose_driver_speaks_another_protocol() {
+    let _serial = SERIAL.lock().await;
+    let bin = std::env::var("SANDCELL_WORKER_BIN").expect("SANDCELL_WORKER_BIN (set by deploy/local/test.sh)");
+    let image = std::env::var("SANDCELL_SANDBOX_IMAGE").unwrap();
+    // A stale image: today's image with the driver of an older protocol (its frames module says
+    // so), built locally on top of it (no registry, no container run during the build).
+    let frames = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../sandbox/driver/sandcell_frames.py")).expect("the driver's frames module");
+    let current = frames.lines().find_map(|l| l.strip_prefix("DRIVER_VERSION = ")).and_then(|v| v.trim().parse::<u32>().ok()).expect("DRIVER_VERSION");
+    let stale_version = current - 1;
+    let dir = std::env::temp_dir().join(unique("stale-image"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("sandcell_frames.py"), frames.replace(&format!("DRIVER_VERSION = {current}"), &format!("DRIVER_VERSION = {stale_version}")))
+        .unwrap();
+    std::fs::write(dir.join("Dockerfile"), format!("FROM {image}\nCOPY sandcell_frames.py /opt/sandcell/sandcell_frames.py\n")).unwrap();
+    let stale = format!("{}-stale-driver", image.replace(':', "-"));
+    sh(&format!("cd {} && chmod 0644 sandcell_frames.py && DOCKER_BUILDKIT=0 docker build -q --network none -t {stale} . >/dev/null", dir.display()));
+    std::fs::remove_dir_all(&dir).ok();
+
+    // A worker of its own (its id takes no session and its warm pool starts a kernel at once).
+    let mut child = tokio::process::Command::new(bin)
+        .env("SANDCELL_WORKER_ID", unique("stale-image-worker"))
+        .env("SANDCELL_WORKER_SLOTS", "1")
+        .env("SANDCELL_WARM_POOL", "1")
+        .env("SANDCELL_SANDBOX_IMAGE", &stale)
+        .env("SANDCELL_WORKER_METRICS_ADDR", "127.0.0.1:0")
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut err = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let expected = format!("speaks driver protocol {stale_version}, this worker {current}");
+    let said = tokio::time::timeout(Duration::from_secs(90), async {
+        loop {
+            let line = tokio::select! {
+                l = out.next_line() => l,
+                l = err.next_line() => l,
+            };
+            match line {
+                Ok(Some(l)) if l.contains(&expected) => return Some(l),
+                Ok(Some(_)) => continue,
+                _ => return None,
+            }
+        }
+    })
+    .await
+    .ok()
+    .flatten();
+    child.kill().await.ok();
+    sh(&format!("docker rmi -f {stale} >/dev/null"));
+    let said = said.unwrap_or_else(|| panic!("the worker did not refuse the stale image with {expected:?}"));
+    assert!(said.contains("build the image that matches the worker"), "{said}");
 }

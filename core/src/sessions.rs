@@ -541,28 +541,30 @@ impl SessionStore {
     /// (`expired`), and those whose taking-over job no worker took within `wait` (`lost`, with
     /// `capacity`; their parked jobs are `rejected` with it). A taking-over job that will never
     /// bind its session — it ended without binding it, or the worker running it has been silent
-    /// for `dead_after` (killed between its claim and the binding; it ends `worker_lost`) — is
+    /// for `dead_after` (killed between its claim and the binding; it ends `worker_lost`; `None`
+    /// while silence proves nothing, the database having been out) — is
     /// forgotten, so that the dispatcher sends the next parked job. Jobs parked for a session
     /// that ended meanwhile (recorded in the instant it ended) are `rejected` with its reason.
     /// Returns (expired, lost).
-    pub async fn end_unadopted(&self, wait: Duration, dead_after: Duration) -> Result<(u64, u64)> {
+    pub async fn end_unadopted(&self, wait: Duration, dead_after: Option<Duration>) -> Result<(u64, u64)> {
         let millis = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
-        let dead_millis = i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX);
         let why = format!("no worker had room to take the session over within {} s", wait.as_secs());
         let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Capacity, why))?;
         let died = storable::json(&Reason::new(ErrorCode::WorkerLost, "the worker taking its session over died before it had; the job is not run again"))?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
-        sqlx::query(
-            "UPDATE jobs SET status = 'infrastructure_error', reason = $2, finished_at = now()
-             FROM sessions s
-             WHERE s.state = 'moving' AND jobs.tenant = s.tenant AND jobs.job_id = s.adopting_job AND jobs.status = 'running'
-               AND NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id AND w.last_seen_at > now() - $1 * interval '1 millisecond')",
-        )
-        .bind(dead_millis)
-        .bind(&died)
-        .execute(&mut *tx)
-        .await
-        .context("ending taking-over jobs whose worker died")?;
+        if let Some(dead_after) = dead_after {
+            sqlx::query(
+                "UPDATE jobs SET status = 'infrastructure_error', reason = $2, finished_at = now()
+                 FROM sessions s
+                 WHERE s.state = 'moving' AND jobs.tenant = s.tenant AND jobs.job_id = s.adopting_job AND jobs.status = 'running'
+                   AND NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id AND w.last_seen_at > now() - $1 * interval '1 millisecond')",
+            )
+            .bind(i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX))
+            .bind(&died)
+            .execute(&mut *tx)
+            .await
+            .context("ending taking-over jobs whose worker died")?;
+        }
         sqlx::query(
             "UPDATE sessions SET adopting_job = NULL
              WHERE state = 'moving' AND adopting_job IS NOT NULL

@@ -200,7 +200,7 @@ impl ErrorCode {
             ErrorCode::WorkspaceFull => "The workspace or `/tmp` ran out of space (`limits.workspace_mb`): a write failed. The job's status says how it ended.",
             ErrorCode::ResultNotStorable => "The database refused the result as produced; the job is `infrastructure_error` and the message says why (outputs are not kept).",
             ErrorCode::Capacity => "A job opening a session (or taking a moving one over) found no worker with room for another session within `SANDCELL_SESSION_START_WAIT_S`; nothing ran, the session is `failed` (`lost`).",
-            ErrorCode::Stuck => "The job stayed `queued` (or its session `starting`) longer than `SANDCELL_STUCK_AFTER_S`; it was ended and its quota released.",
+            ErrorCode::Stuck => "The job stayed `queued` (or its session `starting`) longer than `SANDCELL_STUCK_AFTER_S`, or `running` 10 minutes past its time limit (its worker lost track of it); it was ended and its quota released.",
             ErrorCode::WorkerLost => "The worker running the job died (or restarted) before it finished. The job is not run again (it may have had effects); a one-off job ends so once its worker is silent for `SANDCELL_WORKER_DEAD_AFTER_S` or starts again, and a session continues on another worker (`moving`, above).",
         }
     }

@@ -1,6 +1,7 @@
 //! The scheduler's Prometheus collectors.
 
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
+use sandcell_protocol::JobStatus;
 
 /// Collectors, cheap to clone.
 #[derive(Clone)]
@@ -57,6 +58,20 @@ impl Metrics {
         registry.register(Box::new(partitions_held.clone()))?;
         let parked_released = prometheus::IntCounter::new("sandcell_parked_jobs_released_total", "Jobs of moving sessions published by the dispatcher")?;
         registry.register(Box::new(parked_released.clone()))?;
+        // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
+        // series that does not exist yet stays silent).
+        for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
+            submissions.with_label_values(&[outcome]);
+        }
+        for disposition in ["ack", "requeue", "dead_letter"] {
+            ack_failures.with_label_values(&[disposition]);
+        }
+        for what in ["job", "session", "session_capacity", "moving_session", "job_of_dead_worker", "job_overdue"] {
+            stuck_ended.with_label_values(&[what]);
+        }
+        for status in JobStatus::ALL {
+            jobs.with_label_values(&[status.as_str()]);
+        }
         Ok(Metrics {
             registry,
             submissions,

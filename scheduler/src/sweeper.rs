@@ -9,7 +9,7 @@
 //! `expired` (so a client sees `artifact_expired` and no URL). Deleting first and marking second
 //! means a crash in between only repeats an idempotent delete.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sandcell_core::jobs::{Gone, JobStore};
 use sandcell_core::sessions::SessionStore;
@@ -30,27 +30,80 @@ pub struct SweepLimits {
     pub session_start_wait: Duration,
 }
 
+/// How long past its time limit a `running` job may stay so before the sweeper ends it: room for
+/// its sandbox's start (tries × start timeout), the interrupt grace and the commit's retries
+/// (about two minutes). A job still running after that has lost its worker's attention.
+const OVERDUE_MARGIN: Duration = Duration::from_secs(600);
+
+/// Whether a worker's silence can be trusted to mean it is dead. Heartbeats are rows in the
+/// database: while it is out (or before this sweeper first reached it) every heartbeat grows
+/// old though no worker died, so silence is judged only once the database has been reachable
+/// for `dead_after` without a break: by then every live worker has beaten again.
+#[derive(Debug)]
+struct SilenceTrust {
+    dead_after: Duration,
+    reachable_since: Option<Instant>,
+}
+
+impl SilenceTrust {
+    fn new(dead_after: Duration) -> Self {
+        SilenceTrust { dead_after, reachable_since: None }
+    }
+
+    /// Record whether the database answered at `now`.
+    fn observe(&mut self, reached: bool, now: Instant) {
+        if reached {
+            self.reachable_since.get_or_insert(now);
+        } else {
+            self.reachable_since = None;
+        }
+    }
+
+    /// The silence after which a worker is dead, or `None` while silence proves nothing.
+    fn dead_after(&self, now: Instant) -> Option<Duration> {
+        self.reachable_since.is_some_and(|t| now.saturating_duration_since(t) >= self.dead_after).then_some(self.dead_after)
+    }
+}
+
 /// Sweep forever, every `interval`.
 pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration, limits: SweepLimits) {
     let SweepLimits { worker_dead_after, stuck_after, session_start_wait } = limits;
     let sessions = SessionStore::new(jobs.pool().clone());
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut silence = SilenceTrust::new(worker_dead_after);
     loop {
         tick.tick().await;
+        let reached = jobs.ping().await;
+        silence.observe(reached.is_ok(), Instant::now());
+        if let Err(e) = reached {
+            tracing::warn!(error = format!("{e:#}"), "database unreachable; sweeping next tick");
+            continue;
+        }
+        let dead_after = silence.dead_after(Instant::now());
         if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
             tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
         }
-        if let Err(e) = sweep_silent_workers(&sessions, worker_dead_after).await {
-            tracing::warn!(error = format!("{e:#}"), "worker liveness sweep failed; retrying next tick");
+        if let Some(dead_after) = dead_after {
+            if let Err(e) = sweep_silent_workers(&sessions, dead_after).await {
+                tracing::warn!(error = format!("{e:#}"), "worker liveness sweep failed; retrying next tick");
+            }
+            match jobs.end_jobs_of_gone_worker(Gone::Silent(dead_after)).await {
+                Ok(0) => {}
+                Ok(n) => {
+                    metrics.stuck_ended.with_label_values(&["job_of_dead_worker"]).inc_by(n);
+                    tracing::warn!(jobs = n, "jobs running on silent workers ended worker_lost");
+                }
+                Err(e) => tracing::warn!(error = format!("{e:#}"), "dead-worker job sweep failed; retrying next tick"),
+            }
         }
-        match jobs.end_jobs_of_gone_worker(Gone::Silent(worker_dead_after)).await {
+        match jobs.end_overdue(OVERDUE_MARGIN).await {
             Ok(0) => {}
             Ok(n) => {
-                metrics.stuck_ended.with_label_values(&["job_of_dead_worker"]).inc_by(n);
-                tracing::warn!(jobs = n, "jobs running on silent workers ended worker_lost");
+                metrics.stuck_ended.with_label_values(&["job_overdue"]).inc_by(n);
+                tracing::warn!(jobs = n, margin_s = OVERDUE_MARGIN.as_secs(), "ended jobs running far past their time limit");
             }
-            Err(e) => tracing::warn!(error = format!("{e:#}"), "dead-worker job sweep failed; retrying next tick"),
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "overdue-job sweep failed; retrying next tick"),
         }
         match sessions.end_stuck(stuck_after).await {
             Ok((0, 0)) => {}
@@ -69,7 +122,7 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
             }
             Err(e) => tracing::warn!(error = format!("{e:#}"), "new-session sweep failed; retrying next tick"),
         }
-        match sessions.end_unadopted(session_start_wait, worker_dead_after).await {
+        match sessions.end_unadopted(session_start_wait, dead_after).await {
             Ok((0, 0)) => {}
             Ok((expired, lost)) => {
                 metrics.stuck_ended.with_label_values(&["moving_session"]).inc_by(lost);
@@ -125,4 +178,34 @@ pub async fn sweep_silent_workers(sessions: &SessionStore, dead_after: Duration)
         total += n;
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silence_proves_nothing_before_the_database_was_reachable_for_the_dead_after() {
+        let t0 = Instant::now();
+        let mut s = SilenceTrust::new(Duration::from_secs(30));
+        assert_eq!(s.dead_after(t0), None, "never reached yet");
+        s.observe(true, t0);
+        assert_eq!(s.dead_after(t0 + Duration::from_secs(29)), None);
+        assert_eq!(s.dead_after(t0 + Duration::from_secs(30)), Some(Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn an_outage_restarts_the_wait_before_silence_is_trusted_again() {
+        let t0 = Instant::now();
+        let mut s = SilenceTrust::new(Duration::from_secs(30));
+        s.observe(true, t0);
+        s.observe(true, t0 + Duration::from_secs(40));
+        assert!(s.dead_after(t0 + Duration::from_secs(40)).is_some());
+        // Out for a minute: every heartbeat is now old, though no worker died.
+        s.observe(false, t0 + Duration::from_secs(41));
+        assert_eq!(s.dead_after(t0 + Duration::from_secs(41)), None);
+        s.observe(true, t0 + Duration::from_secs(100));
+        assert_eq!(s.dead_after(t0 + Duration::from_secs(101)), None, "just back: the workers have not beaten yet");
+        assert!(s.dead_after(t0 + Duration::from_secs(130)).is_some());
+    }
 }

@@ -46,8 +46,8 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::context::WorkerContext;
 use crate::ledger::{self, Disposition, Ticket};
+use crate::registry::Work;
 use crate::run::{self, OneOff};
-use crate::session::Work;
 
 /// How long a worker at its session capacity holds an opening job before returning it.
 const FULL_REQUEUE_DELAY: Duration = Duration::from_secs(1);
@@ -310,19 +310,21 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, pla
 /// Refuse a job that opens a session (and fail the session it would have opened) or takes one
 /// over (and end that session `lost`).
 async fn refuse_opening(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason) -> Result<Disposition> {
-    // Guarded both: a copy of an opening job whose session is active elsewhere (`failed` is
-    // entered only from `starting`), or of a taking-over job that was replaced, changes nothing.
+    // Only a job still queued, and its session only then: a copy of a job another worker has
+    // claimed (and is starting or restoring the session for) changes nothing. Both ends are
+    // guarded again (`failed` is entered only from `starting`; `end_adoption` only while this
+    // job is the session's taking-over job).
+    if !ctx.jobs.refuse_queued(&job.tenant, &job.job_id, reason).await? {
+        return Ok(Disposition::Ack);
+    }
+    ctx.events.job(job, 0).end(JobStatus::Rejected);
+    ctx.metrics.jobs.with_label_values(&[JobStatus::Rejected.as_str()]).inc();
     if let Some(s) = &job.session {
         if s.adopt.is_some() {
             ctx.sessions.end_adoption(&s.id, &job.job_id, reason).await?;
         } else {
             ctx.sessions.end(&s.id, None, SessionState::Failed, Some(reason)).await?;
         }
-    }
-    // Only a job still queued: another worker may be running the first copy.
-    if ctx.jobs.refuse_queued(&job.tenant, &job.job_id, reason).await? {
-        ctx.events.job(job, 0).end(JobStatus::Rejected);
-        ctx.metrics.jobs.with_label_values(&[JobStatus::Rejected.as_str()]).inc();
     }
     Ok(Disposition::Ack)
 }
@@ -343,11 +345,15 @@ async fn refuse_unheld(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Dispos
     let reason = match ctx.sessions.holder(&job.tenant, id).await? {
         None => Reason::new(ErrorCode::SessionNotFound, format!("tenant {} has no session {id}", job.tenant)),
         Some((SessionState::Moving, _)) => {
-            tracing::info!(job_id = %job.job_id, session_id = id, "a job of a session that moved away; left to follow it");
+            // Recorded for this worker in the instant its session moved (a stray): parked, it
+            // follows the session like the others; a copy of a job already parked is dropped.
+            let parked = ctx.jobs.park_stray(&job.tenant, &job.job_id, &ctx.cfg.worker_id).await?;
+            tracing::info!(job_id = %job.job_id, session_id = id, parked, "a job of a session that moved away; left to follow it");
             return Ok(Disposition::Ack);
         }
         Some((SessionState::Active, Some(w))) if w != ctx.cfg.worker_id => {
-            tracing::info!(job_id = %job.job_id, session_id = id, holder = %w, "a job of a session now held by another worker; left to it");
+            let parked = ctx.jobs.park_stray(&job.tenant, &job.job_id, &ctx.cfg.worker_id).await?;
+            tracing::info!(job_id = %job.job_id, session_id = id, holder = %w, parked, "a job of a session now held by another worker; left to it");
             return Ok(Disposition::Ack);
         }
         Some((state, _)) => {

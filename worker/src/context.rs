@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::WarmPool;
-use crate::session::Registry;
+use crate::registry::Registry;
 
 /// Everything a job handler needs, cheap to clone.
 #[derive(Clone)]

@@ -5,7 +5,7 @@
 //! The data path through this crate: [`consumer`] (the shared and the worker's own queue) →
 //! [`run`] (`run::job`, the one function every job goes through: inputs, claim, a kernel under a
 //! slot, the cell, commit), with the kernel's [`run::Host`]: a one-off kernel, or
-//! [`session`] (one task per held session) → [`kernel`] (cells under a wall clock, interrupts)
+//! [`session`] (one task per held session, found through [`registry`]) → [`kernel`] (cells under a wall clock, interrupts)
 //! → [`outcome`] (driver events into an outcome, then the result's `Execution` document; what
 //! each event adds is also published live by [`events`]) →
 //! [`sandbox`] (container limits, driver framing) → [`artifacts`] (object store).
@@ -30,6 +30,7 @@ mod metrics;
 mod moving;
 mod outcome;
 mod pool;
+mod registry;
 mod run;
 mod sandbox;
 mod service;

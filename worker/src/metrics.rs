@@ -1,6 +1,7 @@
 //! The worker's Prometheus collectors.
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use sandcell_protocol::{JobStatus, MoveCause};
 
 /// Collectors, cheap to clone.
 #[derive(Clone)]
@@ -21,6 +22,9 @@ pub struct Metrics {
     pub slots: IntGauge,
     /// `sandcell_worker_sessions`: sessions held now.
     pub sessions: IntGauge,
+    /// `sandcell_worker_max_sessions`: sessions it may hold (`SANDCELL_WORKER_MAX_SESSIONS`):
+    /// with `sessions`, the fleet's room for new sessions (alerts, dashboard).
+    pub max_sessions: IntGauge,
     /// `sandcell_warm_pool_size`: warm kernels ready now.
     pub pool_size: IntGauge,
     /// `sandcell_warm_pool_takes_total{outcome}`: `hit`, `empty` (miss: pool empty) or `shape`
@@ -82,6 +86,8 @@ impl Metrics {
         registry.register(Box::new(busy_slots.clone()))?;
         registry.register(Box::new(slots.clone()))?;
         let sessions = IntGauge::new("sandcell_worker_sessions", "Sessions held now")?;
+        let max_sessions = IntGauge::new("sandcell_worker_max_sessions", "Sessions this worker may hold")?;
+        registry.register(Box::new(max_sessions.clone()))?;
         let pool_size = IntGauge::new("sandcell_warm_pool_size", "Warm kernels ready now")?;
         let pool_takes = IntCounterVec::new(Opts::new("sandcell_warm_pool_takes_total", "Kernel requests by outcome: hit, empty, shape"), &["outcome"])?;
         let kernel_restarts = IntCounter::new("sandcell_kernel_restarts_total", "Session kernels replaced after dying or being killed")?;
@@ -114,7 +120,25 @@ impl Metrics {
         let sessions_adopted =
             IntCounterVec::new(Opts::new("sandcell_worker_sessions_adopted_total", "Sessions taken over from another worker, by why they moved"), &["cause"])?;
         registry.register(Box::new(sessions_adopted.clone()))?;
+        // Every series a label can take is exposed from the start, at 0: an alert's rate() over a
+        // series that does not exist yet would stay silent, and a scrape shows what exists.
+        for status in JobStatus::ALL.iter().filter(|s| s.is_terminal()) {
+            jobs.with_label_values(&[status.as_str()]);
+        }
+        for outcome in ["hit", "empty", "shape"] {
+            pool_takes.with_label_values(&[outcome]);
+        }
+        for outcome in ["reused", "new"] {
+            oneoff_sandboxes.with_label_values(&[outcome]);
+        }
+        for disposition in ["ack", "requeue", "dead_letter"] {
+            ack_failures.with_label_values(&[disposition]);
+        }
+        for cause in [MoveCause::WorkerLost, MoveCause::Drained] {
+            sessions_adopted.with_label_values(&[cause.as_str()]);
+        }
         Ok(Metrics {
+            max_sessions,
             sessions_adopted,
             opening_returned,
             events_published,

@@ -154,6 +154,12 @@ pub async fn restore(
     Restored { files: true, variables: true, lost }
 }
 
+/// Whether `files` and `extra` more bytes fit in a workspace of `workspace_mb`.
+pub fn fits(files: &[InputFile], extra: usize, workspace_mb: u64) -> bool {
+    let files: u64 = files.iter().map(|f| f.content_b64.as_ref().map_or(0, |b| b.len() as u64 / 4 * 3)).sum();
+    files.saturating_add(extra as u64) <= workspace_mb.saturating_mul(1 << 20)
+}
+
 /// The pickled variables of a snapshot, from the store.
 pub async fn fetch_snapshot(ctx: &WorkerContext, snapshot: &Snapshot) -> Result<Vec<u8>> {
     match ctx.store.get_limited(&snapshot.key, ctx.cfg.max_upload_bytes).await.context("reading the snapshot")? {

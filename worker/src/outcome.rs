@@ -147,7 +147,7 @@ pub struct Outcome {
 impl Outcome {
     /// What the commit records: the status, the reason and the execution document, with the
     /// files and rich outputs still to upload (their stored form fills `execution.outputs`).
-    pub fn into_finished(self, extras: crate::run::Extras) -> (Finished, Vec<OutputFile>, Vec<RawOutput>) {
+    pub fn into_finished(self, extras: Extras) -> (Finished, Vec<OutputFile>, Vec<RawOutput>) {
         let execution = Execution {
             stdout: self.stdout.text,
             stderr: self.stderr.text,
@@ -518,6 +518,19 @@ fn cap_text(s: String, cap: u64) -> String {
         c.text.push_str(TRUNCATION_MARKER);
     }
     c.text
+}
+
+/// What a job's commit carries besides the cell's outcome.
+#[derive(Debug, Default)]
+pub struct Extras {
+    /// The session's kernel was replaced.
+    pub kernel_restarted: bool,
+    /// The container that ran the job.
+    pub container_id: Option<String>,
+    /// The session to extend or close.
+    pub session: Option<sandcell_core::jobs::SessionTouch>,
+    /// The job took its session over from another worker.
+    pub moved: Option<sandcell_protocol::SessionMove>,
 }
 
 #[cfg(test)]

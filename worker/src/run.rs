@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::Result;
-use sandcell_core::jobs::{Claim, Finished, SessionTouch};
+use sandcell_core::jobs::{Claim, Finished};
 use sandcell_core::store::Fetched;
 use sandcell_protocol::submission::is_valid_upload_key;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
@@ -25,7 +25,7 @@ use crate::bound::Bound;
 use crate::context::{Slot, WorkerContext};
 use crate::kernel::{CellRun, Kernel, OnTimeout};
 use crate::ledger::Disposition;
-use crate::outcome::Outcome;
+use crate::outcome::{Extras, Outcome};
 use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
 
 /// Who owns the kernel a job runs in: the one difference between a one-off job ([`OneOff`])
@@ -277,19 +277,6 @@ pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec, _slot: &Slot) -
             Err(e) => return Err(e.context(format!("the sandbox failed to start {tries} times"))),
         }
     }
-}
-
-/// What a job's commit carries besides the cell's outcome.
-#[derive(Debug, Default)]
-pub struct Extras {
-    /// The session's kernel was replaced.
-    pub kernel_restarted: bool,
-    /// The container that ran the job.
-    pub container_id: Option<String>,
-    /// The session to extend or close.
-    pub session: Option<SessionTouch>,
-    /// The job took its session over from another worker.
-    pub moved: Option<sandcell_protocol::SessionMove>,
 }
 
 /// Store the outcome's files and commit the result (with retries). An error means nothing was

@@ -14,7 +14,7 @@ use sandcell_protocol::MoveCause;
 use tokio::sync::Semaphore;
 
 use crate::config::Config;
-use crate::{consumer, context, ledger, metrics, pool, sandbox, session};
+use crate::{consumer, context, ledger, metrics, pool, sandbox};
 
 /// Connect to Docker (whatever API version the daemon speaks) and check it answers.
 pub async fn connect_docker() -> Result<bollard::Docker> {
@@ -31,6 +31,7 @@ const SNAPSHOT_GRACE: Duration = Duration::from_secs(20);
 pub async fn run(cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     metrics.slots.set(i64::from(cfg.slots));
+    metrics.max_sessions.set(i64::from(cfg.max_sessions));
     let docker = sandcell_core::retry_forever("docker", |_| connect_docker()).await;
     let removed = sandbox::remove_leftovers(&docker, &cfg.worker_id).await?;
     if removed > 0 {
@@ -58,6 +59,9 @@ pub async fn run(cfg: Config) -> Result<()> {
     tokio::spawn(warm.clone().refill_forever(docker.clone(), cfg.kernel.clone()));
     let bound = crate::bound::BoundPool::new(cfg.reuse.clone(), metrics.clone());
     tokio::spawn(bound.clone().reap_forever());
+    // Seen alive before it takes any job: a job claimed by a worker with no heartbeat on record
+    // would read as a dead worker's.
+    sandcell_core::retry_forever("postgres", |_| sessions.heartbeat(&cfg.worker_id, i32::from(cfg.slots), i32::from(cfg.max_sessions))).await;
     tokio::spawn(heartbeat_forever(sessions.clone(), cfg.worker_id.clone(), cfg.slots, cfg.max_sessions, cfg.heartbeat));
 
     let broker_up = Arc::new(AtomicBool::new(false));
@@ -93,7 +97,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         metrics,
         pool: warm.clone(),
         bound: bound.clone(),
-        registry: session::Registry::default(),
+        registry: crate::registry::Registry::default(),
     };
     let worker_id = ctx.cfg.worker_id.clone();
     let (ledger, grace, registry) = (ctx.ledger.clone(), ctx.cfg.drain_grace, ctx.registry.clone());
@@ -138,8 +142,11 @@ async fn heartbeat_forever(sessions: SessionStore, worker_id: String, slots: u16
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = sessions.heartbeat(&worker_id, i32::from(slots), i32::from(max_sessions)).await {
-            tracing::warn!(error = format!("{e:#}"), "heartbeat failed");
+        // Bounded by its period: a beat stuck on a dead connection must not stop the next ones.
+        match tokio::time::timeout(every, sessions.heartbeat(&worker_id, i32::from(slots), i32::from(max_sessions))).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = format!("{e:#}"), "heartbeat failed"),
+            Err(_) => tracing::warn!(timeout_ms = every.as_millis() as u64, "heartbeat timed out"),
         }
     }
 }

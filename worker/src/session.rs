@@ -1,4 +1,4 @@
-//! Sessions on this worker: the registry of the sessions it holds, and one task per session
+//! Sessions on this worker: one task per session it holds (found through [`crate::registry`])
 //! that owns its kernel, runs its jobs one at a time in arrival order, and ends it.
 //!
 //! Invariants:
@@ -11,101 +11,20 @@
 //! - when the task ends, jobs still in its mailbox are refused with the session's final reason,
 //!   and the container and its workspace are destroyed.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use sandcell_core::jobs::{Claim, SessionTouch};
+use sandcell_core::jobs::SessionTouch;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason, SessionMove, SessionState};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::context::{Slot, WorkerContext};
 use crate::kernel::{CellRun, Kernel, OnTimeout};
-use crate::ledger::{self, Disposition, Ticket};
-use crate::outcome::Outcome;
-use crate::run::{self, Extras};
+use crate::ledger::{self, Disposition};
+use crate::outcome::{Extras, Outcome};
+use crate::registry::{Mail, Work};
+use crate::run;
 use crate::sandbox::container::SandboxSpec;
-
-/// A job on its way to a session, with the ticket to settle once it is committed.
-pub struct Work {
-    /// The job.
-    pub job: ExecutionJob,
-    /// Its message's place in the ledger.
-    pub ticket: Ticket,
-    /// Set when the job was claimed before it reached the session (the opening job).
-    pub claim: Option<Claim>,
-}
-
-/// What reaches a session's task.
-enum Mail {
-    /// A job to run (boxed: a job is far larger than a snapshot request).
-    Job(Box<Work>),
-    /// Save the session's variables to the store before it moves (a draining worker); the
-    /// task answers once it is done (or could not).
-    Snapshot(oneshot::Sender<()>),
-}
-
-struct Entry {
-    tenant: String,
-    mailbox: mpsc::UnboundedSender<Mail>,
-}
-
-/// The sessions this worker holds, cheap to clone.
-#[derive(Clone, Default)]
-pub struct Registry {
-    map: Arc<Mutex<HashMap<String, Entry>>>,
-}
-
-impl Registry {
-    /// Hand `work` to the session it names. Gives the work back when this worker does not hold
-    /// that session for that tenant.
-    pub fn deliver(&self, work: Work) -> Result<(), Box<Work>> {
-        let Some(session) = work.job.session.as_ref() else { return Err(Box::new(work)) };
-        let Ok(map) = self.map.lock() else { return Err(Box::new(work)) };
-        match map.get(&session.id) {
-            Some(e) if e.tenant == work.job.tenant => match e.mailbox.send(Mail::Job(Box::new(work))) {
-                Err(mpsc::error::SendError(Mail::Job(w))) => Err(w),
-                // Sent (a snapshot request is never what comes back here).
-                _ => Ok(()),
-            },
-            _ => Err(Box::new(work)),
-        }
-    }
-
-    /// Ask every session held here to save its variables (a draining worker, its jobs done);
-    /// resolves when each has answered.
-    pub async fn snapshot_all(&self) {
-        let waits: Vec<oneshot::Receiver<()>> = match self.map.lock() {
-            Ok(map) => map
-                .values()
-                .filter_map(|e| {
-                    let (tx, rx) = oneshot::channel();
-                    e.mailbox.send(Mail::Snapshot(tx)).ok().map(|()| rx)
-                })
-                .collect(),
-            Err(_) => Vec::new(),
-        };
-        futures::future::join_all(waits).await;
-    }
-
-    /// Number of sessions held.
-    pub fn len(&self) -> usize {
-        self.map.lock().map(|m| m.len()).unwrap_or(0)
-    }
-
-    fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Mail>) {
-        if let Ok(mut m) = self.map.lock() {
-            m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox });
-        }
-    }
-
-    fn remove(&self, id: &str) {
-        if let Ok(mut m) = self.map.lock() {
-            m.remove(id);
-        }
-    }
-}
 
 /// Why a session's task stopped.
 enum End {
@@ -200,6 +119,12 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
             let (variables_restored, variables_lost) = match &a.snapshot {
                 None => (false, vec!["*".to_string()]),
                 Some(snapshot) => match crate::moving::fetch_snapshot(ctx, snapshot).await {
+                    // The pickle is written to the workspace too: when it does not fit beside the
+                    // files, the files come back (with the first job) and the variables do not.
+                    Ok(pickle) if !crate::moving::fits(&files, pickle.len(), ctx.cfg.policy.cap(&job.limits).workspace_mb) => {
+                        tracing::warn!(session_id = %session.id, pickle_bytes = pickle.len(), "the saved variables do not fit in the workspace beside its files; left out");
+                        (false, vec!["*".to_string()])
+                    }
                     Ok(pickle) => {
                         let paths: Vec<String> = files.iter().map(|f| f.path.clone()).collect();
                         let r = crate::moving::restore(ctx, &mut kernel, job, std::mem::take(&mut files), snapshot, pickle).await;

@@ -440,6 +440,29 @@ impl JobStore {
         Ok(n)
     }
 
+    /// End `infrastructure_error/stuck` the jobs still `running` `margin` past their time limit
+    /// since their claim: their worker lost track of them (a claim whose answer was lost, a
+    /// commit that gave up) while it kept beating, so no silence will ever end them, and a
+    /// redelivered copy is refused while that worker lives. Returns how many were ended.
+    pub async fn end_overdue(&self, margin: Duration) -> Result<u64> {
+        let reason = storable::json(&Reason::new(
+            ErrorCode::Stuck,
+            format!("it was still running {} s past its time limit; its worker lost track of it, and it is not run again", margin.as_secs()),
+        ))?;
+        let n = sqlx::query(
+            "UPDATE jobs SET status = 'infrastructure_error', reason = $1, finished_at = now()
+             WHERE status = 'running'
+               AND started_at < now() - (COALESCE((limits->>'timeout_ms')::bigint, 0) + $2) * interval '1 millisecond'",
+        )
+        .bind(reason)
+        .bind(i64::try_from(margin.as_millis()).unwrap_or(i64::MAX))
+        .execute(&self.pool)
+        .await
+        .context("ending overdue jobs")?
+        .rows_affected();
+        Ok(n)
+    }
+
     /// Move an unfinished job to a terminal status with a reason (infrastructure failures).
     pub async fn fail(&self, tenant: &str, job_id: &str, status: JobStatus, reason: &Reason) -> Result<bool> {
         let n = sqlx::query(

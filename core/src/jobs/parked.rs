@@ -87,6 +87,25 @@ impl Follow {
 }
 
 impl JobStore {
+    /// Park a job recorded for `worker_id` that this worker cannot run because its session
+    /// moved (a stray: recorded in the instant of the move, so the move did not park it): the
+    /// dispatcher then sends it to the session's owner in recorded order. Only while it is
+    /// still queued, unparked and addressed here. Returns whether it was parked.
+    pub async fn park_stray(&self, tenant: &str, job_id: &str, worker_id: &str) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE jobs SET parked = true, routed_to = NULL
+             WHERE tenant = $1 AND job_id = $2 AND status = 'queued' AND NOT parked AND routed_to = $3 AND routed IS NOT NULL",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(worker_id)
+        .execute(&self.pool)
+        .await
+        .context("parking a stray job")?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
     /// Sessions with parked jobs the dispatcher can release now: moving ones with nothing sent
     /// to take them over yet (or sent but not confirmed), and active ones (taken over).
     pub async fn sessions_with_parked_jobs(&self, limit: i64) -> Result<Vec<String>> {
