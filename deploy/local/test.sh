@@ -8,7 +8,8 @@
 #   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run), and
 #     the client library's dependencies (no S3 SDK, no metrics server).
 # The fleet suite (tests/fleet.rs, and tests/chaos.rs again) runs once, under runc, against 2
-# schedulers and 3 workers.
+# schedulers and 3 workers. The Kubernetes deployment (deploy/kubernetes) is validated offline
+# once, with the metrics it names checked against a live scrape of the binaries.
 # Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity,
 # fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
@@ -102,6 +103,18 @@ run_pass() {
         echo "== [$runtime] Python SDK tests (pytest clients/python)"
         (cd "$repo/clients/python" && SANDCELL_ADMIN_BIN="$repo/target/debug/sandcell-admin" "$repo/target/py/bin/pytest" -q) \
             || failed+=("Python SDK tests under $runtime")
+    fi
+    # The Kubernetes deployment, validated offline, and every metric its alerts, dashboard and
+    # autoscaler name found in a live scrape of the binaries that just ran the suite.
+    if [ "$scope" = all ]; then
+        echo "== Kubernetes manifests: schemas, CRDs, promtool, live metric names"
+        local scrapes="$repo/target/k8s-validate/scrapes"
+        mkdir -p "$scrapes"
+        if curl -fsS http://127.0.0.1:9464/metrics >"$scrapes/scheduler.prom" && curl -fsS http://127.0.0.1:9465/metrics >"$scrapes/worker.prom"; then
+            bash deploy/kubernetes/validate/run.sh --scrape "$scrapes/scheduler.prom" "$scrapes/worker.prom" || failed+=("Kubernetes manifests")
+        else
+            failed+=("scraping the binaries' /metrics for the Kubernetes manifests' check")
+        fi
     fi
     stop_sandcell
     # The fleet: 2 schedulers and 3 workers at once (what it proves does not depend on the OCI runtime).
