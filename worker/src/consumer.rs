@@ -314,7 +314,8 @@ async fn refuse_opening(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason
     // claimed (and is starting or restoring the session for) changes nothing. Both ends are
     // guarded again (`failed` is entered only from `starting`; `end_adoption` only while this
     // job is the session's taking-over job).
-    if !ctx.jobs.refuse_queued(&job.tenant, &job.job_id, reason).await? {
+    // `rejected` is reached only from `queued` (JobStatus::can_become).
+    if !ctx.jobs.fail(&job.tenant, &job.job_id, JobStatus::Rejected, reason).await? {
         return Ok(Disposition::Ack);
     }
     ctx.events.job(job, 0).end(JobStatus::Rejected);

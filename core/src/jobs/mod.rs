@@ -315,20 +315,6 @@ impl JobStore {
         Ok(n == 1)
     }
 
-    /// Refuse a job only while it is still `queued` (a copy of a job another worker runs is
-    /// left to it). Returns whether it changed.
-    pub async fn refuse_queued(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
-        let n = sqlx::query("UPDATE jobs SET status = 'rejected', reason = $3, finished_at = now() WHERE tenant = $1 AND job_id = $2 AND status = 'queued'")
-            .bind(tenant)
-            .bind(job_id)
-            .bind(storable::json(reason)?)
-            .execute(&self.pool)
-            .await
-            .context("refusing a queued job")?
-            .rows_affected();
-        Ok(n == 1)
-    }
-
     /// Record a rejected submission under its `(tenant, job_id)`. An existing job with that id is
     /// left alone (a bad retry must not overwrite a good job); returns whether a row was written.
     pub async fn record_rejection(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
