@@ -114,24 +114,27 @@ cleanup_mounts() {
     if [ -n "${ROOT:-}" ] && mountpoint -q "$ROOT/proc"; then umount "$ROOT/proc" || true; fi
 }
 
-build_base() {
-    local tag=$1 mirror security
+# A Debian $SUITE root filesystem in directory $1 (set as ROOT), from this machine's own apt
+# sources, ready for in_root: /proc mounted, docs excluded, no service may start. Used for the
+# sandbox's base and for the worker pod's engine image (deploy/images/build.sh).
+debian_rootfs() {
+    local mirror security
     # Package sources are the machine's own (its apt configuration), never a host named here.
     mirror=${SANDCELL_DEBIAN_MIRROR:-$(mirror_for_suite "$SUITE")}
     [ -n "$mirror" ] || die "no apt source for $SUITE in this machine's configuration; set SANDCELL_DEBIAN_MIRROR"
     security=$(mirror_for_suite "$SUITE-security")
     command -v debootstrap >/dev/null || die "debootstrap is not installed (apt-get install debootstrap)"
 
-    ROOT=$BUILD_DIR/rootfs
+    ROOT=$1
     trap cleanup_mounts EXIT
     cleanup_mounts
     # A leftover rootfs is from an interrupted build: start over.
     rm -rf "$ROOT"
     mkdir -p "$ROOT" "$LOG_DIR"
-    local blog=$LOG_DIR/image-build.log
-    log "debootstrap $SUITE from $mirror (log: $blog)"
-    debootstrap --variant=minbase "$SUITE" "$ROOT" "$mirror" >>"$blog" 2>&1 \
-        || die "debootstrap failed, see $blog"
+    BUILD_LOG=$LOG_DIR/image-build.log
+    log "debootstrap $SUITE from $mirror into $ROOT (log: $BUILD_LOG)"
+    debootstrap --variant=minbase "$SUITE" "$ROOT" "$mirror" >>"$BUILD_LOG" 2>&1 \
+        || die "debootstrap failed, see $BUILD_LOG"
 
     # Updates and security fixes, from the same mirrors the host uses.
     {
@@ -140,7 +143,7 @@ build_base() {
         if [ -n "$security" ]; then echo "deb $security $SUITE-security main"; fi
     } >"$ROOT/etc/apt/sources.list"
     [ -n "$security" ] || log "no $SUITE-security source in this machine's apt configuration: the image gets no security updates"
-    # Keep docs and man pages out of the image (they are never read in a sandbox).
+    # Keep docs and man pages out of the image (they are never read in a container).
     cat >"$ROOT/etc/dpkg/dpkg.cfg.d/01-sandcell-nodoc" <<'EOF'
 path-exclude /usr/share/doc/*
 path-include /usr/share/doc/*/copyright
@@ -152,28 +155,11 @@ EOF
     chmod 0755 "$ROOT/usr/sbin/policy-rc.d"
     cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
     mount -t proc proc "$ROOT/proc"
+}
 
-    local pkgs p
-    pkgs=$(grep -Ev '^[[:space:]]*(#|$)' "$PACKAGES_FILE" | tr '\n' ' ')
-    log "installing in rootfs: $pkgs"
-    {
-        in_root apt-get update
-        in_root apt-get -y --no-install-recommends dist-upgrade
-        for p in $STUB_PACKAGES; do install_stub "$p"; done
-        # shellcheck disable=SC2086
-        in_root apt-get install -y --no-install-recommends $pkgs
-    } >>"$blog" 2>&1 || die "apt-get in rootfs failed, see $blog"
-
-    in_root groupadd --gid 1000 user
-    in_root useradd --uid 1000 --gid 1000 --create-home --home-dir /home/user --shell /bin/bash user
-
-    # Smoke test: every library imports (fails the build early, not at first use).
-    # A prebuilt matplotlib font cache was measured to save only ~60 ms per sandbox: not kept.
-    in_root env MPLCONFIGDIR=/tmp/mpl-smoke MPLBACKEND=Agg python3 -c \
-        'import IPython, numpy, pandas, scipy.optimize, matplotlib.pyplot, reportlab, openpyxl' \
-        >>"$blog" 2>&1 || die "import smoke test failed, see $blog"
-
-    # Trim what a sandbox never needs.
+# Trim ROOT of what an image never needs, then import it as image $1 (commit message $2).
+import_rootfs() {
+    local tag=$1 message=$2
     in_root apt-get clean
     rm -rf "$ROOT"/var/lib/apt/lists/* "$ROOT"/var/cache/apt/*.bin \
         "$ROOT"/var/cache/debconf/*-old "$ROOT"/var/log/*.log "$ROOT"/var/log/apt/* \
@@ -187,8 +173,35 @@ EOF
     log "importing rootfs as $tag"
     # /dev, /proc and /sys are provided by the runtime; do not ship their content.
     tar -C "$ROOT" --numeric-owner --exclude=./dev/* --exclude=./proc/* --exclude=./sys/* -c . \
-        | docker import --message "sandcell base $SUITE recipe $BASE_RECIPE_VERSION" - "$tag" >/dev/null
+        | docker import --message "$message" - "$tag" >/dev/null
     rm -rf "$ROOT"
+}
+
+build_base() {
+    local tag=$1
+    debian_rootfs "$BUILD_DIR/rootfs"
+
+    local pkgs p
+    pkgs=$(grep -Ev '^[[:space:]]*(#|$)' "$PACKAGES_FILE" | tr '\n' ' ')
+    log "installing in rootfs: $pkgs"
+    {
+        in_root apt-get update
+        in_root apt-get -y --no-install-recommends dist-upgrade
+        for p in $STUB_PACKAGES; do install_stub "$p"; done
+        # shellcheck disable=SC2086
+        in_root apt-get install -y --no-install-recommends $pkgs
+    } >>"$BUILD_LOG" 2>&1 || die "apt-get in rootfs failed, see $BUILD_LOG"
+
+    in_root groupadd --gid 1000 user
+    in_root useradd --uid 1000 --gid 1000 --create-home --home-dir /home/user --shell /bin/bash user
+
+    # Smoke test: every library imports (fails the build early, not at first use).
+    # A prebuilt matplotlib font cache was measured to save only ~60 ms per sandbox: not kept.
+    in_root env MPLCONFIGDIR=/tmp/mpl-smoke MPLBACKEND=Agg python3 -c \
+        'import IPython, numpy, pandas, scipy.optimize, matplotlib.pyplot, reportlab, openpyxl' \
+        >>"$BUILD_LOG" 2>&1 || die "import smoke test failed, see $BUILD_LOG"
+
+    import_rootfs "$tag" "sandcell base $SUITE recipe $BASE_RECIPE_VERSION"
 }
 
 build_top() {
@@ -232,4 +245,5 @@ main() {
     echo "$tag"
 }
 
-main "$@"
+# Sourced (deploy/images/build.sh reuses debian_rootfs and import_rootfs): define, do not run.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then main "$@"; fi

@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# Build sandcell's service images without a registry, from release binaries:
+# Build sandcell's images without a registry, from release binaries:
 #   sandcell-scheduler:<version>      sandcell-scheduler and sandcell-admin
 #   sandcell-worker:<version>         sandcell-worker
 #   sandcell-sandbox-bundle:<version> the sandbox image as a tarball (/bundle/sandbox.tar) and a
 #                                     static cp, for the worker pod's init container
+#   sandcell-engine:<version>         the worker pod's Docker engine: Debian's docker.io and
+#                                     runsc, and deploy/images/engine/sandcell-engine
 # Each service image holds its binaries, the C libraries they link (glibc, libgcc), the CA
 # certificates and a passwd entry for uid 10001: nothing else (no shell, no package manager).
-# The worker pod's engine image is not built yet (docs/operations.md, "Status").
+# The engine's Debian base is built once per package list (debootstrap from this machine's apt
+# sources, sandbox/build-image.sh's debian_rootfs) and kept as sandcell-engine-base:<hash>.
 #
-# Usage: deploy/images/build.sh [--save DIR]   (--save: also `docker save` each to DIR/<name>-<version>.tar)
+# Usage: deploy/images/build.sh [--save DIR] [--profile release|debug]
+#   --save DIR   also `docker save` each image to DIR/<name>-<version>.tar.gz
+#   --profile    the cargo profile of the binaries (release; the test command's pod-fidelity
+#                check uses debug, the binaries it has just built, to spare a release build)
 # Env: SANDCELL_IMAGE_VERSION (default: the workspace's version from Cargo.toml).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 save=""
-if [ "${1:-}" = "--save" ]; then save=${2:?--save needs a directory}; fi
+profile=release
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --save) save=${2:?--save needs a directory}; shift 2 ;;
+    --profile) profile=${2:?--profile needs release or debug}; shift 2 ;;
+    *) echo "build.sh: unknown argument $1 (--save DIR, --profile release|debug)" >&2; exit 2 ;;
+    esac
+done
+case "$profile" in release | debug) ;; *) echo "build.sh: --profile is release or debug, not $profile" >&2; exit 2 ;; esac
+# debian_rootfs, import_rootfs, in_root, image_exists, sha12 and SUITE (defines only, runs nothing).
+# shellcheck source=sandbox/build-image.sh
+. "$repo/sandbox/build-image.sh"
 version=${SANDCELL_IMAGE_VERSION:-$(awk -F'"' '/^\[workspace.package\]/ { p = 1 } p && /^version/ { print $2; exit }' "$repo/Cargo.toml")}
 [ -n "$version" ] || { echo "build.sh: no version in Cargo.toml's [workspace.package]; set SANDCELL_IMAGE_VERSION" >&2; exit 1; }
 log() { echo "images: $*" >&2; }
@@ -54,9 +71,13 @@ work=$(mktemp -d)
 chmod 0755 "$work"
 trap 'rm -rf "$work"' EXIT
 
-log "release binaries"
-(cd "$repo" && cargo build --release --bins -p sandcell-scheduler -p sandcell-worker -p sandcell-admin)
-bin=$repo/target/release
+log "$profile binaries"
+if [ "$profile" = release ]; then
+    (cd "$repo" && cargo build --release --bins -p sandcell-scheduler -p sandcell-worker -p sandcell-admin)
+else
+    (cd "$repo" && cargo build --bins -p sandcell-scheduler -p sandcell-worker -p sandcell-admin)
+fi
+bin=$repo/target/$profile
 
 rootfs "$work/scheduler" "$bin/sandcell-scheduler" "$bin/sandcell-admin"
 import "$work/scheduler" "sandcell-scheduler:$version" /usr/local/bin/sandcell-scheduler
@@ -76,9 +97,37 @@ install -m 0755 "$work/deb/x/bin/busybox" "$work/bundle/bin/busybox"
 ln -s busybox "$work/bundle/bin/cp"
 import "$work/bundle" "sandcell-sandbox-bundle:$version" /bin/cp
 
+# The engine: its Debian base (cached by the hash of its package list and this recipe), then the
+# entrypoint on top with the legacy builder (no pull).
+ENGINE_RECIPE_VERSION=1
+engine_packages=$(grep -Ev '^[[:space:]]*(#|$)' "$here/engine/packages.txt" | tr '\n' ' ')
+engine_base=$({ echo "$engine_packages"; echo "recipe=$ENGINE_RECIPE_VERSION suite=$SUITE"; } | sha12)
+if image_exists "sandcell-engine-base:$engine_base"; then
+    log "sandcell-engine-base:$engine_base exists"
+else
+    debian_rootfs "$BUILD_DIR/engine-rootfs"
+    log "installing in the engine's rootfs: $engine_packages"
+    {
+        in_root apt-get update
+        in_root apt-get -y --no-install-recommends dist-upgrade
+        # shellcheck disable=SC2086
+        in_root apt-get install -y --no-install-recommends $engine_packages
+    } >>"$BUILD_LOG" 2>&1 || die "apt-get in the engine's rootfs failed, see $BUILD_LOG"
+    import_rootfs "sandcell-engine-base:$engine_base" "sandcell engine base $SUITE recipe $ENGINE_RECIPE_VERSION"
+    # debian_rootfs replaced this script's exit trap with its own.
+    trap 'rm -rf "$work"' EXIT
+fi
+mkdir -p "$work/engine"
+cp "$here/engine/Dockerfile" "$work/engine/Dockerfile"
+install -m 0755 "$here/engine/sandcell-engine" "$work/engine/sandcell-engine"
+DOCKER_BUILDKIT=0 docker build --quiet --build-arg "BASE_TAG=$engine_base" \
+    --label "org.opencontainers.image.version=$version" --label "org.opencontainers.image.title=sandcell-engine" \
+    -t "sandcell-engine:$version" "$work/engine" >/dev/null
+log "sandcell-engine:$version: $(docker image inspect --format '{{.Size}}' "sandcell-engine:$version" | awk '{ printf "%.1f MB", $1 / 1e6 }')"
+
 if [ -n "$save" ]; then
     mkdir -p "$save"
-    for name in sandcell-scheduler sandcell-worker sandcell-sandbox-bundle; do
+    for name in sandcell-scheduler sandcell-worker sandcell-sandbox-bundle sandcell-engine; do
         docker save "$name:$version" | gzip -1 >"$save/$name-$version.tar.gz"
         log "saved $save/$name-$version.tar.gz ($(du -h "$save/$name-$version.tar.gz" | cut -f1))"
     done

@@ -9,7 +9,8 @@
 #     the client library's dependencies (no S3 SDK, no metrics server).
 # The fleet suite (tests/fleet.rs, and tests/chaos.rs again) runs once, under runc, against 2
 # schedulers and 3 workers. The Kubernetes deployment (deploy/kubernetes) is validated offline
-# once, with the metrics it names checked against a live scrape of the binaries.
+# once, with the metrics it names checked against a live scrape of the binaries, and its
+# scheduler and worker pods run on the local Docker as the manifests describe (pod fidelity).
 # Every test runs under runc; the sandbox tests (driver and end-to-end, but chaos, capacity,
 # fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
@@ -117,6 +118,19 @@ run_pass() {
         fi
     fi
     stop_sandcell
+    # Pod fidelity (deploy/kubernetes/validate/pod.py): the images built (the binaries just built,
+    # debug, to spare a release build), then the scheduler and worker pods of the manifests run on
+    # the local Docker as they describe: a job through them, and a SIGTERM that drains.
+    if [ "$scope" = all ]; then
+        echo "== Kubernetes pod fidelity: images, then the scheduler and worker pods as the manifests say"
+        if [ "$py_ok" = 1 ] && bash deploy/images/build.sh --profile debug &&
+            "$repo/target/py/bin/pip" install -q --disable-pip-version-check PyYAML==6.0.2; then
+            SANDCELL_ADMIN_BIN="$repo/target/debug/sandcell-admin" "$repo/target/py/bin/python" deploy/kubernetes/validate/pod.py \
+                || failed+=("Kubernetes pod fidelity")
+        else
+            failed+=("building the images (or the SDK) for the pod-fidelity check")
+        fi
+    fi
     # The fleet: 2 schedulers and 3 workers at once (what it proves does not depend on the OCI runtime).
     if [ "$scope" = all ]; then
         echo "== [$runtime] fleet tests: 2 schedulers, 3 workers"
