@@ -97,25 +97,33 @@ install -m 0755 "$work/deb/x/bin/busybox" "$work/bundle/bin/busybox"
 ln -s busybox "$work/bundle/bin/cp"
 import "$work/bundle" "sandcell-sandbox-bundle:$version" /bin/cp
 
-# The engine: its Debian base (cached by the hash of its package list and this recipe), then the
-# entrypoint on top with the legacy builder (no pull).
+# The engine: its Debian base, then the entrypoint on top with the legacy builder (no pull). The
+# base is cached by the hash of everything that makes it (its package list, this recipe, the
+# rootfs functions) and of the month: a privileged dockerd gets Debian's security updates at
+# least monthly.
 ENGINE_RECIPE_VERSION=1
 engine_packages=$(grep -Ev '^[[:space:]]*(#|$)' "$here/engine/packages.txt" | tr '\n' ' ')
-engine_base=$({ echo "$engine_packages"; echo "recipe=$ENGINE_RECIPE_VERSION suite=$SUITE"; } | sha12)
+engine_base_recipe() {
+    in_root apt-get update
+    in_root apt-get -y --no-install-recommends dist-upgrade
+    # shellcheck disable=SC2086
+    in_root apt-get install -y --no-install-recommends $engine_packages
+}
+engine_base=$({
+    echo "$engine_packages recipe=$ENGINE_RECIPE_VERSION suite=$SUITE month=$(date -u +%Y-%m)"
+    declare -f debian_rootfs import_rootfs engine_base_recipe
+} | sha12)
 if image_exists "sandcell-engine-base:$engine_base"; then
     log "sandcell-engine-base:$engine_base exists"
 else
-    debian_rootfs "$BUILD_DIR/engine-rootfs"
-    log "installing in the engine's rootfs: $engine_packages"
-    {
-        in_root apt-get update
-        in_root apt-get -y --no-install-recommends dist-upgrade
-        # shellcheck disable=SC2086
-        in_root apt-get install -y --no-install-recommends $engine_packages
-    } >>"$BUILD_LOG" 2>&1 || die "apt-get in the engine's rootfs failed, see $BUILD_LOG"
-    import_rootfs "sandcell-engine-base:$engine_base" "sandcell engine base $SUITE recipe $ENGINE_RECIPE_VERSION"
-    # debian_rootfs replaced this script's exit trap with its own.
-    trap 'rm -rf "$work"' EXIT
+    # In a subshell: debian_rootfs and import_rootfs set and clear their own exit trap, which
+    # must not replace this script's (the removal of $work).
+    (
+        debian_rootfs "$BUILD_DIR/engine-rootfs"
+        log "installing in the engine's rootfs: $engine_packages"
+        engine_base_recipe >>"$BUILD_LOG" 2>&1 || die "apt-get in the engine's rootfs failed, see $BUILD_LOG"
+        import_rootfs "sandcell-engine-base:$engine_base" "sandcell engine base $SUITE recipe $ENGINE_RECIPE_VERSION"
+    )
 fi
 mkdir -p "$work/engine"
 cp "$here/engine/Dockerfile" "$work/engine/Dockerfile"

@@ -32,7 +32,8 @@ Where the local machine differs from a node, and what is done instead (printed w
     machine's own bounding set may lack some (CAP_SYS_RESOURCE here), which runc then refuses. The
     container gets instead what privileged gives, capability by capability, less those the host
     itself does not have: every other capability, all devices, no seccomp or AppArmor profile,
-    unmasked /proc and /sys; the engine remounts /sys and its cgroups read-write (its entrypoint).
+    unmasked /proc and /sys, host device nodes not mounted; the engine remounts /sys and its
+    cgroups read-write (its entrypoint).
 
 Usage: pod.py [--keep]   (env: the local stack's settings; SANDCELL_ADMIN_BIN; SANDCELL_WORKER_BIN)
 """
@@ -74,6 +75,13 @@ SECURITY_FIELDS = {
     "runAsNonRoot", "runAsUser", "runAsGroup", "supplementalGroups", "seccompProfile",
     "allowPrivilegeEscalation", "readOnlyRootFilesystem", "capabilities", "privileged",
 }
+# The keys translated inside each part of a container (any other key fails the check).
+PROBE_FIELDS = {"exec", "httpGet", "tcpSocket", "periodSeconds", "failureThreshold", "timeoutSeconds",
+                "initialDelaySeconds", "successThreshold"}
+HANDLER_FIELDS = {"exec": {"command"}, "httpGet": {"path", "port"}, "tcpSocket": {"port"}}
+MOUNT_FIELDS = {"name", "mountPath", "readOnly"}
+LIMIT_FIELDS = {"memory", "cpu"}
+EMPTYDIR_FIELDS = {"medium", "sizeLimit"}
 # ConfigMap keys whose manifest value names a cluster service: the local stack's value is used.
 SERVICE_KEYS = {"SANDCELL_S3_ENDPOINT"}
 
@@ -112,14 +120,11 @@ def one(docs: List[Dict[str, Any]], kind: str) -> Dict[str, Any]:
 
 
 def host_bounding_caps() -> set:
-    """The capabilities this machine's own processes may hold (CapBnd of this process)."""
+    """The capabilities this machine's own processes may hold (CapBnd of this process), by
+    Linux's numbering of capabilities."""
     with open("/proc/self/status") as f:
         mask = next(int(line.split()[1], 16) for line in f if line.startswith("CapBnd:"))
-    names = subprocess.run(["capsh", f"--decode={mask:x}"], capture_output=True, text=True).stdout
-    if not names:
-        # No capsh: read the numbers against Linux's table of capability names.
-        return {n for i, n in enumerate(CAP_NAMES) if mask >> i & 1}
-    return {c.strip().upper().removeprefix("CAP_") for c in names.split("=", 1)[1].split(",")}
+    return {n for i, n in enumerate(CAP_NAMES) if mask >> i & 1}
 
 
 CAP_NAMES = [
@@ -142,6 +147,13 @@ def quantity_bytes(q: str) -> int:
 
 def cpu_cores(q: str) -> float:
     return int(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def only(obj: Dict[str, Any], allowed: set, where: str) -> None:
+    """Fail on a key of obj this check does not translate."""
+    unknown = set(obj) - allowed
+    if unknown:
+        raise Failed(f"{where}: fields this check does not translate: {sorted(unknown)}")
 
 
 class Pod:
@@ -167,8 +179,11 @@ class Pod:
             if set(v) != {"name", "emptyDir"}:
                 raise Failed(f"{self.name}: volume {v['name']}: only emptyDir is translated")
             vol = f"{PREFIX}{self.name}-{v['name']}"
-            docker("volume", "rm", "-f", vol, check_rc=False)
             ed = v["emptyDir"] or {}
+            only(ed, EMPTYDIR_FIELDS, f"{self.name}: volume {v['name']}")
+            if ed.get("sizeLimit") and ed.get("medium") != "Memory":
+                # The kubelet evicts a pod past it; a local Docker volume has no size.
+                log(f"{self.name}: volume {v['name']}: sizeLimit {ed['sizeLimit']} not enforced here")
             if ed.get("medium") == "Memory":
                 size = quantity_bytes(ed.get("sizeLimit", "64Mi"))
                 docker("volume", "create", "--driver", "local", "--opt", "type=tmpfs", "--opt", "device=tmpfs",
@@ -197,13 +212,21 @@ class Pod:
         unknown = set(c) - CONTAINER_FIELDS
         if unknown:
             raise Failed(f"{self.name}/{c['name']}: container fields this check does not translate: {sorted(unknown)}")
-        sec = {**{k: v for k, v in self.pod_security.items() if k != "supplementalGroups"}, **c.get("securityContext", {})}
-        unknown = set(sec) - SECURITY_FIELDS
-        if unknown:
-            raise Failed(f"{self.name}/{c['name']}: securityContext fields not translated: {sorted(unknown)}")
+        where = f"{self.name}/{c['name']}"
+        own = c.get("securityContext", {})
+        sec = {**{k: v for k, v in self.pod_security.items() if k != "supplementalGroups"}, **own}
+        only(sec, SECURITY_FIELDS, f"{where} securityContext")
         args = ["run", "--detach", "--name", self.container_name(c), "--network", "host",
                 "--label", f"sandcell.podtest={self.name}"]
+        for g in self.pod_security.get("supplementalGroups", []):
+            args += ["--group-add", str(g)]
         if sec.get("privileged"):
+            # Privileged means all of it: a container that is privileged and also sets a user or
+            # capabilities is a case this check does not translate. (The kubelet runs a
+            # privileged container without a seccomp profile, whatever the pod's default.)
+            only(own, {"privileged"}, f"{where} securityContext (privileged)")
+            if {"runAsUser", "runAsGroup", "runAsNonRoot"} & set(sec):
+                raise Failed(f"{where}: a privileged container with a user from the pod is not translated")
             missing = set(CAP_NAMES) - host_bounding_caps()
             args += ["--cap-add", "ALL", "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
                      "--security-opt", "systempaths=unconfined", "--device-cgroup-rule", "a *:* rwm",
@@ -217,8 +240,6 @@ class Pod:
                 args += ["--user", f"{sec['runAsUser']}:{sec.get('runAsGroup', sec['runAsUser'])}"]
             elif sec.get("runAsNonRoot"):
                 raise Failed(f"{self.name}/{c['name']}: runAsNonRoot without runAsUser")
-            for g in self.pod_security.get("supplementalGroups", []):
-                args += ["--group-add", str(g)]
             if sec.get("readOnlyRootFilesystem"):
                 args.append("--read-only")
             if sec.get("allowPrivilegeEscalation") is False:
@@ -232,13 +253,23 @@ class Pod:
             if profile != "RuntimeDefault":
                 raise Failed(f"{self.name}/{c['name']}: seccomp profile {profile} not translated")
         limits = c.get("resources", {}).get("limits", {})
+        only(limits, LIMIT_FIELDS, f"{where} resources.limits")
         if "memory" in limits:
             args += ["--memory", str(quantity_bytes(limits["memory"]))]
         if "cpu" in limits:
             args += ["--cpus", str(cpu_cores(limits["cpu"]))]
         for m in c.get("volumeMounts", []):
+            only(m, MOUNT_FIELDS, f"{where} volumeMounts")
             spec = f"{self.volumes[m['name']]}:{m['mountPath']}" + (":ro" if m.get("readOnly") else "")
             args += ["--volume", spec]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if kind in c:
+                only(c[kind], PROBE_FIELDS, f"{where} {kind}")
+                if c[kind].get("successThreshold", 1) != 1:
+                    raise Failed(f"{where} {kind}: successThreshold other than 1 is not translated")
+                for handler, fields in HANDLER_FIELDS.items():
+                    if handler in c[kind]:
+                        only(c[kind][handler], fields, f"{where} {kind}.{handler}")
         for k, v in sorted(self.env(c).items()):
             args += ["--env", f"{k}={v}"]
         command = c.get("command", [])
@@ -254,8 +285,16 @@ class Pod:
         name = self.container_name(c)
         if "exec" in p:
             cmd = p["exec"]["command"]
-            return lambda: subprocess.run(["docker", "exec", name, *cmd], capture_output=True,
-                                          timeout=p.get("timeoutSeconds", 1) + 5).returncode == 0
+            # The kubelet's timeout, plus a second for `docker exec` itself; a probe past it
+            # fails this attempt, as it would there.
+            limit = p.get("timeoutSeconds", 1) + 1
+
+            def run_exec() -> bool:
+                try:
+                    return subprocess.run(["docker", "exec", name, *cmd], capture_output=True, timeout=limit).returncode == 0
+                except subprocess.TimeoutExpired:
+                    return False
+            return run_exec
         if "httpGet" in p:
             port = ports.get(p["httpGet"]["port"], p["httpGet"]["port"])
             url = f"http://127.0.0.1:{port}{p['httpGet']['path']}"
@@ -325,11 +364,16 @@ class Pod:
                 if kind in c:
                     took = self.wait_probe(c, kind)
                     log(f"{self.name}: {c['name']} passed its {kind} ({took:.1f} s)")
-            if "livenessProbe" in c:
-                check(self.probe(c, "livenessProbe")(), f"{self.name}/{c['name']} answers its liveness probe")
+        self.liveness()
 
     def container(self, name: str) -> Dict[str, Any]:
         return next(c for c in self.spec["containers"] + self.spec.get("initContainers", []) if c["name"] == name)
+
+    def liveness(self) -> None:
+        """Every container's liveness probe passes now."""
+        for c in self.spec.get("initContainers", []) + self.spec["containers"]:
+            if "livenessProbe" in c and self.container_name(c) in self.running:
+                check(self.probe(c, "livenessProbe")(), f"{self.name}/{c['name']} answers its liveness probe")
 
     def terminate(self, c: Dict[str, Any], grace: float) -> tuple:
         """SIGTERM as the kubelet sends it; (exit code, seconds), or (None, grace) if it outlived grace."""
@@ -347,8 +391,9 @@ class Pod:
         ids = docker("ps", "-aq", "--filter", f"label=sandcell.podtest={self.name}", check_rc=False).split()
         if ids:
             docker("rm", "-f", *ids, check_rc=False)
-        for vol in self.volumes.values():
-            docker("volume", "rm", "-f", vol, check_rc=False)
+        vols = docker("volume", "ls", "-q", "--filter", f"name={PREFIX}{self.name}-", check_rc=False).split()
+        if vols:
+            docker("volume", "rm", "-f", *vols, check_rc=False)
 
 
 def peak_memory(container: str) -> Optional[int]:
@@ -364,7 +409,8 @@ def peak_memory(container: str) -> Optional[int]:
 
 
 def report_resources(pod: "Pod") -> None:
-    """What each running container of the pod used at its peak, against its limit (sizing figures)."""
+    """What each running container of the pod used at its peak, against its limit: the figures
+    its requests and limits are sized from (printed, not checked: the kernel enforces a limit)."""
     for c in pod.spec.get("initContainers", []) + pod.spec["containers"]:
         name = pod.container_name(c)
         if name not in pod.running:
@@ -373,10 +419,26 @@ def report_resources(pod: "Pod") -> None:
         limit = c.get("resources", {}).get("limits", {}).get("memory")
         if peak is None:
             log(f"{pod.name}/{c['name']}: peak memory not readable here")
-            continue
-        log(f"{pod.name}/{c['name']}: peak memory {peak / 2**20:.0f} MiB (limit {limit})")
-        if limit:
-            check(peak < quantity_bytes(limit), f"{pod.name}/{c['name']} stayed within its memory limit")
+        else:
+            log(f"{pod.name}/{c['name']}: peak memory {peak / 2**20:.0f} MiB (limit {limit})")
+
+
+def check_not_oom_killed(pod: "Pod") -> None:
+    """No container of the pod was killed by the OOM killer at its limit."""
+    for name in pod.running:
+        killed = docker("inspect", "--format", "{{.State.OOMKilled}}", name, check_rc=False)
+        check(killed == "false", f"{name} was not OOM-killed")
+
+
+def remove_leftovers() -> None:
+    """Containers and volumes a crashed earlier run left (by label and by name prefix)."""
+    ids = docker("ps", "-aq", "--filter", "label=sandcell.podtest", check_rc=False).split()
+    if ids:
+        log(f"removing {len(ids)} container(s) an earlier run left")
+        docker("rm", "-f", *ids, check_rc=False)
+    vols = docker("volume", "ls", "-q", "--filter", f"name={PREFIX}", check_rc=False).split()
+    if vols:
+        docker("volume", "rm", "-f", *vols)
 
 
 def env_sources() -> Dict[str, Dict[str, str]]:
@@ -429,6 +491,7 @@ def main() -> int:
     opts = ap.parse_args()
 
     try:
+        remove_leftovers()
         sources = env_sources()
         sched = Pod(one(load("scheduler.yaml"), "Deployment"), "sandcell-scheduler-podtest", sources)
         pod = Pod(one(load("worker.yaml"), "Deployment"), "sandcell-worker-podtest", sources)
@@ -442,7 +505,12 @@ def main() -> int:
         engine = pod.container("engine")
         runtimes = docker("exec", pod.container_name(engine), "docker", "-H",
                           "unix:///run/sandcell-engine/docker.sock", "info", "--format", "{{json .Runtimes}}")
-        log(f"the engine's runtimes: {sorted(json.loads(runtimes))}")
+        registered = sorted(json.loads(runtimes))
+        if "runsc" in os.environ.get("SANDCELL_DOCKER_RUNTIMES", "").split(","):
+            # gVisor works on this machine (the stack registered it): the engine must keep it.
+            check("runsc" in registered, f"the engine registered gVisor, as it works here: {registered}")
+        else:
+            log(f"the engine's runtimes: {registered}")
 
         settings = create_tenant()
         with Client(settings) as client:
@@ -457,6 +525,7 @@ def main() -> int:
             check(png_from_store(r), "the session's chart is a PNG in the object store")
             session = r["session"]["id"]
             report_resources(pod)
+            pod.liveness()
 
             # The next worker (a rolling update's new pod, here a worker on the host): up before the drain.
             worker_bin = os.environ.get("SANDCELL_WORKER_BIN", str(REPO / "target" / "debug" / "sandcell-worker"))
@@ -486,6 +555,8 @@ def main() -> int:
                 time.sleep(0.1)
             else:
                 raise Failed("the job to drain never started")
+            # The kubelet's clock for the whole pod: the sidecar gets what is left of the grace.
+            pod_deadline = time.monotonic() + pod.grace
             code, took = pod.terminate(pod.container("worker"), pod.grace)
             check(code == 0, f"SIGTERM: the pod's worker drained and exited {code} in {took:.1f} s (grace {pod.grace} s)")
             r = client.wait(in_flight, timeout=60)
@@ -499,14 +570,16 @@ def main() -> int:
             client.wait(client.submit(client.job("", session={"id": session, "close": True})), timeout=60)
 
         report_resources(sched)
-        code, took = pod.terminate(engine, pod.grace)
+        check_not_oom_killed(pod)
+        check_not_oom_killed(sched)
+        code, took = pod.terminate(engine, max(pod_deadline - time.monotonic(), 1.0))
         check(code == 0, f"the engine sidecar stopped after the worker: exit {code} in {took:.1f} s")
         code, took = sched.terminate(sched.container("scheduler"), sched.grace)
         check(code == 0, f"SIGTERM: the scheduler pod exited {code} in {took:.1f} s (grace {sched.grace} s)")
         log("every step held")
         return 0
-    except Failed as e:
-        print(f"pod: FAILED: {e}", file=sys.stderr, flush=True)
+    except (Failed, Exception) as e:
+        print(f"pod: FAILED: {e!r}" if not isinstance(e, Failed) else f"pod: FAILED: {e}", file=sys.stderr, flush=True)
         for c in pod.running + sched.running:
             print(f"--- docker logs {c} (last 30 lines)", file=sys.stderr)
             subprocess.run(["docker", "logs", "--tail", "30", c], stdout=sys.stderr, stderr=sys.stderr)
