@@ -157,6 +157,20 @@ EOF
     mount -t proc proc "$ROOT/proc"
 }
 
+# Bring ROOT's packages up to date, install the stand-ins named in $1 (STUB_PACKAGES), then the
+# packages given after it.
+debian_install() {
+    local stubs=$1 p
+    shift
+    log "installing in rootfs: $*"
+    {
+        in_root apt-get update
+        in_root apt-get -y --no-install-recommends dist-upgrade
+        for p in $stubs; do install_stub "$p"; done
+        in_root apt-get install -y --no-install-recommends "$@"
+    } >>"$BUILD_LOG" 2>&1 || die "apt-get in rootfs failed, see $BUILD_LOG"
+}
+
 # Trim ROOT of what an image never needs, then import it as image $1 (commit message $2).
 import_rootfs() {
     local tag=$1 message=$2
@@ -181,16 +195,10 @@ build_base() {
     local tag=$1
     debian_rootfs "$BUILD_DIR/rootfs"
 
-    local pkgs p
+    local pkgs
     pkgs=$(grep -Ev '^[[:space:]]*(#|$)' "$PACKAGES_FILE" | tr '\n' ' ')
-    log "installing in rootfs: $pkgs"
-    {
-        in_root apt-get update
-        in_root apt-get -y --no-install-recommends dist-upgrade
-        for p in $STUB_PACKAGES; do install_stub "$p"; done
-        # shellcheck disable=SC2086
-        in_root apt-get install -y --no-install-recommends $pkgs
-    } >>"$BUILD_LOG" 2>&1 || die "apt-get in rootfs failed, see $BUILD_LOG"
+    # shellcheck disable=SC2086
+    debian_install "$STUB_PACKAGES" $pkgs
 
     in_root groupadd --gid 1000 user
     in_root useradd --uid 1000 --gid 1000 --create-home --home-dir /home/user --shell /bin/bash user

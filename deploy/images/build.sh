@@ -63,8 +63,10 @@ import() {
         --change "ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt" \
         --change "LABEL org.opencontainers.image.version=$version org.opencontainers.image.title=${tag%%:*}" \
         --message "sandcell ${tag%%:*} $version" - "$tag" >/dev/null
-    log "$tag: $(docker image inspect --format '{{.Size}}' "$tag" | awk '{ printf "%.1f MB", $1 / 1e6 }')"
+    report_size "$tag"
 }
+
+report_size() { log "$1: $(docker image inspect --format '{{.Size}}' "$1" | awk '{ printf "%.1f MB", $1 / 1e6 }')"; }
 
 work=$(mktemp -d)
 # apt's download user must reach the package it fetches (busybox below).
@@ -103,15 +105,9 @@ import "$work/bundle" "sandcell-sandbox-bundle:$version" /bin/cp
 # least monthly.
 ENGINE_RECIPE_VERSION=1
 engine_packages=$(grep -Ev '^[[:space:]]*(#|$)' "$here/engine/packages.txt" | tr '\n' ' ')
-engine_base_recipe() {
-    in_root apt-get update
-    in_root apt-get -y --no-install-recommends dist-upgrade
-    # shellcheck disable=SC2086
-    in_root apt-get install -y --no-install-recommends $engine_packages
-}
 engine_base=$({
     echo "$engine_packages recipe=$ENGINE_RECIPE_VERSION suite=$SUITE month=$(date -u +%Y-%m)"
-    declare -f debian_rootfs import_rootfs engine_base_recipe
+    declare -f debian_rootfs debian_install import_rootfs
 } | sha12)
 if image_exists "sandcell-engine-base:$engine_base"; then
     log "sandcell-engine-base:$engine_base exists"
@@ -120,8 +116,8 @@ else
     # must not replace this script's (the removal of $work).
     (
         debian_rootfs "$BUILD_DIR/engine-rootfs"
-        log "installing in the engine's rootfs: $engine_packages"
-        engine_base_recipe >>"$BUILD_LOG" 2>&1 || die "apt-get in the engine's rootfs failed, see $BUILD_LOG"
+        # shellcheck disable=SC2086
+        debian_install "" $engine_packages
         import_rootfs "sandcell-engine-base:$engine_base" "sandcell engine base $SUITE recipe $ENGINE_RECIPE_VERSION"
     )
 fi
@@ -131,7 +127,7 @@ install -m 0755 "$here/engine/sandcell-engine" "$work/engine/sandcell-engine"
 DOCKER_BUILDKIT=0 docker build --quiet --build-arg "BASE_TAG=$engine_base" \
     --label "org.opencontainers.image.version=$version" --label "org.opencontainers.image.title=sandcell-engine" \
     -t "sandcell-engine:$version" "$work/engine" >/dev/null
-log "sandcell-engine:$version: $(docker image inspect --format '{{.Size}}' "sandcell-engine:$version" | awk '{ printf "%.1f MB", $1 / 1e6 }')"
+report_size "sandcell-engine:$version"
 
 if [ -n "$save" ]; then
     mkdir -p "$save"

@@ -149,6 +149,15 @@ def cpu_cores(q: str) -> float:
     return int(q[:-1]) / 1000 if q.endswith("m") else float(q)
 
 
+def http_ok(url: str, timeout: float) -> bool:
+    """A GET of url answers 2xx or 3xx within timeout (an HTTP probe's rule)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return 200 <= r.status < 400
+    except OSError:
+        return False
+
+
 def only(obj: Dict[str, Any], allowed: set, where: str) -> None:
     """Fail on a key of obj this check does not translate."""
     unknown = set(obj) - allowed
@@ -299,13 +308,7 @@ class Pod:
             port = ports.get(p["httpGet"]["port"], p["httpGet"]["port"])
             url = f"http://127.0.0.1:{port}{p['httpGet']['path']}"
 
-            def http() -> bool:
-                try:
-                    with urllib.request.urlopen(url, timeout=p.get("timeoutSeconds", 1)) as r:
-                        return 200 <= r.status < 400
-                except OSError:
-                    return False
-            return http
+            return lambda: http_ok(url, p.get("timeoutSeconds", 1))
         if "tcpSocket" in p:
             port = ports.get(p["tcpSocket"]["port"], p["tcpSocket"]["port"])
 
@@ -388,12 +391,7 @@ class Pod:
         return int(code), time.monotonic() - start
 
     def remove(self) -> None:
-        ids = docker("ps", "-aq", "--filter", f"label=sandcell.podtest={self.name}", check_rc=False).split()
-        if ids:
-            docker("rm", "-f", *ids, check_rc=False)
-        vols = docker("volume", "ls", "-q", "--filter", f"name={PREFIX}{self.name}-", check_rc=False).split()
-        if vols:
-            docker("volume", "rm", "-f", *vols, check_rc=False)
+        remove_containers_and_volumes(f"label=sandcell.podtest={self.name}", f"{PREFIX}{self.name}-")
 
 
 def peak_memory(container: str) -> Optional[int]:
@@ -430,15 +428,23 @@ def check_not_oom_killed(pod: "Pod") -> None:
         check(killed == "false", f"{name} was not OOM-killed")
 
 
+def remove_containers_and_volumes(label_filter: str, volume_prefix: str) -> int:
+    """Remove the containers matching label_filter, then the volumes named volume_prefix…;
+    the number of containers removed."""
+    ids = docker("ps", "-aq", "--filter", label_filter, check_rc=False).split()
+    if ids:
+        docker("rm", "-f", *ids, check_rc=False)
+    vols = docker("volume", "ls", "-q", "--filter", f"name={volume_prefix}", check_rc=False).split()
+    if vols:
+        docker("volume", "rm", "-f", *vols, check_rc=False)
+    return len(ids)
+
+
 def remove_leftovers() -> None:
     """Containers and volumes a crashed earlier run left (by label and by name prefix)."""
-    ids = docker("ps", "-aq", "--filter", "label=sandcell.podtest", check_rc=False).split()
-    if ids:
-        log(f"removing {len(ids)} container(s) an earlier run left")
-        docker("rm", "-f", *ids, check_rc=False)
-    vols = docker("volume", "ls", "-q", "--filter", f"name={PREFIX}", check_rc=False).split()
-    if vols:
-        docker("volume", "rm", "-f", *vols)
+    n = remove_containers_and_volumes("label=sandcell.podtest", PREFIX)
+    if n:
+        log(f"removed {n} container(s) an earlier run left")
 
 
 def env_sources() -> Dict[str, Dict[str, str]]:
@@ -535,12 +541,8 @@ def main() -> int:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             successor = subprocess.Popen([worker_bin], env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
             for _ in range(300):
-                try:
-                    with urllib.request.urlopen("http://127.0.0.1:9475/healthz", timeout=1) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    pass
+                if http_ok("http://127.0.0.1:9475/healthz", 1):
+                    break
                 if successor.poll() is not None:
                     raise Failed(f"the successor worker exited; see {log_path}")
                 time.sleep(0.2)
