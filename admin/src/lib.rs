@@ -86,6 +86,11 @@ impl Admin {
         })
     }
 
+    /// The API keys (`sandcell-admin key ...`; the gateway's credentials).
+    pub fn api_keys(&self) -> sandcell_core::api_keys::ApiKeys {
+        sandcell_core::api_keys::ApiKeys::new(self.pool.clone())
+    }
+
     /// Change a tenant's quotas.
     pub async fn set_quotas(&self, tenant: &str, quotas: &Quotas) -> Result<()> {
         TenantStore::new(self.pool.clone()).set_quotas(tenant, quotas).await
@@ -112,6 +117,11 @@ impl Admin {
             bail!("{tenant:?} is the service's own broker user");
         }
         self.management(reqwest::Method::DELETE, &format!("users/{tenant}"), None).await?;
+        sqlx::query("UPDATE api_keys SET revoked_at = now() WHERE tenant = $1 AND revoked_at IS NULL")
+            .bind(tenant)
+            .execute(&self.pool)
+            .await
+            .context("revoking the tenant's API keys")?;
         TenantStore::new(self.pool.clone()).revoke(tenant).await
     }
 

@@ -4,6 +4,9 @@
 //! sandcell-admin tenant create acme [--max-sessions 20] [--max-queued-jobs 1000] [--max-artifact-bytes N] [--max-jobs-in-flight 4]
 //! sandcell-admin tenant quotas acme --max-sessions 5
 //! sandcell-admin tenant show acme
+//! sandcell-admin key create acme        # an API key for the E2B-compatible gateway
+//! sandcell-admin key list acme
+//! sandcell-admin key revoke key_0123456789ab
 //! ```
 //! `create` prints the tenant's `SANDCELL_AMQP_URL` and `SANDCELL_DATABASE_URL` as env lines;
 //! running it again for an existing tenant rotates both credentials.
@@ -25,6 +28,28 @@ enum Command {
     /// Manage tenants.
     #[command(subcommand)]
     Tenant(TenantCommand),
+    /// Manage API keys (the credentials of the E2B-compatible gateway, `sandcell-gateway`).
+    #[command(subcommand)]
+    Key(KeyCommand),
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Make an API key for a tenant and print it (only its hash is stored: it is shown once).
+    Create {
+        /// Tenant name (the tenant must exist).
+        tenant: String,
+    },
+    /// List a tenant's keys (ids and dates, never the secrets).
+    List {
+        /// Tenant name.
+        tenant: String,
+    },
+    /// Revoke a key by id: the gateway refuses it from then on.
+    Revoke {
+        /// Key id (`key_...`).
+        key_id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -136,6 +161,26 @@ async fn main() -> Result<()> {
                 anyhow::bail!("no tenant {name:?}");
             }
             println!("tenant {name}: broker user and database login deleted, quotas zero");
+        }
+        Command::Key(KeyCommand::Create { tenant }) => {
+            let key = admin.api_keys().create(&tenant).await?;
+            println!("SANDCELL_API_KEY_ID={}", key.id);
+            println!("SANDCELL_API_KEY={}", key.key);
+            println!("E2B_API_KEY={}", key.key);
+        }
+        Command::Key(KeyCommand::List { tenant }) => {
+            for (id, created, revoked) in admin.api_keys().list(&tenant).await? {
+                match revoked {
+                    Some(at) => println!("{id} created {created} revoked {at}"),
+                    None => println!("{id} created {created}"),
+                }
+            }
+        }
+        Command::Key(KeyCommand::Revoke { key_id }) => {
+            if !admin.api_keys().revoke(&key_id).await? {
+                anyhow::bail!("no live key {key_id:?}");
+            }
+            println!("{key_id}: revoked");
         }
         Command::Tenant(TenantCommand::Show { name }) => {
             let q = admin.quotas(&name).await?.with_context(|| format!("no tenant {name:?}"))?;

@@ -10,10 +10,13 @@
 //! - [`jobs`]: the job store in Postgres — every status transition goes through it;
 //! - [`sessions`]: the session store — every session write, through the session state machine;
 //! - [`tenants`]: quotas, tenant database roles, the admission check;
+//! - [`api_keys`]: API keys (stored hashed), each naming a tenant;
 //! - [`store`]: the S3 artifact store (upload, presign, delete, lifecycle backstop);
 //! - [`telemetry`]: structured logs, the Prometheus registry, `/metrics` and `/healthz`.
 #![warn(missing_docs)]
 
+#[cfg(feature = "services")]
+pub mod api_keys;
 pub mod broker;
 pub mod config;
 #[cfg(feature = "services")]

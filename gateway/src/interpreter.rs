@@ -1,0 +1,309 @@
+//! E2B's code interpreter (the sandbox's port 49999): `POST /execute` answers NDJSON lines as
+//! the code runs — `stdout`/`stderr`, `result` (MIME bundles, `is_main_result`), `error` — from
+//! the job's live output, and completes them from the job's result when it is committed: what
+//! an event lost along the way (the broker restarted, a full buffer) is sent from the record, so
+//! the stream always ends with everything the result holds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine;
+use bytes::Bytes;
+use sandcell_protocol::event::EventBody;
+use sandcell_protocol::{JobResult, JobStatus, Language, Output, SessionRequest, Submission};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::auth::SandboxCaller;
+use crate::control::is_running;
+use crate::error::ApiError;
+use crate::runs::job_id;
+use crate::Gateway;
+
+/// The one context a sandbox has: its session's kernel.
+pub const DEFAULT_CONTEXT: &str = "default";
+
+/// The body of `POST /execute`.
+#[derive(Debug, Deserialize)]
+pub struct ExecuteBody {
+    code: String,
+    context_id: Option<String>,
+    language: Option<String>,
+    env_vars: Option<HashMap<String, String>>,
+}
+
+/// MIME type → the key of E2B's `result` line.
+const MIME_KEYS: [(&str, &str); 10] = [
+    ("text/plain", "text"),
+    ("text/html", "html"),
+    ("text/markdown", "markdown"),
+    ("image/svg+xml", "svg"),
+    ("image/png", "png"),
+    ("image/jpeg", "jpeg"),
+    ("application/pdf", "pdf"),
+    ("text/latex", "latex"),
+    ("application/json", "json"),
+    ("application/javascript", "javascript"),
+];
+
+fn now_ns() -> i64 {
+    chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default()
+}
+
+/// A `result` line from a MIME bundle (`application/json` as JSON when it parses).
+pub fn result_line(data: &BTreeMap<String, String>, is_main_result: bool) -> Value {
+    let mut line = json!({"type": "result", "is_main_result": is_main_result});
+    let mut extra = serde_json::Map::new();
+    for (mime, value) in data {
+        match MIME_KEYS.iter().find(|(m, _)| m == mime) {
+            Some((_, "json")) => line["json"] = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.clone())),
+            Some((_, key)) => line[*key] = Value::String(value.clone()),
+            None => {
+                extra.insert(mime.clone(), Value::String(value.clone()));
+            }
+        }
+    }
+    if !extra.is_empty() {
+        line["extra"] = Value::Object(extra);
+    }
+    line
+}
+
+fn error_line(name: &str, value: &str, traceback: &str) -> Value {
+    json!({"type": "error", "name": name, "value": value, "traceback": traceback})
+}
+
+/// What has been streamed so far, so the result adds only what the events missed.
+#[derive(Debug, Default)]
+pub struct Streamed {
+    stdout: usize,
+    stderr: usize,
+    outputs: usize,
+    error: bool,
+}
+
+impl Streamed {
+    /// The lines of one live event (none for events that have no E2B form).
+    pub fn event(&mut self, body: EventBody) -> Option<Value> {
+        match body {
+            EventBody::Stdout { text } => {
+                self.stdout += text.len();
+                Some(json!({"type": "stdout", "text": text, "timestamp": now_ns()}))
+            }
+            EventBody::Stderr { text } => {
+                self.stderr += text.len();
+                Some(json!({"type": "stderr", "text": text, "timestamp": now_ns()}))
+            }
+            EventBody::Output { output_type, data, .. } => {
+                self.outputs += 1;
+                Some(result_line(&data, output_type == "execute_result"))
+            }
+            EventBody::Error { ename, evalue, traceback } => {
+                self.error = true;
+                Some(error_line(&ename, &evalue, &traceback.join("\n")))
+            }
+            EventBody::End { .. } => None,
+        }
+    }
+
+    /// The closing lines: what the result holds that no event carried, then an error line for
+    /// an end that is not the code's own exception (time limit, memory, a refused job). Images
+    /// the events left out are not fetched here: `images` gets (line index, MIME, artifact path).
+    pub fn closing(&mut self, r: &JobResult) -> (Vec<Value>, Vec<(usize, String, String)>) {
+        let mut lines = Vec::new();
+        let mut images = Vec::new();
+        let e = &r.execution;
+        if let Some(rest) = e.stdout.get(self.stdout..).filter(|s| !s.is_empty()) {
+            lines.push(json!({"type": "stdout", "text": rest, "timestamp": now_ns()}));
+        }
+        if let Some(rest) = e.stderr.get(self.stderr..).filter(|s| !s.is_empty()) {
+            lines.push(json!({"type": "stderr", "text": rest, "timestamp": now_ns()}));
+        }
+        for output in e.outputs.iter().skip(self.outputs) {
+            let (data, artifacts, main) = match output {
+                Output::ExecuteResult { data, artifacts } => (data, artifacts, true),
+                Output::DisplayData { data, artifacts } => (data, artifacts, false),
+            };
+            for (mime, path) in artifacts {
+                images.push((lines.len(), mime.clone(), path.clone()));
+            }
+            lines.push(result_line(data, main));
+        }
+        if let (Some(err), false) = (&e.error, self.error) {
+            lines.push(error_line(&err.ename, &err.evalue, &err.traceback.join("\n")));
+        } else if e.error.is_none() {
+            let reason = r.reason.as_ref().map(|r| r.message.as_str()).unwrap_or("");
+            match r.status {
+                JobStatus::Succeeded | JobStatus::Running | JobStatus::Queued => {}
+                JobStatus::TimedOut => lines.push(error_line("TimeoutError", &format!("the code ran past its time limit: {reason}"), "")),
+                JobStatus::OomKilled => lines.push(error_line("MemoryError", &format!("the sandbox ran out of memory: {reason}"), "")),
+                other => lines.push(error_line("SandboxError", &format!("{other}: {reason}"), "")),
+            }
+        }
+        (lines, images)
+    }
+}
+
+fn ndjson(line: &Value) -> Bytes {
+    let mut b = serde_json::to_vec(line).unwrap_or_default();
+    b.push(b'\n');
+    Bytes::from(b)
+}
+
+/// Fill in images the events left out (over 1 MiB), from the result's artifacts.
+async fn fetch_images(gw: &Gateway, r: &JobResult, lines: &mut [Value], images: Vec<(usize, String, String)>) {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    for (i, mime, path) in images {
+        let Some(key) = MIME_KEYS.iter().find(|(m, _)| *m == mime).map(|(_, k)| *k) else { continue };
+        match crate::files::artifact_bytes(gw, r, &path).await {
+            Ok(bytes) => lines[i][key] = Value::String(b64.encode(bytes)),
+            Err(e) => tracing::warn!(error = e.message, path, "an image of a result could not be fetched; left out"),
+        }
+    }
+}
+
+/// `POST /execute`: run code in the sandbox's kernel, streaming its output as NDJSON.
+pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json(body): Json<ExecuteBody>) -> Result<Response, ApiError> {
+    let sb = caller.sandbox;
+    if body.context_id.as_deref().is_some_and(|c| c != DEFAULT_CONTEXT) {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("context {:?} not found: sandcell's E2B gateway has only the default context", body.context_id),
+        ));
+    }
+    let language = match body.language.as_deref().unwrap_or("python") {
+        "python" | "python3" => Language::Python,
+        "bash" | "sh" => Language::Bash,
+        other => return Err(ApiError::bad_request(format!("language {other:?} is not supported: python or bash"))),
+    };
+    if body.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
+        return Err(ApiError::unsupported("per-run environment variables (envs)"));
+    }
+    if !is_running(&gw, &sb.tenant, &sb.session_id).await? {
+        return Err(ApiError::not_running(&sb.session_id));
+    }
+    let mut sub = Submission::new(&sb.tenant, job_id(), language, body.code);
+    sub.session = Some(SessionRequest { new: false, id: Some(sb.session_id.clone()), keep_alive_s: None, close: false });
+    sub.timeout_ms = Some(gw.settings.run_timeout_ms);
+    let wait = Duration::from_millis(gw.settings.run_timeout_ms) + Duration::from_secs(120);
+    let (tx, rx) = mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
+    let started = std::time::Instant::now();
+    tokio::spawn(async move {
+        let mut streamed = Streamed::default();
+        let result = gw.runs.run(&sub, wait, |event| {
+            if let Some(line) = streamed.event(event) {
+                let _ = tx.send(Ok(ndjson(&line)));
+            }
+        });
+        let lines = match result.await {
+            Ok(r) => {
+                let (mut lines, images) = streamed.closing(&r);
+                fetch_images(&gw, &r, &mut lines, images).await;
+                gw.metrics.runs.with_label_values(&[r.status.as_str()]).inc();
+                lines
+            }
+            Err(e) => {
+                tracing::error!(error = format!("{e:#}"), job_id = sub.job_id, "a run had no result");
+                gw.metrics.runs.with_label_values(&["no_result"]).inc();
+                vec![error_line("SandboxError", "sandcell did not answer this run in time; the sandbox may still be running it", "")]
+            }
+        };
+        for line in lines {
+            let _ = tx.send(Ok(ndjson(&line)));
+        }
+        gw.metrics.run_seconds.observe(started.elapsed().as_secs_f64());
+        if tx.is_closed() {
+            tracing::info!(job_id = sub.job_id, "the client went away before its run ended");
+        }
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
+}
+
+fn context_doc() -> Value {
+    json!({"id": DEFAULT_CONTEXT, "language": "python", "cwd": "/home/user"})
+}
+
+/// `GET /contexts`: the default context only.
+pub async fn list_contexts(_caller: SandboxCaller) -> Json<Value> {
+    Json(json!([context_doc()]))
+}
+
+/// `POST /contexts`, `DELETE /contexts/{id}`, `POST /contexts/{id}/restart`: not offered.
+pub async fn contexts_unsupported(_caller: SandboxCaller) -> ApiError {
+    ApiError::unsupported("code contexts besides the default one")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mime_bundle_becomes_e2b_result_keys_and_unknown_types_go_to_extra() {
+        let data: BTreeMap<String, String> =
+            [("text/plain", "1"), ("text/html", "<b>1</b>"), ("application/json", "{\"a\": 1}"), ("application/x-custom", "z")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        let line = result_line(&data, true);
+        assert_eq!(line["type"], "result");
+        assert_eq!(line["text"], "1");
+        assert_eq!(line["html"], "<b>1</b>");
+        assert_eq!(line["json"]["a"], 1);
+        assert_eq!(line["extra"]["application/x-custom"], "z");
+        assert_eq!(line["is_main_result"], true);
+    }
+
+    fn record(stdout: &str, status: JobStatus, error: Option<(&str, &str)>) -> JobResult {
+        let mut v = json!({
+            "job_id": "j", "tenant": "t", "status": status.as_str(), "attempts": 1, "artifacts": [],
+            "timings": {"queued_at": "2026-11-23T00:00:00Z"},
+            "language": null, "reason": null, "limits": null, "worker_id": null, "session": null,
+            "stdout": stdout, "stderr": "", "outputs": [{"type": "execute_result", "data": {"text/plain": "2"}}],
+            "stdout_truncated": false, "stderr_truncated": false, "exit_code": null, "error": null, "kernel_restarted": false,
+            "files": null, "limits_hit": [], "skipped_files": [], "processes_killed": 0,
+        });
+        if let Some((n, m)) = error {
+            v["error"] = json!({"ename": n, "evalue": m, "traceback": ["line 1", "line 2"]});
+        }
+        serde_json::from_value(v).unwrap_or_else(|e| panic!("test record: {e}"))
+    }
+
+    #[test]
+    fn the_result_adds_exactly_what_the_events_did_not_carry() {
+        let mut s = Streamed::default();
+        assert!(s.event(EventBody::Stdout { text: "a\n".into() }).is_some());
+        let (lines, images) = s.closing(&record("a\nb\n", JobStatus::Succeeded, None));
+        assert!(images.is_empty());
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(lines[0]["text"], "b\n");
+        assert_eq!(lines[1]["text"], "2");
+    }
+
+    #[test]
+    fn nothing_is_sent_twice_when_every_event_arrived() {
+        let mut s = Streamed::default();
+        s.event(EventBody::Stdout { text: "a\n".into() });
+        s.event(EventBody::Output { output_type: "execute_result".into(), data: BTreeMap::new(), omitted: vec![] });
+        s.event(EventBody::Error { ename: "ZeroDivisionError".into(), evalue: "x".into(), traceback: vec![] });
+        let (lines, _) = s.closing(&record("a\n", JobStatus::Failed, Some(("ZeroDivisionError", "x"))));
+        assert!(lines.is_empty(), "{lines:?}");
+    }
+
+    #[test]
+    fn an_end_that_is_not_the_codes_exception_becomes_an_error_line() {
+        let mut s = Streamed { outputs: 1, ..Default::default() };
+        let (lines, _) = s.closing(&record("", JobStatus::TimedOut, None));
+        assert_eq!(lines.len(), 1);
+        assert_eq!(lines[0]["name"], "TimeoutError");
+        let (lines, _) = Streamed { outputs: 1, ..Default::default() }.closing(&record("", JobStatus::Failed, Some(("ZeroDivisionError", "x"))));
+        assert_eq!(lines[0]["traceback"], "line 1\nline 2");
+    }
+}
