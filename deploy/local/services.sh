@@ -3,7 +3,9 @@
 #
 # bring_up_stack                  runs up.sh and exports the env file's settings.
 # start_sandcell BIN_DIR LOG_DIR  starts $SANDCELL_SCHEDULERS schedulers and $SANDCELL_WORKERS
-# workers (default 1 each) in the background and waits until every /healthz answers 200.
+# workers (default 1 each), and $SANDCELL_GATEWAYS E2B-compatible gateways (default 1; on
+# SANDCELL_GATEWAY_ADDR, default 127.0.0.1:9480), in the background and waits until every
+# /healthz answers 200.
 # stop_sandcell                   stops them (SIGTERM, then SIGKILL after 5 s). Both are idempotent.
 #
 # A fleet on one box: instance k (1-based) of a binary is named `scheduler` / `worker` for k = 1
@@ -39,7 +41,7 @@ load_sandcell_env() {
 stop_sandcell() {
     local f pid pids=()
     # Every instance at once (a worker drains for up to its grace), then whatever is left.
-    for f in "$SANDCELL_RUN_DIR"/scheduler*.pid "$SANDCELL_RUN_DIR"/worker*.pid; do
+    for f in "$SANDCELL_RUN_DIR"/scheduler*.pid "$SANDCELL_RUN_DIR"/worker*.pid "$SANDCELL_RUN_DIR"/gateway*.pid; do
         [ -f "$f" ] || continue
         pid=$(cat "$f")
         if kill -0 "$pid" 2>/dev/null; then
@@ -77,7 +79,7 @@ instance_addr() {
     echo "${base%:*}:$((${base##*:} + 10 * (k - 1)))"
 }
 
-# Write instance k of `kind` (scheduler|worker)'s launcher and start it; prints "name addr".
+# Write instance k of `kind` (scheduler|worker|gateway)'s launcher and start it; prints "name addr".
 start_instance() {
     local kind=$1 k=$2 bin_dir=$3 log_dir=$4 name=$1 addr id
     [ "$k" = 1 ] || name="$kind-$k"
@@ -88,6 +90,9 @@ start_instance() {
         if [ "$kind" = scheduler ]; then
             addr=$(instance_addr "${SANDCELL_SCHEDULER_METRICS_ADDR:-127.0.0.1:9464}" "$k")
             echo "export SANDCELL_SCHEDULER_METRICS_ADDR=$addr"
+        elif [ "$kind" = gateway ]; then
+            addr=$(instance_addr "${SANDCELL_GATEWAY_ADDR:-127.0.0.1:9480}" "$k")
+            echo "export SANDCELL_GATEWAY_ADDR=$addr"
         else
             addr=$(instance_addr "${SANDCELL_WORKER_METRICS_ADDR:-127.0.0.1:9465}" "$k")
             echo "export SANDCELL_WORKER_METRICS_ADDR=$addr"
@@ -110,6 +115,7 @@ start_sandcell() {
     stop_sandcell
     for k in $(seq "${SANDCELL_SCHEDULERS:-1}"); do started+=("$(start_instance scheduler "$k" "$bin_dir" "$log_dir")"); done
     for k in $(seq "${SANDCELL_WORKERS:-1}"); do started+=("$(start_instance worker "$k" "$bin_dir" "$log_dir")"); done
+    for k in $(seq "${SANDCELL_GATEWAYS:-1}"); do started+=("$(start_instance gateway "$k" "$bin_dir" "$log_dir")"); done
     for k in "${started[@]}"; do
         read -r name addr <<<"$k"
         wait_healthy "$name" "$addr" "$log_dir/$name.log"

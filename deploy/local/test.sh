@@ -5,6 +5,7 @@
 #   - the in-sandbox driver's tests, inside the real sandbox image;
 #   - the Python SDK (clients/python): installed with pip from the package index the machine is
 #     configured for, type-checked with mypy --strict, and its pytest suite run against the stack;
+#   - the E2B-compatible gateway (gateway/): E2B's own Python SDK, pinned, run against it;
 #   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run), and
 #     the client library's dependencies (no S3 SDK, no metrics server).
 # The fleet suite (tests/fleet.rs, and tests/chaos.rs again) runs once, under runc, against 2
@@ -63,6 +64,17 @@ else
     failed+=("installing the Python SDK")
 fi
 
+# E2B's own SDK, unmodified and pinned, as an agent built on it installs it: the client of the
+# gateway's tests (gateway/tests/e2b).
+echo "== E2B SDK: pip install -r gateway/tests/e2b/requirements.txt"
+e2b_ok=1
+rm -rf "$repo/target/e2b-py"
+if ! { python3 -m venv "$repo/target/e2b-py" &&
+    "$repo/target/e2b-py/bin/pip" install -q --disable-pip-version-check -r "$repo/gateway/tests/e2b/requirements.txt"; }; then
+    e2b_ok=0
+    failed+=("installing the E2B SDK")
+fi
+
 trap stop_sandcell EXIT
 
 # One pass: the worker (and the driver tests) under one OCI runtime. The first pass runs every
@@ -104,6 +116,14 @@ run_pass() {
         echo "== [$runtime] Python SDK tests (pytest clients/python)"
         (cd "$repo/clients/python" && SANDCELL_ADMIN_BIN="$repo/target/debug/sandcell-admin" "$repo/target/py/bin/pytest" -q) \
             || failed+=("Python SDK tests under $runtime")
+    fi
+    # The E2B-compatible gateway, driven by E2B's SDK through environment variables alone. A
+    # client too: what it proves does not depend on the OCI runtime.
+    if [ "$scope" = all ] && [ "$e2b_ok" = 1 ]; then
+        echo "== [$runtime] E2B SDK against the gateway (pytest gateway/tests/e2b)"
+        (cd "$repo/gateway/tests/e2b" && SANDCELL_ADMIN_BIN="$repo/target/debug/sandcell-admin" \
+            SANDCELL_GATEWAY_URL="http://${SANDCELL_GATEWAY_ADDR:-127.0.0.1:9480}" "$repo/target/e2b-py/bin/pytest" -q) \
+            || failed+=("E2B SDK tests under $runtime")
     fi
     # The Kubernetes deployment, validated offline, and every metric its alerts, dashboard and
     # autoscaler name found in a live scrape of the binaries that just ran the suite.

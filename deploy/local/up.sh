@@ -384,6 +384,7 @@ SANDCELL_S3_ACCESS_KEY_ID=GK$(secret garage.key_id 12)
 SANDCELL_S3_SECRET_ACCESS_KEY=$(secret garage.key_secret 32)
 SANDCELL_SANDBOX_IMAGE=$image
 SANDCELL_DOCKER_RUNTIMES=$(docker_runtimes "$image")
+SANDCELL_GATEWAY_SECRET=$(secret gateway.secret 32)
 EOF
     cat >&2 <<EOF
 
@@ -393,6 +394,7 @@ sandcell local stack is up
   garage S3  http://127.0.0.1:3900 (region garage, bucket $BUCKET, path style); admin 127.0.0.1:3903
   docker     $(docker info --format '{{.ServerVersion}}') runtimes: $(grep ^SANDCELL_DOCKER_RUNTIMES= "$ENV_FILE" | cut -d= -f2)
   image      $image
+  gateway    E2B_API_URL=E2B_SANDBOX_URL=http://${SANDCELL_GATEWAY_ADDR:-127.0.0.1:9480} once started (deploy/local/demo.sh, test.sh)
   env file   $ENV_FILE   (use: set -a; . $ENV_FILE; set +a)
 EOF
 }

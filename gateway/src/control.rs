@@ -103,9 +103,8 @@ pub async fn create(State(gw): State<Arc<Gateway>>, caller: Caller, Json(body): 
     if !gw.settings.templates.contains(&template) {
         return Err(ApiError::bad_request(format!("unknown template {template:?}; this gateway offers {}", gw.settings.templates.join(", "))));
     }
-    if body.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
-        return Err(ApiError::bad_request("sandbox-wide envVars are not supported by sandcell's E2B gateway; pass envs to each run_code instead"));
-    }
+    let env = body.env_vars.unwrap_or_default();
+    crate::interpreter::check_env(&env)?;
     if body.auto_pause == Some(true) {
         return Err(ApiError::unsupported("auto-pause"));
     }
@@ -138,6 +137,7 @@ pub async fn create(State(gw): State<Arc<Gateway>>, caller: Caller, Json(body): 
         cpu_count: limits.map_or(1, |l| l.cpus.ceil().max(1.0) as i32),
         memory_mb: limits.map_or(0, |l| l.memory_mb as i32),
         disk_mb: limits.map_or(0, |l| l.workspace_mb as i32),
+        env: serde_json::to_value(env).unwrap_or_default(),
         created_at: Utc::now(),
     };
     gw.sandboxes.insert(&row).await.map_err(|e| ApiError::internal("recording the sandbox", &e))?;

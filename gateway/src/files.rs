@@ -293,11 +293,17 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
         Err(e) => return connect::stream_error("invalid_argument", &format!("Start request: {e}")),
     };
     let p = &req.process;
+    let sb = caller.sandbox;
+    // The sandbox's variables are the job's environment; the process's own are exported first
+    // thing in its script.
+    let env = match crate::interpreter::run_env(&sb.env, Default::default()) {
+        Ok(env) => env,
+        Err(e) => return connect::stream_error("invalid_argument", &e.message),
+    };
     let script = match script_of(&ProcessConfigView { cmd: &p.cmd, args: &p.args, envs: &p.envs, cwd: p.cwd.as_deref() }) {
         Ok(s) => s,
         Err(e) => return connect::stream_error("invalid_argument", &e),
     };
-    let sb = caller.sandbox;
     match is_running(&gw, &sb.tenant, &sb.session_id).await {
         Ok(true) => {}
         Ok(false) => return connect::stream_error("unavailable", &format!("sandbox {} is not running", sb.session_id)),
@@ -307,6 +313,7 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
     let mut sub = Submission::new(&sb.tenant, job_id(), Language::Bash, script);
     sub.session = Some(SessionRequest { new: false, id: Some(sb.session_id.clone()), keep_alive_s: None, close: false });
     sub.timeout_ms = Some(timeout_ms.max(100));
+    sub.env = env;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
     let _ = tx.send(Ok(connect::frame(&json!({"event": {"start": {"pid": 1}}}))));
     tokio::spawn(async move {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -172,19 +172,21 @@ async fn fetch_images(gw: &Gateway, r: &JobResult, lines: &mut [Value], images: 
 /// `POST /execute`: run code in the sandbox's kernel, streaming its output as NDJSON.
 pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json(body): Json<ExecuteBody>) -> Result<Response, ApiError> {
     let sb = caller.sandbox;
-    if body.context_id.as_deref().is_some_and(|c| c != DEFAULT_CONTEXT) {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("context {:?} not found: sandcell's E2B gateway has only the default context", body.context_id),
-        ));
-    }
     let language = match body.language.as_deref().unwrap_or("python") {
         "python" | "python3" => Language::Python,
         "bash" | "sh" => Language::Bash,
         other => return Err(ApiError::bad_request(format!("language {other:?} is not supported: python or bash"))),
     };
-    if body.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
-        return Err(ApiError::unsupported("per-run environment variables (envs)"));
+    let env = run_env(&sb.env, body.env_vars.unwrap_or_default())?;
+    let context = match body.context_id.as_deref() {
+        None | Some(DEFAULT_CONTEXT) => None,
+        Some(id) => match gw.sandboxes.namespace(&sb.session_id, id).await.map_err(|e| ApiError::internal("reading the context", &e))? {
+            Some(namespace) => Some(namespace),
+            None => return Err(ApiError::new(StatusCode::NOT_FOUND, format!("context {id} not found"))),
+        },
+    };
+    if context.is_some() && language != Language::Python {
+        return Err(ApiError::bad_request("a context other than the default runs python only"));
     }
     if !is_running(&gw, &sb.tenant, &sb.session_id).await? {
         return Err(ApiError::not_running(&sb.session_id));
@@ -192,6 +194,8 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
     let mut sub = Submission::new(&sb.tenant, job_id(), language, body.code);
     sub.session = Some(SessionRequest { new: false, id: Some(sb.session_id.clone()), keep_alive_s: None, close: false });
     sub.timeout_ms = Some(gw.settings.run_timeout_ms);
+    sub.env = env;
+    sub.context = context;
     let wait = Duration::from_millis(gw.settings.run_timeout_ms) + Duration::from_secs(120);
     let (tx, rx) = mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
     let started = std::time::Instant::now();
@@ -227,18 +231,94 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
 }
 
-fn context_doc() -> Value {
-    json!({"id": DEFAULT_CONTEXT, "language": "python", "cwd": "/home/user"})
+/// Refuse variables a job could not carry (the protocol's rules).
+pub fn check_env(env: &HashMap<String, String>) -> Result<(), ApiError> {
+    use sandcell_protocol::submission::{is_valid_env_name, MAX_ENV_BYTES, MAX_ENV_VARS};
+    if env.len() > MAX_ENV_VARS {
+        return Err(ApiError::bad_request(format!("{} environment variables; at most {MAX_ENV_VARS}", env.len())));
+    }
+    if let Some(bad) = env.keys().find(|k| !is_valid_env_name(k)) {
+        return Err(ApiError::bad_request(format!("environment variable name {bad:?} must match [A-Za-z_][A-Za-z0-9_]*")));
+    }
+    if env.values().any(|v| v.contains('\0')) {
+        return Err(ApiError::bad_request("an environment variable's value contains NUL"));
+    }
+    if env.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() > MAX_ENV_BYTES {
+        return Err(ApiError::bad_request(format!("environment variables over {MAX_ENV_BYTES} bytes")));
+    }
+    Ok(())
 }
 
-/// `GET /contexts`: the default context only.
-pub async fn list_contexts(_caller: SandboxCaller) -> Json<Value> {
-    Json(json!([context_doc()]))
+/// The sandbox's variables with a run's own over them.
+pub fn run_env(sandbox: &Value, run: HashMap<String, String>) -> Result<BTreeMap<String, String>, ApiError> {
+    check_env(&run)?;
+    let mut env: BTreeMap<String, String> =
+        sandbox.as_object().map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect()).unwrap_or_default();
+    env.extend(run);
+    Ok(env)
 }
 
-/// `POST /contexts`, `DELETE /contexts/{id}`, `POST /contexts/{id}/restart`: not offered.
-pub async fn contexts_unsupported(_caller: SandboxCaller) -> ApiError {
-    ApiError::unsupported("code contexts besides the default one")
+fn context_doc(id: &str, language: &str, cwd: &str) -> Value {
+    json!({"id": id, "language": language, "cwd": cwd})
+}
+
+/// `GET /contexts`: the default context, then those created.
+pub async fn list_contexts(State(gw): State<Arc<Gateway>>, caller: SandboxCaller) -> Result<Json<Value>, ApiError> {
+    let mut out = vec![context_doc(DEFAULT_CONTEXT, "python", crate::files::HOME)];
+    let made = gw.sandboxes.contexts(&caller.sandbox.session_id).await.map_err(|e| ApiError::internal("listing contexts", &e))?;
+    out.extend(made.iter().map(|(id, language, cwd)| context_doc(id, language, cwd)));
+    Ok(Json(Value::Array(out)))
+}
+
+/// The body of `POST /contexts`.
+#[derive(Debug, Default, Deserialize)]
+pub struct ContextBody {
+    language: Option<String>,
+    cwd: Option<String>,
+}
+
+/// `POST /contexts`: a new context — a namespace of the sandbox's kernel, made on its first run.
+pub async fn create_context(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, body: Option<Json<ContextBody>>) -> Result<Json<Value>, ApiError> {
+    let body = body.map(|Json(b)| b).unwrap_or_default();
+    let language = body.language.unwrap_or_else(|| "python".to_string());
+    if language != "python" {
+        return Err(ApiError::bad_request(format!("language {language:?}: contexts run python only")));
+    }
+    let cwd = body.cwd.unwrap_or_else(|| crate::files::HOME.to_string());
+    if cwd.trim_end_matches('/') != crate::files::HOME {
+        return Err(ApiError::bad_request(format!("cwd {cwd:?}: a context's working directory is {}", crate::files::HOME)));
+    }
+    let id = uuid::Uuid::new_v4().to_string();
+    gw.sandboxes
+        .create_context(&caller.sandbox.session_id, &id, &language, crate::files::HOME)
+        .await
+        .map_err(|e| ApiError::internal("creating the context", &e))?;
+    Ok(Json(context_doc(&id, &language, crate::files::HOME)))
+}
+
+/// `DELETE /contexts/{id}`: runs naming it are refused from then on (its namespace stays in
+/// the kernel's memory until the sandbox ends).
+pub async fn delete_context(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    if id == DEFAULT_CONTEXT {
+        return Err(ApiError::bad_request("the default context cannot be deleted"));
+    }
+    match gw.sandboxes.delete_context(&caller.sandbox.session_id, &id).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT),
+        Ok(false) => Err(ApiError::new(StatusCode::NOT_FOUND, format!("context {id} not found"))),
+        Err(e) => Err(ApiError::internal("deleting the context", &e)),
+    }
+}
+
+/// `POST /contexts/{id}/restart`: the context's next run starts in a fresh namespace.
+pub async fn restart_context(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    if id == DEFAULT_CONTEXT {
+        return Err(ApiError::unsupported("restarting the default context"));
+    }
+    match gw.sandboxes.restart_context(&caller.sandbox.session_id, &id).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT),
+        Ok(false) => Err(ApiError::new(StatusCode::NOT_FOUND, format!("context {id} not found"))),
+        Err(e) => Err(ApiError::internal("restarting the context", &e)),
+    }
 }
 
 #[cfg(test)]

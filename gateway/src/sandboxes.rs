@@ -26,6 +26,8 @@ pub struct SandboxRow {
     pub memory_mb: i32,
     /// The workspace's size.
     pub disk_mb: i32,
+    /// Variables every run and command of the sandbox sees (string → string).
+    pub env: serde_json::Value,
     /// When it was created.
     pub created_at: DateTime<Utc>,
 }
@@ -52,7 +54,7 @@ impl Sandboxes {
 
     /// Record a sandbox just opened.
     pub async fn insert(&self, row: &SandboxRow) -> Result<()> {
-        sqlx::query("INSERT INTO gateway_sandboxes (session_id, tenant, template_id, metadata, cpu_count, memory_mb, disk_mb, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")
+        sqlx::query("INSERT INTO gateway_sandboxes (session_id, tenant, template_id, metadata, cpu_count, memory_mb, disk_mb, created_at, env) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)")
             .bind(&row.session_id)
             .bind(&row.tenant)
             .bind(&row.template_id)
@@ -61,6 +63,7 @@ impl Sandboxes {
             .bind(row.memory_mb)
             .bind(row.disk_mb)
             .bind(row.created_at)
+            .bind(&row.env)
             .execute(&self.db)
             .await
             .context("recording the sandbox")?;
@@ -104,5 +107,63 @@ impl Sandboxes {
         .await
         .context("listing sandboxes")?;
         Ok(rows.into_iter().map(|j| Listed { row: j.row, expires_at: j.expires_at }).collect())
+    }
+
+    /// Record a new context of `session_id`, whose kernel namespace is first named `context_id`.
+    pub async fn create_context(&self, session_id: &str, context_id: &str, language: &str, cwd: &str) -> Result<()> {
+        sqlx::query("INSERT INTO gateway_contexts (session_id, context_id, namespace, language, cwd) VALUES ($1, $2, $2, $3, $4)")
+            .bind(session_id)
+            .bind(context_id)
+            .bind(language)
+            .bind(cwd)
+            .execute(&self.db)
+            .await
+            .context("recording the context")?;
+        Ok(())
+    }
+
+    /// The contexts of `session_id` besides the default one: (id, language, cwd), oldest first.
+    pub async fn contexts(&self, session_id: &str) -> Result<Vec<(String, String, String)>> {
+        sqlx::query_as("SELECT context_id, language, cwd FROM gateway_contexts WHERE session_id = $1 ORDER BY created_at, context_id")
+            .bind(session_id)
+            .fetch_all(&self.db)
+            .await
+            .context("listing contexts")
+    }
+
+    /// The kernel namespace of a context, if it exists.
+    pub async fn namespace(&self, session_id: &str, context_id: &str) -> Result<Option<String>> {
+        let row: Option<(String,)> = sqlx::query_as("SELECT namespace FROM gateway_contexts WHERE session_id = $1 AND context_id = $2")
+            .bind(session_id)
+            .bind(context_id)
+            .fetch_optional(&self.db)
+            .await
+            .context("reading the context")?;
+        Ok(row.map(|(n,)| n))
+    }
+
+    /// Forget a context; whether it existed.
+    pub async fn delete_context(&self, session_id: &str, context_id: &str) -> Result<bool> {
+        let done = sqlx::query("DELETE FROM gateway_contexts WHERE session_id = $1 AND context_id = $2")
+            .bind(session_id)
+            .bind(context_id)
+            .execute(&self.db)
+            .await
+            .context("deleting the context")?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Point a context at a fresh namespace (its variables are gone for its next run); whether
+    /// it existed.
+    pub async fn restart_context(&self, session_id: &str, context_id: &str) -> Result<bool> {
+        let fresh = format!("{context_id}-{}", sandcell_core::tenants::random_hex(8));
+        let done = sqlx::query("UPDATE gateway_contexts SET namespace = $3 WHERE session_id = $1 AND context_id = $2")
+            .bind(session_id)
+            .bind(context_id)
+            .bind(fresh)
+            .execute(&self.db)
+            .await
+            .context("restarting the context")?;
+        Ok(done.rows_affected() == 1)
     }
 }

@@ -34,4 +34,10 @@ pub struct ExecutionJob {
     /// Return a workspace listing after the code ran.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub list_files: bool,
+    /// Environment variables of this job's code only (the submission's `env`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// The Python namespace of the session the code runs in (the submission's `context`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<String>,
 }

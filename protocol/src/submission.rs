@@ -103,6 +103,65 @@ pub struct Submission {
     /// Return a listing of the workspace after the code ran (`files` in the result).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub list_files: bool,
+    /// Environment variables of this job's code only: Python sees them in `os.environ` during
+    /// the cell (restored after it), bash in its environment. At most [`MAX_ENV_VARS`], names
+    /// `[A-Za-z_][A-Za-z0-9_]*`, no NUL, [`MAX_ENV_BYTES`] in all.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// In a session, the Python namespace the code runs in: each context has its own
+    /// variables, imports and execution count, and shares the session's files and processes.
+    /// Absent: the session's default namespace. 1–64 of `[A-Za-z0-9_-]`; Python only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<String>,
+}
+
+/// Most environment variables a job sets.
+pub const MAX_ENV_VARS: usize = 64;
+/// Most bytes of a job's environment variables (names and values together).
+pub const MAX_ENV_BYTES: usize = 64 << 10;
+
+/// Whether `name` is an acceptable environment variable name.
+pub fn is_valid_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_') && chars.all(|c| c.is_ascii_alphanumeric() || c == '_') && name.len() <= 255
+}
+
+/// Whether `name` is an acceptable context name.
+pub fn is_valid_context(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// The environment and context rules of a submission (also checked by the driver).
+fn validate_env_and_context(sub: &Submission) -> Result<(), Reason> {
+    let invalid = |m: String| Err(Reason::new(ErrorCode::InvalidValue, m));
+    if sub.env.len() > MAX_ENV_VARS {
+        return invalid(format!("env sets {} variables; the limit is {MAX_ENV_VARS}", sub.env.len()));
+    }
+    let mut total = 0;
+    for (name, value) in &sub.env {
+        if !is_valid_env_name(name) {
+            return invalid(format!("env name {name:?} must match [A-Za-z_][A-Za-z0-9_]* (at most 255 characters)"));
+        }
+        if value.contains('\0') {
+            return invalid(format!("env value of {name} contains NUL"));
+        }
+        total += name.len() + value.len();
+    }
+    if total > MAX_ENV_BYTES {
+        return invalid(format!("env is {total} bytes; the limit is {MAX_ENV_BYTES}"));
+    }
+    if let Some(context) = &sub.context {
+        if !is_valid_context(context) {
+            return invalid(format!("context {context:?} must be 1-64 characters of [A-Za-z0-9_-]"));
+        }
+        if sub.session.is_none() {
+            return invalid("context is for jobs in a session (a one-off job has a fresh interpreter anyway)".into());
+        }
+        if sub.language != Language::Python {
+            return invalid("context applies to python code only".into());
+        }
+    }
+    Ok(())
 }
 
 impl Submission {
@@ -121,6 +180,8 @@ impl Submission {
             session: None,
             get_files: Vec::new(),
             list_files: false,
+            env: Default::default(),
+            context: None,
         }
     }
 
@@ -325,6 +386,7 @@ fn validate(sub: &Submission, limits: &IntakeLimits) -> Result<(), Reason> {
             return Err(Reason::new(ErrorCode::InvalidFilePath, format!("get_files entry {path:?}: {e}")));
         }
     }
+    validate_env_and_context(sub)?;
     validate_files(&sub.tenant, &sub.files, limits)
 }
 
@@ -397,6 +459,33 @@ mod tests {
 
     fn valid() -> serde_json::Value {
         json!({"job_id": "j-1", "tenant": "acme", "language": "python", "code": "print(1)"})
+    }
+
+    #[test]
+    fn env_and_context_are_accepted_within_their_rules_and_refused_outside() {
+        let mut v = valid();
+        v["env"] = json!({"GREETING": "hey", "_X1": ""});
+        v["session"] = json!({"id": "ses_0123456789abcdef0123456789abcdef"});
+        v["context"] = json!("ctx-1_a");
+        let s = parse(v.clone()).unwrap();
+        assert_eq!(s.env.get("GREETING").map(String::as_str), Some("hey"));
+        assert_eq!(s.context.as_deref(), Some("ctx-1_a"));
+        for (field, bad) in
+            [("env", json!({"1A": "x"})), ("env", json!({"A-B": "x"})), ("env", json!({"A": "x\u{0}y"})), ("context", json!("a b")), ("context", json!(""))]
+        {
+            let mut b = v.clone();
+            b[field] = bad.clone();
+            assert_eq!(code_of(parse(b)), ErrorCode::InvalidValue, "{field} = {bad}");
+        }
+        let mut one_off = v.clone();
+        one_off.as_object_mut().map(|o| o.remove("session"));
+        assert_eq!(code_of(parse(one_off)), ErrorCode::InvalidValue, "a context needs a session");
+        let mut bash = v.clone();
+        bash["language"] = json!("bash");
+        assert_eq!(code_of(parse(bash)), ErrorCode::InvalidValue, "a context is python only");
+        let mut many = valid();
+        many["env"] = serde_json::Value::Object((0..=MAX_ENV_VARS).map(|i| (format!("V{i}"), json!("x"))).collect());
+        assert_eq!(code_of(parse(many)), ErrorCode::InvalidValue);
     }
 
     #[test]

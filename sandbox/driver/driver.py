@@ -119,7 +119,8 @@ execute         {"id", "language": "python"|"bash", "code",
                  "files": [{"path", "content_b64"}],
                  "timeout_ms", "stdout_limit", "stderr_limit",
                  "max_file_bytes", "max_artifact_files", "max_artifact_bytes",
-                 "get_files": [path], "list_files": bool, "fresh": bool}
+                 "get_files": [path], "list_files": bool, "fresh": bool,
+                 "env": {name: value}, "context": name}
                 "id" is opaque and echoed as "id" on every frame of the
                 request.  Only id/language/code are required.
                 fresh (a one-off job in a sandbox reused for its tenant):
@@ -134,6 +135,11 @@ execute         {"id", "language": "python"|"bash", "code",
                 the new/changed files and under the same limits (a repeated
                 path is sent once).  list_files: send a file_list.  Neither
                 is done for an input_error.
+                env: variables the cell's code sees (python: os.environ
+                during the cell, restored after it; bash: the script's
+                environment).  context (python, not fresh): the namespace
+                the cell runs in -- its own variables and execution count,
+                made on first use; absent: the kernel's default namespace.
 stats           {"id"}
                 answered with one stats frame (no done).  Like any request
                 it is read only once the previous one is finished.
@@ -165,6 +171,7 @@ import errno
 import json
 import os
 import platform
+import re
 import secrets
 import select
 import signal
@@ -196,6 +203,12 @@ DEFAULT_LIMITS = {
     "max_artifact_files": 100,
     "max_artifact_bytes": 104857600,
 }
+# An execute request's env: how many variables, and their names.
+MAX_ENV_VARS = 64
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
+# A context's name.
+CONTEXT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 # Most entries in an execute request's get_files.
 MAX_GET_FILES = 64
 # How often the driver checks that its kernel is alive while it waits for it.
@@ -563,10 +576,23 @@ def parse_execute(obj):
         fresh = False
     if not isinstance(fresh, bool):
         raise RequestError("execute: fresh must be a boolean")
+    env = obj.get("env")
+    if env is None:
+        env = {}
+    if not isinstance(env, dict) or len(env) > MAX_ENV_VARS or not all(
+            isinstance(k, str) and ENV_NAME.fullmatch(k) and isinstance(v, str) and "\0" not in v
+            for k, v in env.items()):
+        raise RequestError("execute: env must be at most %d variables named [A-Za-z_][A-Za-z0-9_]*, "
+                           "with string values without NUL" % MAX_ENV_VARS)
+    context = obj.get("context")
+    if context is not None and (not isinstance(context, str) or not CONTEXT_NAME.fullmatch(context)
+                                or obj["language"] != "python" or fresh):
+        raise RequestError("execute: context must be 1-64 characters of [A-Za-z0-9_-], "
+                           "for python code that is not fresh")
     limits = {name: _int_field(obj, name, default) for name, default in DEFAULT_LIMITS.items()}
     return {"id": req_id, "language": obj["language"], "code": obj["code"],
             "files": files, "limits": limits, "get_files": get_files, "list_files": list_files,
-            "fresh": fresh}
+            "fresh": fresh, "env": env, "context": context}
 
 
 class Driver:
@@ -658,7 +684,8 @@ class Driver:
         self.capture.begin(req_id, limits["stdout_limit"], limits["stderr_limit"])
         started = time.monotonic()
         try:
-            exit_code, error_errno = self.run(req_id, req["language"], req["code"], req["fresh"])
+            exit_code, error_errno = self.run(req_id, req["language"], req["code"], req["fresh"],
+                                              req["env"], req["context"])
             duration_ms = (time.monotonic() - started) * 1000.0
             self.capture.sync()
         finally:
@@ -710,7 +737,7 @@ class Driver:
                              % (emptied, ipc_clean, alone, unchanged, answers))
         return verdict
 
-    def run(self, req_id, language, code, fresh=False):
+    def run(self, req_id, language, code, fresh=False, env=None, context=None):
         """Have the kernel run one cell (fresh: in a process forked for it);
         forward its outputs.  Returns (exit_code, errno of the python
         exception it ended with)."""
@@ -720,7 +747,8 @@ class Driver:
         run_id = "run-%d-%s" % (self._runs, secrets.token_hex(8))
         self.running = run_id
         try:
-            self.kernel.send({"type": "run", "id": run_id, "language": language, "code": code, "fresh": fresh})
+            self.kernel.send({"type": "run", "id": run_id, "language": language, "code": code, "fresh": fresh,
+                              "env": env or {}, "context": context})
             result = self.forward(req_id, run_id, language)
             if fresh:
                 self.await_child_exit(run_id)

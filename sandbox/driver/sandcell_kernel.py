@@ -73,6 +73,8 @@ from sandcell_frames import (MAX_REQUEST_BYTES, Channel, cap_error, clean_mime_b
                              traceback_lines)
 
 WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
+# The name of a session's namespace when a request names none.
+DEFAULT_CONTEXT = "default"
 # Grace period between SIGINT and SIGKILL for an interrupted bash job.
 BASH_INTERRUPT_GRACE_S = 2.0
 
@@ -338,6 +340,10 @@ class Kernel:
         # The process forked for the next fresh run, and the pipe its request goes down:
         # (pid, write fd), or None.
         self.standby = None
+        # The namespaces of a session's contexts other than the current one, by name:
+        # (module, namespace, execution count).
+        self.context = DEFAULT_CONTEXT
+        self.contexts = {}
 
     def serve(self):
         while True:
@@ -365,11 +371,14 @@ class Kernel:
 
     def run_cell(self, req):
         self.reassert()
+        env = req.get("env") or {}
         if req["language"] == "python":
+            self.use_context(req.get("context"))
             self.shell.sandcell_last_exc = None
-            exit_code = self.run_python(req["id"], req["code"])
+            with cell_environment(env):
+                exit_code = self.run_python(req["id"], req["code"])
         else:
-            exit_code = self.run_bash(req["code"])
+            exit_code = self.run_bash(req["code"], env)
         self.flush()
         self.channel.send({"type": "cell_done", "id": req["id"], "exit_code": exit_code,
                            "execution_count": self.execution_count, "errno": self.last_error_errno})
@@ -528,10 +537,31 @@ class Kernel:
             shell.sandcell_sink = None
         return 1 if failed else 0
 
-    def run_bash(self, code):
+    def use_context(self, name):
+        """Make `name`'s namespace the shell's (None: the default one), made
+        fresh on first use. Each keeps its own variables and execution count;
+        modules, files and processes are the kernel's."""
+        name = name or DEFAULT_CONTEXT
+        if name == self.context:
+            return
+        shell = self.shell
+        self.contexts[self.context] = (shell.user_module, shell.user_ns, shell.execution_count)
+        made = name not in self.contexts
+        if made:
+            module, ns = shell.prepare_user_module(None, None)
+            self.contexts[name] = (module, ns, 1)
+        module, ns, count = self.contexts[name]
+        shell.init_create_namespaces(module, ns)
+        sys.modules["__main__"] = module
+        shell.execution_count = count
+        if made:
+            shell.init_user_ns()
+        self.context = name
+
+    def run_bash(self, code, env=None):
         # stdout/stderr are inherited: fds 1/2 are the capture pipes.
         proc = subprocess.Popen(["bash", "-c", code], cwd=WORKSPACE, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=dict(os.environ, **(env or {})))
         try:
             with GATE.cell():
                 returncode = proc.wait()
@@ -549,6 +579,22 @@ class Kernel:
         except subprocess.TimeoutExpired:
             _killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
+
+
+@contextlib.contextmanager
+def cell_environment(env):
+    """`env` in os.environ for the cell, and os.environ's earlier values
+    back after it (what the cell itself set besides stays, as in a notebook)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _killpg(pgid, sig):

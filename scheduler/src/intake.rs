@@ -430,7 +430,7 @@ async fn handle(
 #[derive(Debug, PartialEq)]
 enum Decision {
     /// A valid submission whose tenant is its publisher's (or named by a trusted publisher).
-    Accept(Submission),
+    Accept(Box<Submission>),
     /// Recorded as an intake rejection: under the publishing tenant whenever there is one.
     Reject(Rejection),
 }
@@ -451,7 +451,7 @@ fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision 
             );
             Decision::Reject(Rejection { reason, tenant: Some(tenant.clone()), job_id: Some(sub.job_id) })
         }
-        (Ok(sub), _) => Decision::Accept(sub),
+        (Ok(sub), _) => Decision::Accept(Box::new(sub)),
         (Err(mut rejection), _) => {
             if let Publisher::Tenant(tenant) = from {
                 rejection.tenant = Some(tenant.clone());
@@ -509,6 +509,8 @@ async fn accept(
         session: session.clone(),
         get_files: sub.get_files.clone(),
         list_files: sub.list_files,
+        env: sub.env.clone(),
+        context: sub.context.clone(),
     };
     let mut payload = serde_json::to_vec(&job).context("serializing execution job")?;
     // Where it goes: its session's owner (or nowhere yet: parked while the session moves), or a
@@ -644,7 +646,7 @@ mod tests {
 
     #[test]
     fn a_tenant_submits_as_itself_only() {
-        assert_eq!(decide(Ok(sub("acme")), &Publisher::Tenant("acme".into())), Decision::Accept(sub("acme")));
+        assert_eq!(decide(Ok(sub("acme")), &Publisher::Tenant("acme".into())), Decision::Accept(Box::new(sub("acme"))));
         let Decision::Reject(r) = decide(Ok(sub("other")), &Publisher::Tenant("acme".into())) else { panic!("accepted") };
         assert_eq!(r.reason.code, ErrorCode::TenantMismatch);
         assert_eq!((r.tenant.as_deref(), r.job_id.as_deref()), (Some("acme"), Some("job-1")), "recorded under the publisher");
@@ -652,7 +654,7 @@ mod tests {
 
     #[test]
     fn a_trusted_publisher_names_the_tenant_in_the_body() {
-        assert_eq!(decide(Ok(sub("any")), &Publisher::Trusted("sandcell".into())), Decision::Accept(sub("any")));
+        assert_eq!(decide(Ok(sub("any")), &Publisher::Trusted("sandcell".into())), Decision::Accept(Box::new(sub("any"))));
     }
 
     #[test]

@@ -213,6 +213,8 @@ mod tests {
             session: None,
             get_files: vec![],
             list_files: false,
+            env: Default::default(),
+            context: None,
         }
     }
 

@@ -78,6 +78,8 @@ fn own_cell(tenant: &str, session_id: &str, limits: &ExecutionLimits, code: &str
         session: Some(JobSession { id: session_id.to_string(), new: false, keep_alive_s: 0, close: false, adopt: None }),
         get_files,
         list_files: false,
+        env: Default::default(),
+        context: None,
     }
 }
 

@@ -46,6 +46,12 @@ pub struct ExecuteRequest<'a> {
     /// empty everything the job could write afterwards (a one-off job in a sandbox reused for
     /// its tenant); otherwise the code runs in the kernel and its state persists (a session).
     pub fresh: bool,
+    /// Environment variables of this cell's code only.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: &'a BTreeMap<String, String>,
+    /// The session's Python namespace to run in (absent: the default one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<&'a str>,
 }
 
 impl<'a> ExecuteRequest<'a> {
@@ -67,6 +73,8 @@ impl<'a> ExecuteRequest<'a> {
             get_files: &job.get_files,
             list_files: job.list_files,
             fresh,
+            env: &job.env,
+            context: job.context.as_deref(),
         }
     }
 }
