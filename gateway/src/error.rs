@@ -40,7 +40,8 @@ impl ApiError {
     /// 502: the sandbox is not running (killed or expired) — what E2B answers on the sandbox's
     /// own ports, which its SDK reports as a timeout of the sandbox.
     pub fn not_running(id: &str) -> Self {
-        Self::new(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running: it was killed or its timeout passed"))
+        // "was not found" is what E2B's SDK looks for to raise SandboxNotRunningException.
+        Self::new(StatusCode::BAD_GATEWAY, format!("sandbox {id} was not found: it was killed or its timeout passed"))
     }
 
     /// 501: a call of E2B's API that sandcell does not offer (see docs/e2b-compatibility.md).

@@ -319,7 +319,8 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
     tokio::spawn(async move {
         let b64 = base64::engine::general_purpose::STANDARD;
         let (mut out_len, mut err_len) = (0usize, 0usize);
-        let result = gw.runs.run(&sub, Duration::from_millis(timeout_ms) + Duration::from_secs(120), |event| {
+        let events_tx = tx.clone();
+        let run = gw.runs.run(&sub, Duration::from_millis(timeout_ms) + Duration::from_secs(120), |event| {
             let data = match event {
                 EventBody::Stdout { text } => {
                     out_len += text.len();
@@ -331,9 +332,10 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
                 }
                 _ => return,
             };
-            let _ = tx.send(Ok(connect::frame(&json!({"event": {"data": data}}))));
+            let _ = events_tx.send(Ok(connect::frame(&json!({"event": {"data": data}}))));
         });
-        match result.await {
+        let result = crate::runs::follow(&gw, &sub, run, &tx, connect::frame(&json!({"event": {"keepalive": {}}}))).await;
+        match result {
             Ok(r) => {
                 let e = &r.execution;
                 if let Some(rest) = e.stdout.get(out_len..).filter(|s| !s.is_empty()) {
@@ -362,11 +364,12 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
     ([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response()
 }
 
-/// `GET /health` on envd: 204 while the sandbox runs, 502 after (the SDK's `is_running`).
-pub async fn health(State(gw): State<Arc<Gateway>>, caller: SandboxCaller) -> StatusCode {
-    match is_running(&gw, &caller.sandbox.tenant, &caller.sandbox.session_id).await {
-        Ok(true) => StatusCode::NO_CONTENT,
-        _ => StatusCode::BAD_GATEWAY,
+/// `GET /health` on envd: 204 while the sandbox runs, 502 "was not found" after (the SDK's
+/// `is_running`), 503 when sandcell cannot tell.
+pub async fn health(State(gw): State<Arc<Gateway>>, caller: SandboxCaller) -> Result<StatusCode, ApiError> {
+    match is_running(&gw, &caller.sandbox.tenant, &caller.sandbox.session_id).await? {
+        true => Ok(StatusCode::NO_CONTENT),
+        false => Err(ApiError::not_running(&caller.sandbox.session_id)),
     }
 }
 

@@ -201,12 +201,17 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
     let started = std::time::Instant::now();
     tokio::spawn(async move {
         let mut streamed = Streamed::default();
-        let result = gw.runs.run(&sub, wait, |event| {
-            if let Some(line) = streamed.event(event) {
-                let _ = tx.send(Ok(ndjson(&line)));
-            }
-        });
-        let lines = match result.await {
+        let result = {
+            let events_tx = tx.clone();
+            let run = gw.runs.run(&sub, wait, |event| {
+                if let Some(line) = streamed.event(event) {
+                    let _ = events_tx.send(Ok(ndjson(&line)));
+                }
+            });
+            // Ignored by E2B's SDK: written so that a client that went away is noticed.
+            crate::runs::follow(&gw, &sub, run, &tx, ndjson(&json!({"type": "keepalive"}))).await
+        };
+        let lines = match result {
             Ok(r) => {
                 let (mut lines, images) = streamed.closing(&r);
                 fetch_images(&gw, &r, &mut lines, images).await;
@@ -223,9 +228,6 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
             let _ = tx.send(Ok(ndjson(&line)));
         }
         gw.metrics.run_seconds.observe(started.elapsed().as_secs_f64());
-        if tx.is_closed() {
-            tracing::info!(job_id = sub.job_id, "the client went away before its run ended");
-        }
     });
     let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())

@@ -1,6 +1,6 @@
 //! The gateway's Prometheus metrics, served at `/metrics` on its own address.
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry};
 
 /// Every collector.
 pub struct Metrics {
@@ -18,6 +18,9 @@ pub struct Metrics {
     pub runs: IntCounterVec,
     /// `sandcell_gateway_run_seconds`: a run from its request to its stream's last line.
     pub run_seconds: Histogram,
+    /// `sandcell_gateway_client_gone_total`: runs whose client went away before their end (the
+    /// job was cancelled).
+    pub client_gone: IntCounter,
 }
 
 impl Metrics {
@@ -34,11 +37,13 @@ impl Metrics {
         let runs = IntCounterVec::new(Opts::new("sandcell_gateway_runs_total", "Runs (code, commands) by the job's end status."), &["status"])?;
         let run_seconds =
             Histogram::with_opts(HistogramOpts::new("sandcell_gateway_run_seconds", "A run from request to its stream's last line.").buckets(buckets))?;
+        let client_gone = IntCounter::new("sandcell_gateway_client_gone_total", "Runs whose client went away before their end (cancelled).")?;
+        registry.register(Box::new(client_gone.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_seconds.clone()))?;
         registry.register(Box::new(auth_refused.clone()))?;
         registry.register(Box::new(runs.clone()))?;
         registry.register(Box::new(run_seconds.clone()))?;
-        Ok(Metrics { registry, requests, request_seconds, auth_refused, runs, run_seconds })
+        Ok(Metrics { registry, requests, request_seconds, auth_refused, runs, run_seconds, client_gone })
     }
 }

@@ -23,6 +23,37 @@ pub struct Runs {
     poll: Duration,
 }
 
+/// The body of a streamed response, written by the task that follows the run.
+pub type BodyTx = tokio::sync::mpsc::UnboundedSender<Result<bytes::Bytes, std::io::Error>>;
+
+/// How often a streamed run writes a keep-alive line while it is silent: writing is how a
+/// client that went away is noticed (the connection refuses the write).
+pub const KEEPALIVE: Duration = Duration::from_secs(1);
+
+/// Drive `run` (a job of `sub`'s session, streaming into `tx`) to its end, writing `keepalive`
+/// every [`KEEPALIVE`]; when the client goes away meanwhile, cancel the job once (its cell is
+/// interrupted, the session keeps its state) and go on waiting for its result.
+pub async fn follow<T>(gw: &crate::Gateway, sub: &Submission, run: impl std::future::Future<Output = T>, tx: &BodyTx, keepalive: bytes::Bytes) -> T {
+    tokio::pin!(run);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
+    let mut gone = false;
+    loop {
+        tokio::select! {
+            out = &mut run => return out,
+            _ = tick.tick(), if !gone => { let _ = tx.send(Ok(keepalive.clone())); }
+            () = tx.closed(), if !gone => {
+                gone = true;
+                let session = sub.session.as_ref().and_then(|s| s.id.as_deref()).unwrap_or_default();
+                tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, session_id = session, "the client went away mid-run: cancelling the job");
+                gw.metrics.client_gone.inc();
+                if let Err(e) = gw.runs.cancel(&sub.tenant, &sub.job_id, session).await {
+                    tracing::warn!(error = format!("{e:#}"), job_id = %sub.job_id, "cancelling a job whose client went away failed; it runs to its time limit");
+                }
+            }
+        }
+    }
+}
+
 /// A fresh job id for a gateway request (unique per tenant, the idempotency key).
 pub fn job_id() -> String {
     format!("gw-{}", uuid::Uuid::new_v4().simple())
@@ -88,6 +119,11 @@ impl Runs {
                 anyhow::bail!("job {} had no result within {wait:?}", sub.job_id);
             }
         }
+    }
+
+    /// Ask sandcell to stop a job of a session (the client went away mid-run).
+    pub async fn cancel(&self, tenant: &str, job_id: &str, session_id: &str) -> Result<()> {
+        Ok(self.client().await.cancel(tenant, job_id, session_id).await?)
     }
 
     /// A job's result record, if recorded.

@@ -8,6 +8,7 @@
 //! This crate does no I/O. Its types generate the JSON Schemas under `docs/schemas/`.
 #![warn(missing_docs)]
 
+pub mod cancel;
 pub mod error;
 pub mod event;
 pub mod job;

@@ -15,6 +15,7 @@ pub fn all() -> Vec<(&'static str, Schema)> {
         ("event.schema.json", schema_for!(crate::JobEvent)),
         ("upload-request.schema.json", schema_for!(crate::upload::UploadRequest)),
         ("upload-grant.schema.json", schema_for!(crate::upload::UploadGrant)),
+        ("cancel-request.schema.json", schema_for!(crate::cancel::CancelRequest)),
     ]
 }
 

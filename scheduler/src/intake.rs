@@ -251,6 +251,14 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
         });
         return;
     }
+    if crate::cancels::is_cancel_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
+        let (s, publisher) = (shared.clone(), publisher.clone());
+        tokio::spawn(async move {
+            handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await;
+            drop(in_flight);
+        });
+        return;
+    }
     // Judged once, here: the lane and the handler read the same verdict.
     let verdict = parse_submission(&delivery.data, &shared.cfg.intake);
     let (before, done) = match shared.lanes.lock() {
@@ -299,6 +307,28 @@ async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metric
     if let Err(e) = settled {
         metrics.ack_failures.with_label_values(&[what]).inc();
         tracing::warn!(disposition = what, error = %e, "settling an upload request failed; the broker will redeliver it");
+    }
+}
+
+/// Judge and forward a cancel request ([`crate::cancels`]) and settle its delivery: acked once
+/// judged, returned to the queue when the database or the broker failed.
+async fn handle_cancel(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher_ch: &Channel, delivery: Delivery) {
+    let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
+    let trusted = matches!(publisher, Publisher::Trusted(_));
+    let (settled, what) = match crate::cancels::handle(jobs.pool(), publisher_ch, &delivery.data, publisher.name(), trusted).await {
+        Ok(outcome) => {
+            metrics.submissions.with_label_values(&[outcome.label()]).inc();
+            (delivery.ack(BasicAckOptions::default()).await, "ack")
+        }
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "a cancel request could not be handled; returning it to the queue");
+            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
+            (delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await, "requeue")
+        }
+    };
+    if let Err(e) = settled {
+        metrics.ack_failures.with_label_values(&[what]).inc();
+        tracing::warn!(disposition = what, error = %e, "settling a cancel request failed; the broker will redeliver it");
     }
 }
 

@@ -15,6 +15,7 @@
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 
+mod cancels;
 mod dispatch;
 mod intake;
 mod metrics;

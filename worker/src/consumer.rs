@@ -219,6 +219,10 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
             next = own.next() => {
                 let Some(delivery) = next else { break };
                 let delivery = delivery.context("receiving a session job")?;
+                if is_cancel(&delivery) {
+                    cancel(ctx, delivery).await;
+                    continue;
+                }
                 if let Some((job, ticket)) = admit(ctx, delivery).await {
                     // Handed to the session synchronously, so delivery order is mailbox order.
                     route_to_session(ctx, Work { job, ticket, claim: None }).await;
@@ -242,6 +246,26 @@ async fn hold_while_draining(conn: lapin::Connection) -> Result<()> {
     std::future::pending::<()>().await;
     drop(conn);
     Ok(())
+}
+
+fn is_cancel(delivery: &Delivery) -> bool {
+    delivery.properties.kind().as_ref().map(|k| k.as_str()) == Some(sandcell_protocol::cancel::CANCEL_MESSAGE_TYPE)
+}
+
+/// A cancel forwarded by the scheduler: handed to the session, if this worker holds it (its job
+/// is interrupted if running, or as it starts if next); settled at once either way.
+async fn cancel(ctx: &WorkerContext, delivery: Delivery) {
+    match serde_json::from_slice::<sandcell_protocol::cancel::CancelJob>(&delivery.data) {
+        Ok(c) => {
+            let held = ctx.registry.cancel(&c.tenant, &c.session_id, &c.job_id);
+            tracing::info!(tenant = %c.tenant, job_id = %c.job_id, session_id = %c.session_id, held, "cancel received");
+            ledger::settle_control(&delivery, true, &ctx.metrics).await;
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "undecodable cancel; dead-lettering");
+            ledger::settle_control(&delivery, false, &ctx.metrics).await;
+        }
+    }
 }
 
 /// Decode a delivery and enter it in the ledger. `None` when there is nothing to run: the

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use bollard::Docker;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason, Usage};
+use tokio::sync::watch;
 
 use crate::events::LiveJob;
 use crate::outcome::{apply, Outcome, Step};
@@ -112,6 +113,7 @@ impl Kernel {
         limits: &ExecutionLimits,
         on_timeout: OnTimeout,
         fresh: bool,
+        cancel: Option<watch::Receiver<Option<String>>>,
         live: &mut LiveJob,
     ) -> CellRun {
         let mut out = Outcome::new(limits);
@@ -132,8 +134,21 @@ impl Kernel {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
         let mut grace_deadline = None;
         let mut alive = true;
+        // A cancel of this job ends it as its deadline would: now.
+        let mut cancel = cancel;
+        let mut cancelled = false;
+        let mut deadline = deadline;
         loop {
-            match tokio::time::timeout_at(grace_deadline.unwrap_or(deadline), self.sandbox.next_event()).await {
+            let next = tokio::select! {
+                next = tokio::time::timeout_at(grace_deadline.unwrap_or(deadline), self.sandbox.next_event()) => next,
+                () = cancelled_job(&mut cancel, &job.job_id), if !cancelled && grace_deadline.is_none() => {
+                    tracing::info!(job_id = %job.job_id, "cancelled: interrupting the cell");
+                    cancelled = true;
+                    deadline = tokio::time::Instant::now();
+                    continue;
+                }
+            };
+            match next {
                 Err(_) => match (on_timeout, grace_deadline) {
                     (OnTimeout::Interrupt(grace), None) => {
                         self.sandbox.interrupt().await;
@@ -142,7 +157,7 @@ impl Kernel {
                     _ => {
                         reading = Some(self.cgroup.read(&meter));
                         self.sandbox.kill().await;
-                        out.status = JobStatus::TimedOut;
+                        out.status = if cancelled { JobStatus::Cancelled } else { JobStatus::TimedOut };
                         out.reason = None;
                         alive = false;
                         break;
@@ -187,7 +202,7 @@ impl Kernel {
         }
         if grace_deadline.is_some() && alive {
             // Interrupted in time: the cell ended with KeyboardInterrupt, the kernel lives on.
-            out.status = JobStatus::TimedOut;
+            out.status = if cancelled { JobStatus::Cancelled } else { JobStatus::TimedOut };
             out.reason = None;
         }
         let reading = reading.unwrap_or_else(|| self.cgroup.read(&meter));
@@ -206,6 +221,20 @@ impl Kernel {
     /// Remove the container and its workspace.
     pub async fn destroy(self) {
         self.sandbox.destroy().await;
+    }
+}
+
+/// Resolves when `cancel` names `job_id` (at once if it already does); never without a
+/// signal, or once its sender is gone.
+async fn cancelled_job(cancel: &mut Option<watch::Receiver<Option<String>>>, job_id: &str) {
+    let Some(rx) = cancel.as_mut() else { return std::future::pending().await };
+    loop {
+        if rx.borrow_and_update().as_deref() == Some(job_id) {
+            return;
+        }
+        if rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
     }
 }
 

@@ -185,6 +185,12 @@ fn delivery_count(delivery: &Delivery) -> i64 {
     }
 }
 
+/// Settle a control message (a cancel), which never becomes a ticket: acked once acted on,
+/// dead-lettered when it could not be decoded.
+pub async fn settle_control(delivery: &Delivery, decoded: bool, metrics: &Metrics) {
+    apply(delivery, if decoded { Disposition::Ack } else { Disposition::DeadLetter }, metrics).await;
+}
+
 /// Settle a message that never became a ticket (it could not be decoded).
 pub async fn settle_undecodable(delivery: &Delivery, metrics: &Metrics) {
     apply(delivery, Disposition::DeadLetter, metrics).await;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use sandcell_core::jobs::Claim;
 use sandcell_protocol::ExecutionJob;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::ledger::Ticket;
 
@@ -34,6 +34,8 @@ pub enum Mail {
 struct Entry {
     tenant: String,
     mailbox: mpsc::UnboundedSender<Mail>,
+    /// The job to cancel: the session's running job reads it (see [`crate::kernel::Kernel::run`]).
+    cancel: watch::Sender<Option<String>>,
 }
 
 /// The sessions this worker holds, cheap to clone.
@@ -79,9 +81,22 @@ impl Registry {
         self.map.lock().map(|m| m.len()).unwrap_or(0)
     }
 
-    pub fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Mail>) {
+    pub fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Mail>, cancel: watch::Sender<Option<String>>) {
         if let Ok(mut m) = self.map.lock() {
-            m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox });
+            m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox, cancel });
+        }
+    }
+
+    /// Ask `tenant`'s session `session_id` to stop job `job_id`: interrupted if it is running,
+    /// or as it starts if it is the next. Whether this worker holds that session.
+    pub fn cancel(&self, tenant: &str, session_id: &str, job_id: &str) -> bool {
+        let Ok(map) = self.map.lock() else { return false };
+        match map.get(session_id) {
+            Some(e) if e.tenant == tenant => {
+                e.cancel.send_replace(Some(job_id.to_string()));
+                true
+            }
+            _ => false,
         }
     }
 

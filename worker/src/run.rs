@@ -36,6 +36,11 @@ pub trait Host {
     /// Whether the job runs in a process forked for it that leaves nothing behind (one-off),
     /// or in the kernel itself, whose state persists (a session).
     fn fresh(&self) -> bool;
+    /// Where a cancel of the job reaches its cell (a session's jobs may be cancelled; a
+    /// one-off job may not).
+    fn cancel_signal(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        None
+    }
     /// The kernel to run the job in, got while the job holds `slot`. An error ends the job
     /// with `sandbox_unavailable`.
     async fn kernel(&mut self, ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimits, slot: &Slot) -> Result<&mut Kernel>;
@@ -122,7 +127,7 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: 
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, session_id, attempt = claim.attempt, "running job");
-    let (on_timeout, fresh) = (host.on_timeout(ctx), host.fresh());
+    let (on_timeout, fresh, cancel) = (host.on_timeout(ctx), host.fresh(), host.cancel_signal());
     let mut live = ctx.events.job(job, claim.attempt);
     let cell = {
         let slot = match held {
@@ -130,7 +135,7 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: 
             None => ctx.slot().await?,
         };
         match host.kernel(ctx, job, &limits, &slot).await {
-            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout, fresh, &mut live).await,
+            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout, fresh, cancel, &mut live).await,
             Err(e) => CellRun { outcome: Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), alive: false },
         }
     };

@@ -84,7 +84,8 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     };
     // In the registry before it is active in Postgres: a job routed here finds it.
     let (tx, rx) = mpsc::unbounded_channel();
-    ctx.registry.insert(&session.id, &job.tenant, tx);
+    let (cancel_tx, cancel) = tokio::sync::watch::channel(None);
+    ctx.registry.insert(&session.id, &job.tenant, tx, cancel_tx);
     let bound = match &session.adopt {
         None => ctx.sessions.bind(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await.map(|b| b.then_some(None)),
         Some(_) => ctx.sessions.adopt(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await.map(|a| a.map(Some)),
@@ -161,6 +162,7 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         kernel: Some(kernel),
         opening_slot: Some(slot),
         end: None,
+        cancel,
         ctx: ctx.clone(),
         _permit: permit,
     };
@@ -181,6 +183,8 @@ struct SessionTask {
     moved: Option<SessionMove>,
     /// Set by the job that ends the session (it closed it, or its kernel could not be replaced).
     end: Option<End>,
+    /// The job a client asked to cancel ([`crate::registry::Registry::cancel`]).
+    cancel: tokio::sync::watch::Receiver<Option<String>>,
     ctx: WorkerContext,
     _permit: OwnedSemaphorePermit,
 }
@@ -194,6 +198,10 @@ impl run::Host for SessionTask {
 
     fn fresh(&self) -> bool {
         false
+    }
+
+    fn cancel_signal(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        Some(self.cancel.clone())
     }
 
     fn held_slot(&mut self) -> Option<Slot> {

@@ -80,6 +80,20 @@ impl Client {
         self.publish(&body, Some(&sub.job_id), self.user.as_deref(), broker::intake_routing_key(sub)).await
     }
 
+    /// Ask sandcell to stop `tenant`'s job `job_id` in session `session_id` (the session's id is
+    /// the routing key, so the request follows the job's submission through the intake). The
+    /// job ends `cancelled` if it was running or next to run; otherwise nothing happens.
+    pub async fn cancel(&self, tenant: &str, job_id: &str, session_id: &str) -> Result<(), ClientError> {
+        use sandcell_protocol::cancel::{CancelRequest, CANCEL_MESSAGE_TYPE};
+        let body = serde_json::to_vec(&CancelRequest { tenant: tenant.into(), job_id: job_id.into() }).context("serializing a cancel request")?;
+        let mut props = broker::json_properties(job_id).with_type(CANCEL_MESSAGE_TYPE.into());
+        if let Some(user) = &self.user {
+            props = props.with_user_id(user.as_str().into());
+        }
+        broker::publish_to(&self.publisher, broker::INTAKE_EXCHANGE, session_id, &body, props).await?;
+        Ok(())
+    }
+
     /// Publish raw bytes as a submission (for testing how sandcell treats bad input).
     pub async fn submit_raw(&self, body: &[u8], message_id: Option<&str>) -> Result<(), ClientError> {
         self.submit_raw_as(body, message_id, self.user.as_deref()).await

@@ -1,0 +1,310 @@
+"""E2B's unmodified `e2b-code-interpreter` SDK works against sandcell's gateway, configured by
+environment variables alone (conftest.py sets them; nothing here passes api_key=, domain= or
+an address).
+
+Each test names the behaviour it proves and asserts exact values, so a gateway that answers
+loosely fails.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import List
+
+import httpx
+import pytest
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    FileNotFoundException,
+    FileType,
+    SandboxNotFoundException,
+    SandboxNotRunningException,
+    SandboxState,
+    TimeoutException,
+)
+from e2b_code_interpreter import Context, Execution, ExecutionError, OutputMessage, Result, Sandbox
+
+from conftest import GATEWAY_URL, SANDBOX_TIMEOUT, new_api_key, sandbox_ids
+
+# The code interpreter's port: what the SDK sends as E2b-Sandbox-Port for /execute.
+JUPYTER_PORT = "49999"
+
+
+def main_results(execution: Execution) -> List[Result]:
+    return [r for r in execution.results if r.is_main_result]
+
+
+# --- lifecycle -------------------------------------------------------------------------------
+
+
+def test_create_then_kill_and_a_killed_sandbox_is_gone() -> None:
+    sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT)
+    killed = False
+    try:
+        assert isinstance(sbx.sandbox_id, str) and sbx.sandbox_id
+        info = Sandbox.get_info(sbx.sandbox_id)
+        assert info.sandbox_id == sbx.sandbox_id
+        assert info.state == SandboxState.RUNNING
+        assert info.end_at > info.started_at
+        assert sbx.is_running() is True
+        assert sbx.run_code("1 + 1").text == "2"
+
+        assert sbx.kill() is True
+        killed = True
+    finally:
+        if not killed:
+            Sandbox.kill(sbx.sandbox_id)
+
+    # The sandbox's own port answers 502 for a sandbox that is not running, as E2B's does;
+    # the SDK reports that as a TimeoutException about the sandbox's timeout (not a hang:
+    # a client-side deadline would say "Execution timed out").
+    with pytest.raises(TimeoutException) as gone:
+        sbx.run_code("1", timeout=30)
+    assert "sandbox timeout" in str(gone.value)
+    assert sbx.is_running() is False
+    # envd's port (files, commands) too: a 502 whose message says the sandbox "was not
+    # found", as E2B's proxy words it, is the SDK's SandboxNotRunningException.
+    with pytest.raises(SandboxNotRunningException):
+        sbx.files.read("/home/user/anything.txt")
+    with pytest.raises(SandboxNotRunningException):
+        sbx.commands.run("true")
+    # Killing again finds nothing (404).
+    assert Sandbox.kill(sbx.sandbox_id) is False
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(sbx.sandbox_id)
+
+
+# --- the code interpreter --------------------------------------------------------------------
+
+
+def test_last_expression_is_the_main_result(shared_sandbox: Sandbox) -> None:
+    execution = shared_sandbox.run_code("x = 1; x")
+    assert execution.error is None
+    assert execution.text == "1"
+    main = main_results(execution)
+    assert len(main) == 1
+    assert main[0].text == "1"
+    assert execution.logs.stdout == []
+    assert execution.logs.stderr == []
+
+
+def test_state_is_kept_across_runs(shared_sandbox: Sandbox) -> None:
+    first = shared_sandbox.run_code("y = 41")
+    assert first.error is None
+    assert first.results == []
+    assert shared_sandbox.run_code("y + 1").text == "42"
+
+
+def test_stdout_and_stderr_reach_the_callbacks_and_the_logs(shared_sandbox: Sandbox) -> None:
+    stdout: List[OutputMessage] = []
+    stderr: List[OutputMessage] = []
+    execution = shared_sandbox.run_code(
+        'print("a"); print("b"); import sys; print("c", file=sys.stderr)',
+        on_stdout=stdout.append,
+        on_stderr=stderr.append,
+    )
+    assert execution.error is None
+    # A message's `line` is the text as printed, newline included; it may come in any chunks.
+    assert "".join(m.line for m in stdout) == "a\nb\n"
+    assert "".join(m.line for m in stderr) == "c\n"
+    assert all(m.error is False for m in stdout)
+    assert all(m.error is True for m in stderr)
+    assert "".join(execution.logs.stdout) == "a\nb\n"
+    assert "".join(execution.logs.stderr) == "c\n"
+    # print() returns None: nothing to show.
+    assert execution.text is None
+    assert execution.results == []
+
+
+def test_a_matplotlib_figure_is_a_png_result(shared_sandbox: Sandbox) -> None:
+    execution = shared_sandbox.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
+    )
+    assert execution.error is None
+    pngs = [r.png for r in execution.results if r.png]
+    assert len(pngs) == 1, execution.results
+    data = base64.b64decode(pngs[0])
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert data.endswith(b"IEND\xaeB`\x82")  # the whole image, not a truncated one
+
+
+def test_a_dataframe_is_an_html_table(shared_sandbox: Sandbox) -> None:
+    execution = shared_sandbox.run_code(
+        'import pandas as pd\npd.DataFrame({"a": [1, 2], "b": [3, 4]})'
+    )
+    assert execution.error is None
+    main = main_results(execution)
+    assert len(main) == 1
+    assert main[0].html is not None
+    assert "<table" in main[0].html and "</table>" in main[0].html
+    assert main[0].text == "   a  b\n0  1  3\n1  2  4"
+
+
+def test_an_exception_is_an_execution_error(shared_sandbox: Sandbox) -> None:
+    errors: List[ExecutionError] = []
+    execution = shared_sandbox.run_code("1/0", on_error=errors.append)
+    assert execution.error is not None
+    assert execution.error.name == "ZeroDivisionError"
+    assert "division by zero" in execution.error.value
+    assert isinstance(execution.error.traceback, str)
+    assert "ZeroDivisionError" in execution.error.traceback
+    assert errors == [execution.error]
+    assert execution.results == []
+    assert execution.text is None
+
+
+def test_two_contexts_do_not_share_variables(shared_sandbox: Sandbox) -> None:
+    ctx = shared_sandbox.create_code_context()
+    assert isinstance(ctx, Context)
+    assert ctx.id
+    assert ctx.language == "python"
+    assert ctx.cwd == "/home/user"
+
+    assert shared_sandbox.run_code("z = 5").error is None
+    assert shared_sandbox.run_code("z").text == "5"
+    missing = shared_sandbox.run_code("z", context=ctx)
+    assert missing.error is not None
+    assert missing.error.name == "NameError"
+    assert missing.error.value == "name 'z' is not defined"
+
+    assert shared_sandbox.run_code("w = 1", context=ctx).error is None
+    assert shared_sandbox.run_code("w", context=ctx).text == "1"
+    other_way = shared_sandbox.run_code("w")
+    assert other_way.error is not None
+    assert other_way.error.name == "NameError"
+
+
+def test_a_context_is_listed_until_removed(shared_sandbox: Sandbox) -> None:
+    ctx = shared_sandbox.create_code_context()
+    assert ctx.id in {c.id for c in shared_sandbox.list_code_contexts()}
+    shared_sandbox.remove_code_context(ctx)
+    assert ctx.id not in {c.id for c in shared_sandbox.list_code_contexts()}
+
+
+def test_a_run_cut_off_by_the_client_does_not_hold_up_the_next(fresh_sandbox: Sandbox) -> None:
+    assert fresh_sandbox.run_code("kept = 7").error is None
+    started = time.monotonic()
+    with pytest.raises(TimeoutException) as cut:
+        fresh_sandbox.run_code("import time; time.sleep(30)", timeout=2)
+    waited = time.monotonic() - started
+    # The SDK's deadline for timeout=2 is read + write = 4 s (pyqwest sums them); it then
+    # drops the connection, the server's only signal to stop the run.
+    assert "Execution timed out" in str(cut.value)
+    assert 1.5 <= waited < 10, waited
+
+    started = time.monotonic()
+    execution = fresh_sandbox.run_code("1+1")
+    took = time.monotonic() - started
+    assert execution.error is None
+    assert execution.text == "2"
+    # Had the gateway let the sleep run on, this would wait ~25 s more for it.
+    assert took < 15, took
+    # E2B interrupts the kernel when the client goes away; it does not restart it.
+    assert fresh_sandbox.run_code("kept").text == "7"
+
+
+def test_per_run_env_vars_are_seen_by_that_run_only(shared_sandbox: Sandbox) -> None:
+    execution = shared_sandbox.run_code(
+        "import os; os.environ.get('GREETING')", envs={"GREETING": "hey"}
+    )
+    assert execution.error is None
+    assert execution.text == "'hey'"
+    after = shared_sandbox.run_code("import os; str(os.environ.get('GREETING'))")
+    assert after.text == "'None'"
+
+
+# --- files and commands (envd) ---------------------------------------------------------------
+
+
+def test_files_written_are_read_back_listed_and_seen_by_code(shared_sandbox: Sandbox) -> None:
+    files = shared_sandbox.files
+
+    written = files.write("/home/user/data.txt", "hello\n")
+    assert written.name == "data.txt"
+    assert written.path == "/home/user/data.txt"
+    assert written.type == FileType.FILE
+    assert files.read("/home/user/data.txt") == "hello\n"
+
+    blob = bytes(range(256)) * 4
+    files.write("/home/user/blob.bin", blob)
+    assert files.read("/home/user/blob.bin", format="bytes") == bytearray(blob)
+
+    entries = {e.name: e for e in files.list("/home/user")}
+    assert "data.txt" in entries and "blob.bin" in entries
+    assert entries["data.txt"].type == FileType.FILE
+    assert entries["data.txt"].path == "/home/user/data.txt"
+    assert entries["data.txt"].size == 6
+    assert entries["blob.bin"].size == len(blob)
+
+    # Code runs in /home/user and sees the file; the SDK sees what code writes.
+    assert shared_sandbox.run_code("open('data.txt').read()").text == "'hello\\n'"
+    wrote = shared_sandbox.run_code("open('/home/user/out.txt', 'w').write('from code')")
+    assert wrote.error is None
+    assert files.read("/home/user/out.txt") == "from code"
+
+    with pytest.raises(FileNotFoundException):
+        files.read("/home/user/no-such-file.txt")
+
+
+def test_commands_run_reports_output_and_exit_code(shared_sandbox: Sandbox) -> None:
+    result = shared_sandbox.commands.run("echo hi")
+    assert result.stdout == "hi\n"
+    assert result.stderr == ""
+    assert result.exit_code == 0
+
+    with pytest.raises(CommandExitException) as failed:
+        shared_sandbox.commands.run("echo oops >&2; exit 3")
+    assert failed.value.exit_code == 3
+    assert failed.value.stderr == "oops\n"
+    assert failed.value.stdout == ""
+
+
+# --- keys and tenants ------------------------------------------------------------------------
+
+
+def test_another_key_sees_none_of_this_keys_sandboxes(
+    fresh_sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = fresh_sandbox.sandbox_id
+    # With its own key, the sandbox is listed and can be connected to.
+    assert mine in sandbox_ids()
+    assert Sandbox.connect(mine).run_code("1 + 1").text == "2"
+
+    monkeypatch.setenv("E2B_API_KEY", new_api_key())
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(mine)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(mine)
+    assert Sandbox.kill(mine) is False
+    assert mine not in sandbox_ids()
+
+    # And it was not killed: its owner still runs code in it.
+    assert fresh_sandbox.run_code("2 + 2").text == "4"
+
+
+def test_sandbox_traffic_without_its_access_token_is_refused(shared_sandbox: Sandbox) -> None:
+    # Knowing a sandbox's id is not enough: its ports want the token create/connect returned.
+    headers = {"E2b-Sandbox-Id": shared_sandbox.sandbox_id, "E2b-Sandbox-Port": JUPYTER_PORT}
+    body = {"code": "1", "context_id": None, "language": None, "env_vars": None}
+    with httpx.Client(timeout=30) as http:
+        bare = http.post(f"{GATEWAY_URL}/execute", json=body, headers=headers)
+        forged = http.post(
+            f"{GATEWAY_URL}/execute", json=body, headers={**headers, "X-Access-Token": "0" * 64}
+        )
+    assert bare.status_code == 401, bare.text
+    assert forged.status_code == 401, forged.text
+
+
+def test_a_bad_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2B_API_KEY", "sk_nonsense")
+    try:
+        sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT)
+    except AuthenticationException:
+        pass
+    else:
+        sbx.kill()
+        pytest.fail("a sandbox was created with a key no one issued")
+    with pytest.raises(AuthenticationException):
+        Sandbox.list().next_items()
