@@ -50,6 +50,22 @@ pub enum OnTimeout {
     Interrupt(Duration),
 }
 
+/// How a cell is stopped before it ends by itself.
+pub struct Stop {
+    /// At its deadline.
+    pub on_timeout: OnTimeout,
+    /// When a client cancels it: the session's cancel signal (see
+    /// [`crate::registry::Registry::cancel`]); `None` where a job cannot be cancelled.
+    pub cancel: Option<watch::Receiver<Option<String>>>,
+}
+
+impl Stop {
+    /// At the deadline only.
+    pub fn at_deadline(on_timeout: OnTimeout) -> Self {
+        Stop { on_timeout, cancel: None }
+    }
+}
+
 /// The result of one cell.
 #[derive(Debug)]
 pub struct CellRun {
@@ -106,16 +122,8 @@ impl Kernel {
     /// Run `job`'s code (with `files` already resolved to inline content) under `limits`;
     /// `fresh`: in a process forked for it, leaving nothing behind (a one-off job). What each
     /// driver event adds to the outcome is published on `live` as it arrives.
-    pub async fn run(
-        &mut self,
-        job: &ExecutionJob,
-        files: &[InputFile],
-        limits: &ExecutionLimits,
-        on_timeout: OnTimeout,
-        fresh: bool,
-        cancel: Option<watch::Receiver<Option<String>>>,
-        live: &mut LiveJob,
-    ) -> CellRun {
+    pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, stop: Stop, fresh: bool, live: &mut LiveJob) -> CellRun {
+        let Stop { on_timeout, cancel } = stop;
         let mut out = Outcome::new(limits);
         let request = ExecuteRequest::new(job, files, limits, fresh);
         let meter = self.cgroup.start();

@@ -19,7 +19,7 @@ use sandcell_core::store::Fetched;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobSession, JobStatus, Language};
 
 use crate::context::WorkerContext;
-use crate::kernel::{Kernel, OnTimeout};
+use crate::kernel::{Kernel, OnTimeout, Stop};
 
 /// Where the cells put the pickled variables, in the workspace.
 const SNAPSHOT_PATH: &str = ".sandcell/variables.dill";
@@ -94,7 +94,7 @@ fn printed_names(stdout: &str) -> Result<Vec<String>> {
 pub async fn snapshot(ctx: &WorkerContext, kernel: &mut Kernel, tenant: &str, session_id: &str, limits: &ExecutionLimits) -> Result<Snapshot> {
     let cell = own_cell(tenant, session_id, limits, SNAPSHOT_CODE, vec![SNAPSHOT_PATH.to_string()]);
     let mut live = ctx.events.muted(&cell);
-    let run = kernel.run(&cell, &[], limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace), false, None, &mut live).await;
+    let run = kernel.run(&cell, &[], limits, Stop::at_deadline(OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)), false, &mut live).await;
     let out = run.outcome;
     anyhow::ensure!(
         out.status == JobStatus::Succeeded,
@@ -138,7 +138,7 @@ pub async fn restore(
     let session_id = job.session.as_ref().map(|s| s.id.as_str()).unwrap_or_default();
     let cell = own_cell(&job.tenant, session_id, &limits, RESTORE_CODE, Vec::new());
     let mut live = ctx.events.muted(&cell);
-    let run = kernel.run(&cell, &files, &limits, OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace), false, None, &mut live).await;
+    let run = kernel.run(&cell, &files, &limits, Stop::at_deadline(OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)), false, &mut live).await;
     drop(files);
     let out = run.outcome;
     let files_written = out.reason.as_ref().is_none_or(|r| r.code != ErrorCode::InputFileRejected);

@@ -23,7 +23,7 @@ use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, Job
 
 use crate::bound::Bound;
 use crate::context::{Slot, WorkerContext};
-use crate::kernel::{CellRun, Kernel, OnTimeout};
+use crate::kernel::{CellRun, Kernel, OnTimeout, Stop};
 use crate::ledger::Disposition;
 use crate::outcome::{Extras, Outcome};
 use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
@@ -135,7 +135,7 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: 
             None => ctx.slot().await?,
         };
         match host.kernel(ctx, job, &limits, &slot).await {
-            Ok(kernel) => kernel.run(job, &files, &limits, on_timeout, fresh, cancel, &mut live).await,
+            Ok(kernel) => kernel.run(job, &files, &limits, Stop { on_timeout, cancel }, fresh, &mut live).await,
             Err(e) => CellRun { outcome: Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), alive: false },
         }
     };
