@@ -333,3 +333,38 @@ async fn a_job_may_give_its_session_a_new_keep_alive() {
     .await;
     assert!(expired.is_some(), "the session kept its old keep-alive");
 }
+
+#[tokio::test]
+async fn a_jobs_env_is_seen_by_its_code_only() {
+    let c = client().await;
+    let t = tenant();
+    let mut open = open_session(&t, "import os", None);
+    open.env = [("GREETING".to_string(), "hey".to_string())].into_iter().collect();
+    let id = session_id(&run(&c, &open).await);
+    let mut with_env = in_session(&t, &id, "os.environ.get('GREETING'), os.environ.get('HOME')");
+    with_env.env = [("GREETING".to_string(), "hello".to_string()), ("HOME".to_string(), "/elsewhere".to_string())].into_iter().collect();
+    assert_eq!(value(&run(&c, &with_env).await).as_deref(), Some("('hello', '/elsewhere')"));
+    let after = run(&c, &in_session(&t, &id, "os.environ.get('GREETING'), os.environ.get('HOME')")).await;
+    assert_eq!(value(&after).as_deref(), Some("(None, '/home/user')"), "{after:?}");
+    let mut bash = in_session(&t, &id, "echo \"$GREETING\"");
+    bash.language = Language::Bash;
+    bash.env = [("GREETING".to_string(), "from bash".to_string())].into_iter().collect();
+    assert_eq!(run(&c, &bash).await.execution.stdout, "from bash\n");
+}
+
+#[tokio::test]
+async fn contexts_of_a_session_keep_their_own_variables_and_share_its_files() {
+    let c = client().await;
+    let t = tenant();
+    let id = session_id(&run(&c, &open_session(&t, "z = 'default'\nopen('f.txt', 'w').write('shared')", None)).await);
+    let mut other = in_session(&t, &id, "'z' in dir(), open('f.txt').read()");
+    other.context = Some("ctx-a".into());
+    assert_eq!(value(&run(&c, &other).await).as_deref(), Some("(False, 'shared')"));
+    let mut set = in_session(&t, &id, "z = 'a'");
+    set.context = Some("ctx-a".into());
+    run(&c, &set).await;
+    let mut read = in_session(&t, &id, "z");
+    read.context = Some("ctx-a".into());
+    assert_eq!(value(&run(&c, &read).await).as_deref(), Some("'a'"));
+    assert_eq!(value(&run(&c, &in_session(&t, &id, "z")).await).as_deref(), Some("'default'"));
+}
