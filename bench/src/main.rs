@@ -26,6 +26,7 @@ use sandcell_protocol::{EventBody, InputFile, JobResult, JobStatus, Language, Se
 use serde::Serialize;
 
 mod fleet;
+mod gateway;
 mod stages;
 use stages::{Breakdown, Cost, Stages, Trip};
 
@@ -62,6 +63,13 @@ struct Args {
     /// Python with the SDK installed).
     #[arg(long, default_value_t = 200)]
     sdk_jobs: usize,
+    /// In-session `1+1` jobs through the E2B gateway, interleaved with as many native ones
+    /// (0: none).
+    #[arg(long, default_value_t = 300)]
+    gateway_jobs: usize,
+    /// The E2B gateway's address.
+    #[arg(long, default_value = "127.0.0.1:9480")]
+    gateway: String,
     /// Worker metrics endpoint (pool size and takes).
     #[arg(long, default_value = "127.0.0.1:9465")]
     worker_metrics: String,
@@ -141,6 +149,8 @@ struct Report {
     print_to_event: Summary,
     sdk_in_session_round_trip: Option<Summary>,
     sdk_print_to_on_stdout: Option<Summary>,
+    gateway_run_code: Option<Summary>,
+    gateway_native_interleaved: Option<Summary>,
 }
 
 struct Bench {
@@ -404,6 +414,20 @@ async fn main() -> Result<()> {
         println!("Python SDK in-session 1+1: {:?}\nprint → on_stdout (SDK): {:?}", summarize(rt), summarize(live));
     }
 
+    // The E2B gateway's run_code("1+1"), interleaved with native in-session jobs.
+    let gateway = match args.gateway_jobs {
+        0 => None,
+        n => Some(gateway::measure(&b, &args.gateway, n).await?),
+    };
+    if let Some(g) = &gateway {
+        println!(
+            "E2B gateway run_code 1+1: {:?}
+native, interleaved: {:?}",
+            summarize(&g.gateway),
+            summarize(&g.native)
+        );
+    }
+
     // 6. Baseline: a container per job.
     let baseline = docker_run_baseline(args.baseline_jobs).await?;
     println!("baseline docker run --rm: {:?}", summarize(&baseline));
@@ -439,6 +463,8 @@ async fn main() -> Result<()> {
         print_to_event: summarize(&print_to_event),
         sdk_in_session_round_trip: sdk.as_ref().map(|(rt, _)| summarize(rt)),
         sdk_print_to_on_stdout: sdk.as_ref().map(|(_, live)| summarize(live)),
+        gateway_run_code: gateway.as_ref().map(|g| summarize(&g.gateway)),
+        gateway_native_interleaved: gateway.as_ref().map(|g| summarize(&g.native)),
     };
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("latest.json"), serde_json::to_string_pretty(&report)? + "\n")?;
@@ -580,6 +606,10 @@ fn markdown(r: &Report) -> String {
     m += &row("baseline: `docker run --rm` per job (Docker API, no queue or store)", &r.baseline_docker_run, "—");
     if let Some(s) = &r.sdk_in_session_round_trip {
         m += &row("in-session `1+1` through the Python SDK (`Sandbox.run_code`)", s, "p50 ≤ 5");
+    }
+    if let (Some(g), Some(n)) = (&r.gateway_run_code, &r.gateway_native_interleaved) {
+        m += &row("in-session `1+1` through the E2B gateway (`POST /execute`, NDJSON read to its end)", g, "p50 ≤ native + 2");
+        m += &row("in-session `1+1`, native, interleaved job by job with the gateway's", n, "—");
     }
     m += "\n## Live output: a printed line → the client (ms)\n\n";
     m += "| path | n | p50 | p95 | p99 | max | target |\n|---|---|---|---|---|---|---|\n";

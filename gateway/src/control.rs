@@ -145,15 +145,13 @@ pub async fn create(State(gw): State<Arc<Gateway>>, caller: Caller, Json(body): 
     Ok((StatusCode::CREATED, Json(created(&gw, &row))).into_response())
 }
 
-/// Give a session a new keep-alive (a job that does nothing, with `keep_alive_s`).
+/// Give a session a new keep-alive: a job that does nothing, with `keep_alive_s`, submitted and
+/// not waited for. It runs after the session's current run, if any — which is when a keep-alive
+/// counts from anyway (a session never expires while it runs a job).
 async fn set_keep_alive(gw: &Gateway, tenant: &str, id: &str, seconds: u64) -> Result<(), ApiError> {
     let mut sub = Submission::new(tenant, job_id(), Language::Python, "pass");
     sub.session = Some(SessionRequest { new: false, id: Some(id.to_string()), keep_alive_s: Some(seconds.max(1)), close: false });
-    let r = gw.runs.run(&sub, Duration::from_secs(60), |_| {}).await.map_err(|e| ApiError::internal("setting the timeout", &e))?;
-    match r.status {
-        JobStatus::Rejected => Err(ApiError::sandbox_not_found(id)),
-        _ => Ok(()),
-    }
+    gw.runs.submit(&sub).await.map_err(|e| ApiError::internal("setting the timeout", &e))
 }
 
 /// `POST /sandboxes/{id}/timeout`: the sandbox now lives `timeout` seconds after its last use.
@@ -190,6 +188,13 @@ pub async fn info(State(gw): State<Arc<Gateway>>, caller: Caller, Path(id): Path
 /// `DELETE /sandboxes/{id}`: close the session (204), or 404 when there is no running one.
 pub async fn kill(State(gw): State<Arc<Gateway>>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     live_sandbox(&gw, &caller.tenant, &id).await?;
+    // A kill does not wait for the sandbox's runs: each is cancelled, then the close runs.
+    let unfinished = gw.sandboxes.unfinished_jobs(&caller.tenant, &id).await.map_err(|e| ApiError::internal("killing the sandbox", &e))?;
+    for job in &unfinished {
+        if let Err(e) = gw.runs.cancel(&caller.tenant, job, &id).await {
+            tracing::warn!(error = format!("{e:#}"), job_id = job, "cancelling a run of a sandbox being killed failed; the close waits for it");
+        }
+    }
     let mut sub = Submission::new(&caller.tenant, job_id(), Language::Python, "");
     sub.session = Some(SessionRequest { new: false, id: Some(id.clone()), keep_alive_s: None, close: true });
     let r = gw.runs.run(&sub, Duration::from_secs(60), |_| {}).await.map_err(|e| ApiError::internal("killing the sandbox", &e))?;
@@ -260,15 +265,12 @@ pub async fn list(State(gw): State<Arc<Gateway>>, caller: Caller, Query(q): Quer
     let mut out = Vec::new();
     let mut next = None;
     if wants_running {
-        let page = gw.sandboxes.live(&caller.tenant, offset, limit + 1).await.map_err(|e| ApiError::internal("listing sandboxes", &e))?;
+        let wanted = Value::Object(filter.into_iter().map(|(k, v)| (k, Value::String(v))).collect());
+        let page = gw.sandboxes.live(&caller.tenant, &wanted, offset, limit + 1).await.map_err(|e| ApiError::internal("listing sandboxes", &e))?;
         if page.len() as i64 > limit {
             next = Some(offset + limit);
         }
-        for l in page.into_iter().take(limit as usize) {
-            if filter.iter().all(|(k, v)| l.row.metadata.get(k).and_then(Value::as_str) == Some(v.as_str())) {
-                out.push(described(&l.row, l.expires_at));
-            }
-        }
+        out.extend(page.iter().take(limit as usize).map(|l| described(&l.row, l.expires_at)));
     }
     let mut headers = HeaderMap::new();
     if let Some(n) = next.and_then(|n| HeaderValue::from_str(&n.to_string()).ok()) {

@@ -57,6 +57,22 @@ impl ApiError {
     }
 }
 
+/// How a job sandcell refused is answered: the session gone → the sandbox not running (502,
+/// what the SDK expects of a killed sandbox); over a quota → 429; the request's own content
+/// refused (too many or too large files, a bad path) → 400, with sandcell's reason.
+pub fn refusal(sandbox_id: &str, reason: Option<&sandcell_protocol::Reason>) -> ApiError {
+    use sandcell_protocol::ErrorCode;
+    let message = reason.map(|r| format!("{}: {}", r.code.as_str(), r.message)).unwrap_or_else(|| "refused".into());
+    match reason.map(|r| r.code) {
+        Some(ErrorCode::SessionNotFound | ErrorCode::SessionExpired | ErrorCode::SessionClosed | ErrorCode::SessionLost | ErrorCode::SessionNotReady) => {
+            ApiError::not_running(sandbox_id)
+        }
+        Some(ErrorCode::QuotaExceeded) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, message),
+        Some(ErrorCode::OversizeFile | ErrorCode::OversizeMessage | ErrorCode::OversizeCode) => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, message),
+        _ => ApiError::bad_request(message),
+    }
+}
+
 impl From<anyhow::Error> for ApiError {
     fn from(e: anyhow::Error) -> Self {
         ApiError::internal("internal error", &e)

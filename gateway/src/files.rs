@@ -60,8 +60,7 @@ async fn session_job(gw: &Gateway, sb: &SandboxRow, language: Language, code: &s
     fill(&mut sub);
     let r = gw.runs.run(&sub, Duration::from_secs(180), |_| {}).await.map_err(|e| ApiError::internal("running a file job", &e))?;
     if r.status == JobStatus::Rejected {
-        let message = r.reason.as_ref().map(|r| r.message.clone()).unwrap_or_default();
-        return Err(ApiError::new(StatusCode::BAD_GATEWAY, message));
+        return Err(crate::error::refusal(&sb.session_id, r.reason.as_ref()));
     }
     Ok(r)
 }
@@ -356,6 +355,7 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
             }
             Err(e) => {
                 tracing::error!(error = format!("{e:#}"), job_id = sub.job_id, "a command had no result");
+                gw.metrics.runs.with_label_values(&["no_result"]).inc();
                 let _ = tx.send(Ok(connect::end_frame(Some(("unavailable", "sandcell did not answer this command in time")))));
             }
         }

@@ -79,9 +79,9 @@ impl Runs {
         self.client.read().await.clone()
     }
 
-    /// Publish `sub`; on a failure, connect again once and publish again (the job id makes a
+    /// Publish `sub` (without waiting for it to run); on a failure, connect again once and publish again (the job id makes a
     /// second copy harmless).
-    async fn submit(&self, sub: &Submission) -> Result<()> {
+    pub async fn submit(&self, sub: &Submission) -> Result<()> {
         let first = self.client().await.submit(sub).await;
         let Err(e) = first else { return Ok(()) };
         tracing::warn!(error = format!("{e:#}"), job_id = sub.job_id, "submitting failed; reconnecting to sandcell and trying again");

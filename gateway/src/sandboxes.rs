@@ -52,6 +52,24 @@ impl Sandboxes {
         Sandboxes { db, cache: Mutex::new(HashMap::new()) }
     }
 
+    /// Whether Postgres answers.
+    pub async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.db).await.context("Postgres does not answer")?;
+        Ok(())
+    }
+
+    /// The jobs of `session_id` not yet ended (queued or running), oldest first.
+    pub async fn unfinished_jobs(&self, tenant: &str, session_id: &str) -> Result<Vec<String>> {
+        let rows: Vec<(String,)> =
+            sqlx::query_as("SELECT job_id FROM jobs WHERE tenant = $1 AND session_id = $2 AND status IN ('queued', 'running') ORDER BY queued_at")
+                .bind(tenant)
+                .bind(session_id)
+                .fetch_all(&self.db)
+                .await
+                .context("listing the session's unfinished jobs")?;
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
     /// Record a sandbox just opened.
     pub async fn insert(&self, row: &SandboxRow) -> Result<()> {
         sqlx::query("INSERT INTO gateway_sandboxes (session_id, tenant, template_id, metadata, cpu_count, memory_mb, disk_mb, created_at, env) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)")
@@ -86,8 +104,9 @@ impl Sandboxes {
         Ok(row)
     }
 
-    /// `tenant`'s sandboxes whose session is live, oldest first, from `offset`, at most `limit`.
-    pub async fn live(&self, tenant: &str, offset: i64, limit: i64) -> Result<Vec<Listed>> {
+    /// `tenant`'s sandboxes whose session is live and whose metadata holds all of `metadata`,
+    /// oldest first, from `offset`, at most `limit`.
+    pub async fn live(&self, tenant: &str, metadata: &serde_json::Value, offset: i64, limit: i64) -> Result<Vec<Listed>> {
         #[derive(sqlx::FromRow)]
         struct Joined {
             #[sqlx(flatten)]
@@ -98,11 +117,13 @@ impl Sandboxes {
             "SELECT g.*, s.expires_at \
              FROM gateway_sandboxes g JOIN sessions s ON s.session_id = g.session_id AND s.tenant = g.tenant \
              WHERE g.tenant = $1 AND s.state IN ('starting', 'active', 'moving') AND (s.expires_at IS NULL OR s.expires_at > now()) \
+               AND g.metadata @> $4 \
              ORDER BY g.created_at, g.session_id OFFSET $2 LIMIT $3",
         )
         .bind(tenant)
         .bind(offset)
         .bind(limit)
+        .bind(metadata)
         .fetch_all(&self.db)
         .await
         .context("listing sandboxes")?;

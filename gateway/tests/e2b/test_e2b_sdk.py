@@ -9,8 +9,9 @@ loosely fails.
 from __future__ import annotations
 
 import base64
+import threading
 import time
-from typing import List
+from typing import Dict, List, Set
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from e2b import (
     FileType,
     SandboxNotFoundException,
     SandboxNotRunningException,
+    SandboxQuery,
     SandboxState,
     TimeoutException,
 )
@@ -308,3 +310,44 @@ def test_a_bad_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.fail("a sandbox was created with a key no one issued")
     with pytest.raises(AuthenticationException):
         Sandbox.list().next_items()
+
+
+def test_kill_does_not_wait_for_a_running_cell() -> None:
+    sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT)
+    ended: List[Execution] = []
+    runner = threading.Thread(target=lambda: ended.append(sbx.run_code("import time; time.sleep(60)")))
+    runner.start()
+    time.sleep(2)  # the cell is running
+    started = time.monotonic()
+    assert sbx.kill() is True
+    took = time.monotonic() - started
+    assert took < 15, took
+    runner.join(30)
+    assert not runner.is_alive(), "the interrupted run's stream never ended"
+    assert ended and ended[0].error is not None and ended[0].error.name == "KeyboardInterrupt"
+    assert Sandbox.kill(sbx.sandbox_id) is False
+
+
+def test_list_filters_by_metadata() -> None:
+    tag = "m" + str(time.monotonic_ns())
+    sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT, metadata={"suite": tag, "kind": "listed"})
+    try:
+        def listed(metadata: Dict[str, str]) -> Set[str]:
+            paginator = Sandbox.list(query=SandboxQuery(metadata=metadata))
+            ids: Set[str] = set()
+            while paginator.has_next:
+                ids.update(s.sandbox_id for s in paginator.next_items())
+            return ids
+
+        assert listed({"suite": tag}) == {sbx.sandbox_id}
+        assert listed({"suite": tag, "kind": "listed"}) == {sbx.sandbox_id}
+        assert listed({"suite": tag, "kind": "other"}) == set()
+        assert sbx.get_info().metadata == {"suite": tag, "kind": "listed"}
+    finally:
+        sbx.kill()
+
+
+def test_a_call_the_gateway_does_not_offer_is_a_json_error() -> None:
+    response = httpx.get(GATEWAY_URL + "/sandboxes/x/metrics", headers={"X-API-KEY": "sk_sandcell_x"})
+    assert response.status_code == 501
+    assert "not supported" in response.json()["message"]
