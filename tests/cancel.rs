@@ -72,3 +72,25 @@ async fn a_cancel_of_a_job_that_ended_changes_nothing() {
     assert_eq!(again.status, JobStatus::Succeeded);
     assert_eq!(value(&again).as_deref(), Some("42"));
 }
+
+#[tokio::test]
+async fn a_queued_job_cancelled_before_it_starts_never_runs_and_two_cancels_both_hold() {
+    let c = client().await;
+    let t = tenant();
+    let id = session_id(&run(&c, &open_session(&t, "x = 'before'", None)).await);
+    let running_job = in_session(&t, &id, "import time\ntime.sleep(60)");
+    c.submit(&running_job).await.expect("submit");
+    running(&c, &t, &running_job.job_id).await;
+    let queued = in_session(&t, &id, "x = 'ran'");
+    c.submit(&queued).await.expect("submit");
+    // The queued one first, then the running one: the session keeps both.
+    c.cancel(&t, &queued.job_id, &id).await.expect("cancel");
+    c.cancel(&t, &running_job.job_id, &id).await.expect("cancel");
+    let r = c.wait(&t, &running_job.job_id, JOB_WAIT).await.expect("result");
+    assert_eq!(r.status, JobStatus::Cancelled, "{r:?}");
+    let q = c.wait(&t, &queued.job_id, JOB_WAIT).await.expect("result");
+    assert_eq!(q.status, JobStatus::Cancelled, "{q:?}");
+    assert!(!q.execution.kernel_restarted, "{q:?}");
+    let next = run(&c, &in_session(&t, &id, "x")).await;
+    assert_eq!(value(&next).as_deref(), Some("'before'"), "the cancelled job never ran: {next:?}");
+}

@@ -23,6 +23,12 @@ pub struct NewKey {
     pub key: String,
 }
 
+/// Whether `key` has the shape of a key this module makes (so that one that does not is refused
+/// without a lookup).
+pub fn is_well_formed(key: &str) -> bool {
+    key.strip_prefix(KEY_PREFIX).is_some_and(|rest| rest.len() == 48 && rest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+}
+
 /// The SHA-256 of a key, hex: what the table stores and looks up.
 pub fn fingerprint(key: &str) -> String {
     hex::encode(Sha256::digest(key.as_bytes()))
@@ -70,7 +76,7 @@ impl ApiKeys {
 
     /// The tenant and key id a live key belongs to; `None` for an unknown or revoked key.
     pub async fn tenant_of(&self, key: &str) -> Result<Option<(String, String)>> {
-        if !key.starts_with(KEY_PREFIX) {
+        if !is_well_formed(key) {
             return Ok(None);
         }
         sqlx::query_as("SELECT tenant, key_id FROM api_keys WHERE key_sha256 = $1 AND revoked_at IS NULL")
@@ -93,6 +99,16 @@ impl ApiKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_shape_of_a_made_key_is_well_formed() {
+        let made = format!("{KEY_PREFIX}{}", random_hex(48));
+        assert!(is_well_formed(&made));
+        assert!(!is_well_formed(&made[..made.len() - 1]));
+        assert!(!is_well_formed(&format!("{made}0")));
+        assert!(!is_well_formed(&made.to_uppercase()));
+        assert!(!is_well_formed("sk_sandcell_healthcheck"));
+    }
 
     #[test]
     fn fingerprint_is_the_sha256_of_the_key_in_hex() {

@@ -5,7 +5,8 @@
 #   - the in-sandbox driver's tests, inside the real sandbox image;
 #   - the Python SDK (clients/python): installed with pip from the package index the machine is
 #     configured for, type-checked with mypy --strict, and its pytest suite run against the stack;
-#   - the E2B-compatible gateway (gateway/): E2B's own Python SDK, pinned, run against it;
+#   - the E2B-compatible gateway (gateway/): E2B's own Python SDK, pinned, run against it, and a
+#     smoke test of its JS SDK (npm, pinned);
 #   - style: `cargo fmt --check` and `cargo clippy -D warnings` (a failure fails the run), and
 #     the client library's dependencies (no S3 SDK, no metrics server).
 # The fleet suite (tests/fleet.rs, and tests/chaos.rs again) runs once, under runc, against 2
@@ -124,6 +125,11 @@ run_pass() {
         (cd "$repo/gateway/tests/e2b" && SANDCELL_ADMIN_BIN="$repo/target/debug/sandcell-admin" \
             SANDCELL_GATEWAY_URL="http://${SANDCELL_GATEWAY_ADDR:-127.0.0.1:9480}" "$repo/target/e2b-py/bin/pytest" -q) \
             || failed+=("E2B SDK tests under $runtime")
+    fi
+    if [ "$scope" = all ]; then
+        echo "== [$runtime] E2B JS SDK smoke test against the gateway (gateway/tests/e2b-js)"
+        SANDCELL_ADMIN_BIN="$repo/target/debug/sandcell-admin" SANDCELL_GATEWAY_URL="http://${SANDCELL_GATEWAY_ADDR:-127.0.0.1:9480}" \
+            bash gateway/tests/e2b-js/run.sh || failed+=("E2B JS SDK smoke test under $runtime")
     fi
     # The Kubernetes deployment, validated offline, and every metric its alerts, dashboard and
     # autoscaler name found in a live scrape of the binaries that just ran the suite.

@@ -16,6 +16,9 @@ use crate::error::ApiError;
 use crate::sandboxes::SandboxRow;
 use crate::Gateway;
 
+/// Most answers the key cache holds.
+const KEY_CACHE_MAX: usize = 10_000;
+
 /// API keys to tenants, each lookup reused for a short while (`SANDCELL_GATEWAY_KEY_CACHE_S`).
 pub struct Keys {
     store: ApiKeys,
@@ -32,6 +35,9 @@ impl Keys {
 
     /// The tenant of a live key; `None` for an unknown or revoked one.
     pub async fn tenant(&self, key: &str) -> anyhow::Result<Option<String>> {
+        if !sandcell_core::api_keys::is_well_formed(key) {
+            return Ok(None);
+        }
         let fp = fingerprint(key);
         if let Ok(cache) = self.cache.lock() {
             if let Some((at, tenant)) = cache.get(&fp) {
@@ -42,8 +48,16 @@ impl Keys {
         }
         let tenant = self.store.tenant_of(key).await?.map(|(tenant, _)| tenant);
         if let Ok(mut cache) = self.cache.lock() {
-            // Bounded: a flood of made-up keys must not grow it without end.
-            if cache.len() > 10_000 {
+            // Bounded: a flood of made-up keys must not grow it without end, nor push the live
+            // keys out — expired answers go first, then refusals.
+            if cache.len() >= KEY_CACHE_MAX {
+                let ttl = self.ttl;
+                cache.retain(|_, (at, _)| at.elapsed() < ttl);
+            }
+            if cache.len() >= KEY_CACHE_MAX {
+                cache.retain(|_, (_, tenant)| tenant.is_some());
+            }
+            if cache.len() >= KEY_CACHE_MAX {
                 cache.clear();
             }
             cache.insert(fp, (Instant::now(), tenant.clone()));

@@ -105,6 +105,8 @@ pub async fn create(State(gw): State<Arc<Gateway>>, caller: Caller, Json(body): 
     }
     let env = body.env_vars.unwrap_or_default();
     crate::interpreter::check_env(&env)?;
+    let metadata = body.metadata.unwrap_or_default();
+    check_metadata(&metadata)?;
     if body.auto_pause == Some(true) {
         return Err(ApiError::unsupported("auto-pause"));
     }
@@ -133,7 +135,7 @@ pub async fn create(State(gw): State<Arc<Gateway>>, caller: Caller, Json(body): 
         session_id: session.id.clone(),
         tenant: caller.tenant.clone(),
         template_id: template,
-        metadata: serde_json::to_value(body.metadata.unwrap_or_default()).unwrap_or_default(),
+        metadata: serde_json::to_value(metadata).unwrap_or_default(),
         cpu_count: limits.map_or(1, |l| l.cpus.ceil().max(1.0) as i32),
         memory_mb: limits.map_or(0, |l| l.memory_mb as i32),
         disk_mb: limits.map_or(0, |l| l.workspace_mb as i32),
@@ -143,6 +145,21 @@ pub async fn create(State(gw): State<Arc<Gateway>>, caller: Caller, Json(body): 
     gw.sandboxes.insert(&row).await.map_err(|e| ApiError::internal("recording the sandbox", &e))?;
     tracing::info!(tenant = caller.tenant, sandbox = row.session_id, "sandbox created");
     Ok((StatusCode::CREATED, Json(created(&gw, &row))).into_response())
+}
+
+/// Most metadata entries a sandbox carries, and most bytes of them in all.
+const MAX_METADATA_ENTRIES: usize = 64;
+const MAX_METADATA_BYTES: usize = 16 << 10;
+
+fn check_metadata(metadata: &HashMap<String, String>) -> Result<(), ApiError> {
+    let bytes: usize = metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if metadata.len() > MAX_METADATA_ENTRIES || bytes > MAX_METADATA_BYTES {
+        return Err(ApiError::bad_request(format!(
+            "metadata has {} entries and {bytes} bytes; at most {MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes",
+            metadata.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Give a session a new keep-alive: a job that does nothing, with `keep_alive_s`, submitted and
@@ -201,6 +218,7 @@ pub async fn kill(State(gw): State<Arc<Gateway>>, caller: Caller, Path(id): Path
     if r.status == JobStatus::Rejected {
         return Err(ApiError::sandbox_not_found(&id));
     }
+    gw.sandboxes.forget(&id);
     tracing::info!(tenant = caller.tenant, sandbox = id, "sandbox killed");
     Ok(StatusCode::NO_CONTENT)
 }
@@ -259,7 +277,7 @@ pub async fn list(State(gw): State<Arc<Gateway>>, caller: Caller, Query(q): Quer
     };
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     let offset: i64 = match q.next_token.as_deref() {
-        Some(t) if !t.is_empty() => t.parse().map_err(|_| ApiError::bad_request("invalid nextToken"))?,
+        Some(t) if !t.is_empty() => t.parse::<u32>().map_err(|_| ApiError::bad_request("invalid nextToken"))?.into(),
         _ => 0,
     };
     let mut out = Vec::new();

@@ -308,7 +308,12 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
         Ok(false) => return connect::stream_error("unavailable", &format!("sandbox {} is not running", sb.session_id)),
         Err(e) => return connect::stream_error("unavailable", &e.message),
     }
-    let timeout_ms = headers.get("connect-timeout-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok()).unwrap_or(gw.settings.run_timeout_ms);
+    let timeout_ms = headers
+        .get("connect-timeout-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(gw.settings.run_timeout_ms)
+        .min(gw.settings.run_timeout_ms);
     let mut sub = Submission::new(&sb.tenant, job_id(), Language::Bash, script);
     sub.session = Some(SessionRequest { new: false, id: Some(sb.session_id.clone()), keep_alive_s: None, close: false });
     sub.timeout_ms = Some(timeout_ms.max(100));

@@ -85,7 +85,11 @@ fn error_line(name: &str, value: &str, traceback: &str) -> Value {
 pub struct Streamed {
     stdout: usize,
     stderr: usize,
+    /// Outputs seen (the index of the next in the result's `outputs`).
     outputs: usize,
+    /// Outputs not sent live because an image was left out of their event (over 1 MiB): sent
+    /// from the result, with the image from the store.
+    deferred: Vec<usize>,
     error: bool,
 }
 
@@ -101,8 +105,12 @@ impl Streamed {
                 self.stderr += text.len();
                 Some(json!({"type": "stderr", "text": text, "timestamp": now_ns()}))
             }
-            EventBody::Output { output_type, data, .. } => {
+            EventBody::Output { output_type, data, omitted } => {
                 self.outputs += 1;
+                if !omitted.is_empty() {
+                    self.deferred.push(self.outputs - 1);
+                    return None;
+                }
                 Some(result_line(&data, output_type == "execute_result"))
             }
             EventBody::Error { ename, evalue, traceback } => {
@@ -126,7 +134,7 @@ impl Streamed {
         if let Some(rest) = e.stderr.get(self.stderr..).filter(|s| !s.is_empty()) {
             lines.push(json!({"type": "stderr", "text": rest, "timestamp": now_ns()}));
         }
-        for output in e.outputs.iter().skip(self.outputs) {
+        for (_, output) in e.outputs.iter().enumerate().filter(|(i, _)| *i >= self.outputs || self.deferred.contains(i)) {
             let (data, artifacts, main) = match output {
                 Output::ExecuteResult { data, artifacts } => (data, artifacts, true),
                 Output::DisplayData { data, artifacts } => (data, artifacts, false),
@@ -135,6 +143,9 @@ impl Streamed {
                 images.push((lines.len(), mime.clone(), path.clone()));
             }
             lines.push(result_line(data, main));
+        }
+        if let Some(count) = e.execution_count {
+            lines.push(json!({"type": "number_of_executions", "execution_count": count}));
         }
         if let (Some(err), false) = (&e.error, self.error) {
             lines.push(error_line(&err.ename, &err.evalue, &err.traceback.join("\n")));
@@ -291,10 +302,14 @@ pub async fn create_context(State(gw): State<Arc<Gateway>>, caller: SandboxCalle
         return Err(ApiError::bad_request(format!("cwd {cwd:?}: a context's working directory is {}", crate::files::HOME)));
     }
     let id = uuid::Uuid::new_v4().to_string();
-    gw.sandboxes
+    let made = gw
+        .sandboxes
         .create_context(&caller.sandbox.session_id, &id, &language, crate::files::HOME)
         .await
         .map_err(|e| ApiError::internal("creating the context", &e))?;
+    if !made {
+        return Err(ApiError::bad_request(format!("a sandbox has at most {} contexts besides the default one", crate::sandboxes::MAX_CONTEXTS)));
+    }
     Ok(Json(context_doc(&id, &language, crate::files::HOME)))
 }
 
@@ -367,6 +382,16 @@ mod tests {
         assert_eq!(lines.len(), 2, "{lines:?}");
         assert_eq!(lines[0]["text"], "b\n");
         assert_eq!(lines[1]["text"], "2");
+    }
+
+    #[test]
+    fn an_output_whose_image_was_left_out_is_sent_from_the_result() {
+        let mut s = Streamed::default();
+        let omitted = EventBody::Output { output_type: "execute_result".into(), data: BTreeMap::new(), omitted: vec!["image/png".into()] };
+        assert!(s.event(omitted).is_none(), "held back, not sent without its image");
+        let (lines, _) = s.closing(&record("", JobStatus::Succeeded, None));
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert_eq!(lines[0]["text"], "2");
     }
 
     #[test]

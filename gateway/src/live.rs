@@ -121,7 +121,11 @@ impl Live {
             let mut b = self.binding.lock().await;
             if !b.tenants.contains(tenant) {
                 if let Some(ch) = b.channel.clone() {
-                    if let Err(e) = bind(&ch, &b.queue, tenant).await {
+                    // Bounded: a broker that does not answer must not hold every new run here.
+                    let bound = tokio::time::timeout(BIND_WAIT, bind(&ch, &b.queue, tenant))
+                        .await
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within {BIND_WAIT:?}")));
+                    if let Err(e) = bound {
                         tracing::warn!(
                             error = format!("{e:#}"),
                             tenant,
@@ -140,6 +144,9 @@ impl Live {
         Subscription { key, routes: self.routes.clone(), events }
     }
 }
+
+/// How long binding a tenant's events may take before its runs go without live output.
+const BIND_WAIT: Duration = Duration::from_secs(5);
 
 async fn bind(ch: &Channel, queue: &str, tenant: &str) -> Result<()> {
     let key = format!("{tenant}.#");

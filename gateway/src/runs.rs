@@ -97,12 +97,22 @@ impl Runs {
         self.submit(sub).await?;
         let deadline = tokio::time::Instant::now() + wait;
         let mut live = true;
+        // Events are forwarded while they come without a gap; after one (an event dropped by the
+        // worker or the broker), only `end` is awaited and the caller completes from the result.
+        let (mut next_seq, mut contiguous) = (0u64, true);
         loop {
             let check = tokio::select! {
                 event = sub_events.events.recv(), if live => match event {
                     Some(e) => match e.body {
                         EventBody::End { .. } => true,
-                        body => { on_event(body); false }
+                        body => {
+                            contiguous &= e.attempt <= 1 && e.seq == next_seq;
+                            next_seq = e.seq + 1;
+                            if contiguous {
+                                on_event(body);
+                            }
+                            false
+                        }
                     },
                     None => { live = false; true }
                 },
@@ -116,6 +126,12 @@ impl Runs {
                 }
             }
             if tokio::time::Instant::now() >= deadline {
+                // Given up on: it must not run on for nobody, holding its session.
+                if let Some(session) = sub.session.as_ref().and_then(|s| s.id.as_deref()) {
+                    if let Err(e) = self.cancel(&sub.tenant, &sub.job_id, session).await {
+                        tracing::warn!(error = format!("{e:#}"), job_id = %sub.job_id, "cancelling a run given up on failed");
+                    }
+                }
                 anyhow::bail!("job {} had no result within {wait:?}", sub.job_id);
             }
         }

@@ -9,6 +9,10 @@ use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
+/// Most contexts a sandbox may have besides its default one (each is a namespace in its
+/// kernel's memory).
+pub const MAX_CONTEXTS: i64 = 64;
+
 /// One sandbox the gateway opened.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct SandboxRow {
@@ -104,6 +108,13 @@ impl Sandboxes {
         Ok(row)
     }
 
+    /// Forget a sandbox's cached row (it was killed: it will not be asked for often again).
+    pub fn forget(&self, id: &str) {
+        if let Ok(mut cache) = self.cache.lock() {
+            cache.remove(id);
+        }
+    }
+
     /// `tenant`'s sandboxes whose session is live and whose metadata holds all of `metadata`,
     /// oldest first, from `offset`, at most `limit`.
     pub async fn live(&self, tenant: &str, metadata: &serde_json::Value, offset: i64, limit: i64) -> Result<Vec<Listed>> {
@@ -130,17 +141,22 @@ impl Sandboxes {
         Ok(rows.into_iter().map(|j| Listed { row: j.row, expires_at: j.expires_at }).collect())
     }
 
-    /// Record a new context of `session_id`, whose kernel namespace is first named `context_id`.
-    pub async fn create_context(&self, session_id: &str, context_id: &str, language: &str, cwd: &str) -> Result<()> {
-        sqlx::query("INSERT INTO gateway_contexts (session_id, context_id, namespace, language, cwd) VALUES ($1, $2, $2, $3, $4)")
-            .bind(session_id)
-            .bind(context_id)
-            .bind(language)
-            .bind(cwd)
-            .execute(&self.db)
-            .await
-            .context("recording the context")?;
-        Ok(())
+    /// Record a new context of `session_id`, whose kernel namespace is first named `context_id`;
+    /// false when the sandbox has [`MAX_CONTEXTS`] already.
+    pub async fn create_context(&self, session_id: &str, context_id: &str, language: &str, cwd: &str) -> Result<bool> {
+        let done = sqlx::query(
+            "INSERT INTO gateway_contexts (session_id, context_id, namespace, language, cwd) SELECT $1, $2, $2, $3, $4 \
+             WHERE (SELECT count(*) FROM gateway_contexts WHERE session_id = $1) < $5",
+        )
+        .bind(session_id)
+        .bind(context_id)
+        .bind(language)
+        .bind(cwd)
+        .bind(MAX_CONTEXTS)
+        .execute(&self.db)
+        .await
+        .context("recording the context")?;
+        Ok(done.rows_affected() == 1)
     }
 
     /// The contexts of `session_id` besides the default one: (id, language, cwd), oldest first.

@@ -109,6 +109,10 @@ pub struct Execution {
     /// lost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moved: Option<crate::session::SessionMove>,
+    /// Python: the kernel's execution count after the cell (a notebook's `In [n]`; in a session,
+    /// counted per context). Absent for bash and for a cell that did not finish.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution_count: Option<u32>,
 }
 
 /// What a job's code used: the cost of one execution. CPU time and peak memory are the

@@ -545,17 +545,21 @@ class Kernel:
         if name == self.context:
             return
         shell = self.shell
-        self.contexts[self.context] = (shell.user_module, shell.user_ns, shell.execution_count)
+        # user_ns_hidden too: the names IPython put in a namespace (In, Out, exit, ...), which
+        # are not the user's (%who, and a moving session's snapshot, leave them out).
+        self.contexts[self.context] = (shell.user_module, shell.user_ns, shell.execution_count, shell.user_ns_hidden)
         made = name not in self.contexts
         if made:
             module, ns = shell.prepare_user_module(None, None)
-            self.contexts[name] = (module, ns, 1)
-        module, ns, count = self.contexts[name]
+            self.contexts[name] = (module, ns, 1, None)
+        module, ns, count, hidden = self.contexts[name]
         shell.init_create_namespaces(module, ns)
         sys.modules["__main__"] = module
         shell.execution_count = count
         if made:
             shell.init_user_ns()
+        else:
+            shell.user_ns_hidden = hidden
         self.context = name
 
     def run_bash(self, code, env=None):

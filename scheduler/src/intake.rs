@@ -252,9 +252,22 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
         return;
     }
     if crate::cancels::is_cancel_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
+        // In its session's lane (its routing key is the session id): judged after the
+        // submissions of that session published before it, so it finds their jobs recorded.
+        let key = crate::cancels::lane_key(&delivery.data, delivery.routing_key.as_str());
+        let (before, done) = match shared.lanes.lock() {
+            Ok(mut lanes) => lanes.enter(key),
+            Err(poisoned) => poisoned.into_inner().enter(key),
+        };
         let (s, publisher) = (shared.clone(), publisher.clone());
         tokio::spawn(async move {
+            if let Some(before) = before {
+                let _ = before.await;
+            }
             handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await;
+            if let Some(done) = done {
+                let _ = done.send(());
+            }
             drop(in_flight);
         });
         return;

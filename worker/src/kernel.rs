@@ -54,9 +54,9 @@ pub enum OnTimeout {
 pub struct Stop {
     /// At its deadline.
     pub on_timeout: OnTimeout,
-    /// When a client cancels it: the session's cancel signal (see
-    /// [`crate::registry::Registry::cancel`]); `None` where a job cannot be cancelled.
-    pub cancel: Option<watch::Receiver<Option<String>>>,
+    /// When a client cancels it: the session's cancel signal, the ids of its jobs cancelled
+    /// last (see [`crate::registry::Registry::cancel`]); `None` where a job cannot be cancelled.
+    pub cancel: Option<watch::Receiver<Vec<String>>>,
 }
 
 impl Stop {
@@ -125,6 +125,12 @@ impl Kernel {
     pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, stop: Stop, fresh: bool, live: &mut LiveJob) -> CellRun {
         let Stop { on_timeout, cancel } = stop;
         let mut out = Outcome::new(limits);
+        if cancel.as_ref().is_some_and(|rx| rx.borrow().contains(&job.job_id)) {
+            // Cancelled before it started: it does not run.
+            out.status = JobStatus::Cancelled;
+            out.reason = None;
+            return CellRun { outcome: out, alive: true };
+        }
         let request = ExecuteRequest::new(job, files, limits, fresh);
         let meter = self.cgroup.start();
         let sent = match serde_json::to_vec(&request) {
@@ -146,13 +152,16 @@ impl Kernel {
         let mut cancel = cancel;
         let mut cancelled = false;
         let mut deadline = deadline;
+        // The driver ignores an interrupt until it has taken the request: a cancel in the first
+        // instant interrupts a moment later.
+        let interruptible_from = tokio::time::Instant::now() + CANCEL_SETTLE;
         loop {
             let next = tokio::select! {
                 next = tokio::time::timeout_at(grace_deadline.unwrap_or(deadline), self.sandbox.next_event()) => next,
                 () = cancelled_job(&mut cancel, &job.job_id), if !cancelled && grace_deadline.is_none() => {
                     tracing::info!(job_id = %job.job_id, "cancelled: interrupting the cell");
                     cancelled = true;
-                    deadline = tokio::time::Instant::now();
+                    deadline = deadline.min(interruptible_from.max(tokio::time::Instant::now()));
                     continue;
                 }
             };
@@ -208,8 +217,10 @@ impl Kernel {
                 },
             }
         }
-        if grace_deadline.is_some() && alive {
+        let interrupted = out.error.as_ref().is_some_and(|e| e.ename == "KeyboardInterrupt");
+        if grace_deadline.is_some() && alive && (!cancelled || interrupted) {
             // Interrupted in time: the cell ended with KeyboardInterrupt, the kernel lives on.
+            // (A cancelled cell that ended by itself meanwhile keeps its own ending.)
             out.status = if cancelled { JobStatus::Cancelled } else { JobStatus::TimedOut };
             out.reason = None;
         }
@@ -232,12 +243,16 @@ impl Kernel {
     }
 }
 
+/// How long after a request is sent a cancel waits before it interrupts (the driver takes the
+/// request within it).
+const CANCEL_SETTLE: Duration = Duration::from_millis(100);
+
 /// Resolves when `cancel` names `job_id` (at once if it already does); never without a
 /// signal, or once its sender is gone.
-async fn cancelled_job(cancel: &mut Option<watch::Receiver<Option<String>>>, job_id: &str) {
+async fn cancelled_job(cancel: &mut Option<watch::Receiver<Vec<String>>>, job_id: &str) {
     let Some(rx) = cancel.as_mut() else { return std::future::pending().await };
     loop {
-        if rx.borrow_and_update().as_deref() == Some(job_id) {
+        if rx.borrow_and_update().iter().any(|id| id == job_id) {
             return;
         }
         if rx.changed().await.is_err() {

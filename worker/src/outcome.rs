@@ -142,6 +142,8 @@ pub struct Outcome {
     /// The driver left nothing of a fresh job behind: the sandbox may take its tenant's next
     /// one-off job.
     pub reusable: bool,
+    /// The kernel's execution count after the cell (Python).
+    pub execution_count: Option<u32>,
 }
 
 impl Outcome {
@@ -163,6 +165,7 @@ impl Outcome {
             processes_killed: self.processes_killed,
             usage: self.usage,
             moved: extras.moved,
+            execution_count: self.execution_count,
         };
         let fin =
             Finished { status: self.status, reason: self.reason, execution, artifacts: Vec::new(), container_id: extras.container_id, session: extras.session };
@@ -189,6 +192,7 @@ impl Outcome {
             processes_killed: 0,
             usage: None,
             reusable: false,
+            execution_count: None,
         }
     }
 
@@ -435,8 +439,9 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             return Step::Done;
         }
         DriverEvent::Ready { .. } | DriverEvent::Unknown => {}
-        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full, reusable } => {
+        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full, reusable, execution_count } => {
             out.reusable = reusable;
+            out.execution_count = execution_count.filter(|_| language == Language::Python);
             out.stdout.truncated |= stdout_truncated;
             out.stderr.truncated |= stderr_truncated;
             out.processes_killed = processes_killed;
@@ -680,8 +685,10 @@ mod tests {
             processes_killed: 0,
             workspace_full: false,
             reusable: false,
+            execution_count: Some(4),
         };
         assert_eq!(apply(&mut out, done.clone(), Language::Bash, &limits), Step::Done);
+        assert_eq!(out.execution_count, None, "bash has no execution count");
         assert_eq!(out.status, JobStatus::Failed);
         let mut out = Outcome::new(&limits);
         apply(&mut out, done, Language::Python, &limits);

@@ -12,6 +12,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::ledger::Ticket;
 
+/// How many cancelled job ids a session keeps: more than the jobs a client could have queued
+/// in it and cancel at once in practice (job ids are never reused, so an old one is harmless).
+pub const CANCELS_KEPT: usize = 64;
+
 /// A job on its way to a session, with the ticket to settle once it is committed.
 pub struct Work {
     /// The job.
@@ -34,8 +38,9 @@ pub enum Mail {
 struct Entry {
     tenant: String,
     mailbox: mpsc::UnboundedSender<Mail>,
-    /// The job to cancel: the session's running job reads it (see [`crate::kernel::Kernel::run`]).
-    cancel: watch::Sender<Option<String>>,
+    /// The session's jobs cancelled last (at most [`CANCELS_KEPT`]): its running job, and each
+    /// job as it starts, reads them (see [`crate::kernel::Kernel::run`]).
+    cancel: watch::Sender<Vec<String>>,
 }
 
 /// The sessions this worker holds, cheap to clone.
@@ -81,7 +86,7 @@ impl Registry {
         self.map.lock().map(|m| m.len()).unwrap_or(0)
     }
 
-    pub fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Mail>, cancel: watch::Sender<Option<String>>) {
+    pub fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Mail>, cancel: watch::Sender<Vec<String>>) {
         if let Ok(mut m) = self.map.lock() {
             m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox, cancel });
         }
@@ -93,7 +98,12 @@ impl Registry {
         let Ok(map) = self.map.lock() else { return false };
         match map.get(session_id) {
             Some(e) if e.tenant == tenant => {
-                e.cancel.send_replace(Some(job_id.to_string()));
+                e.cancel.send_modify(|ids| {
+                    if ids.len() >= CANCELS_KEPT {
+                        ids.remove(0);
+                    }
+                    ids.push(job_id.to_string());
+                });
                 true
             }
             _ => false,

@@ -38,7 +38,7 @@ pub trait Host {
     fn fresh(&self) -> bool;
     /// Where a cancel of the job reaches its cell (a session's jobs may be cancelled; a
     /// one-off job may not).
-    fn cancel_signal(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+    fn cancel_signal(&self) -> Option<tokio::sync::watch::Receiver<Vec<String>>> {
         None
     }
     /// The kernel to run the job in, got while the job holds `slot`. An error ends the job

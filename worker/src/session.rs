@@ -84,7 +84,7 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     };
     // In the registry before it is active in Postgres: a job routed here finds it.
     let (tx, rx) = mpsc::unbounded_channel();
-    let (cancel_tx, cancel) = tokio::sync::watch::channel(None);
+    let (cancel_tx, cancel) = tokio::sync::watch::channel(Vec::new());
     ctx.registry.insert(&session.id, &job.tenant, tx, cancel_tx);
     let bound = match &session.adopt {
         None => ctx.sessions.bind(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await.map(|b| b.then_some(None)),
@@ -184,7 +184,7 @@ struct SessionTask {
     /// Set by the job that ends the session (it closed it, or its kernel could not be replaced).
     end: Option<End>,
     /// The job a client asked to cancel ([`crate::registry::Registry::cancel`]).
-    cancel: tokio::sync::watch::Receiver<Option<String>>,
+    cancel: tokio::sync::watch::Receiver<Vec<String>>,
     ctx: WorkerContext,
     _permit: OwnedSemaphorePermit,
 }
@@ -200,7 +200,7 @@ impl run::Host for SessionTask {
         false
     }
 
-    fn cancel_signal(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+    fn cancel_signal(&self) -> Option<tokio::sync::watch::Receiver<Vec<String>>> {
         Some(self.cancel.clone())
     }
 

@@ -96,7 +96,11 @@ def test_state_is_kept_across_runs(shared_sandbox: Sandbox) -> None:
     first = shared_sandbox.run_code("y = 41")
     assert first.error is None
     assert first.results == []
-    assert shared_sandbox.run_code("y + 1").text == "42"
+    second = shared_sandbox.run_code("y + 1")
+    assert second.text == "42"
+    # The kernel's own count, as a notebook's In [n].
+    assert isinstance(first.execution_count, int) and first.execution_count >= 1
+    assert second.execution_count == first.execution_count + 1
 
 
 def test_stdout_and_stderr_reach_the_callbacks_and_the_logs(shared_sandbox: Sandbox) -> None:

@@ -51,3 +51,11 @@ class TestContexts(DriverTestCase):
         req_id = self.driver.start("echo", "bash", context="c")
         self.assertEqual([f["type"] for f in self.driver.collect(req_id)], ["protocol_error"])
         self.assertAlive()
+
+    def test_ipythons_own_names_stay_hidden_in_each_context_after_switches(self):
+        self.run_ok("a = 1")
+        self.run_ok("b = 2", context="c3")
+        for context in (None, "c3"):
+            fields = {"context": context} if context else {}
+            frames = self.run_ok("sorted(n for n in ('In', 'Out', 'exit') if n not in get_ipython().user_ns_hidden)", **fields)
+            self.assertEqual(of_type(frames, "execute_result")[0]["data"]["text/plain"], "[]", context)

@@ -183,6 +183,9 @@ pub enum DriverEvent {
         /// and the kernel lives, so the sandbox may take its tenant's next one-off job.
         #[serde(default)]
         reusable: bool,
+        /// The kernel's execution count after the cell.
+        #[serde(default)]
+        execution_count: Option<u32>,
     },
     /// A message type this worker does not know; ignored.
     #[serde(other)]
@@ -209,7 +212,8 @@ mod tests {
                 stderr_truncated: true,
                 processes_killed: 0,
                 workspace_full: false,
-                reusable: false
+                reusable: false,
+                execution_count: None
             }
         );
         let e: DriverEvent = serde_json::from_str(r#"{"type":"something_new","x":1}"#).unwrap();
