@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{FromRequest, Multipart, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -318,7 +318,7 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
     sub.session = Some(SessionRequest { new: false, id: Some(sb.session_id.clone()), keep_alive_s: None, close: false });
     sub.timeout_ms = Some(timeout_ms.max(100));
     sub.env = env;
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
+    let (tx, body) = crate::runs::body_channel();
     let _ = tx.send(Ok(connect::frame(&json!({"event": {"start": {"pid": 1}}}))));
     tokio::spawn(async move {
         let b64 = base64::engine::general_purpose::STANDARD;
@@ -365,8 +365,7 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
             }
         }
     });
-    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
-    ([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response()
+    ([(header::CONTENT_TYPE, "application/connect+json")], body).into_response()
 }
 
 /// `GET /health` on envd: 204 while the sandbox runs, 502 "was not found" after (the SDK's

@@ -8,7 +8,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +18,6 @@ use sandcell_protocol::event::EventBody;
 use sandcell_protocol::{JobResult, JobStatus, Language, Output, SessionRequest, Submission};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 use crate::auth::SandboxCaller;
 use crate::control::is_running;
@@ -208,7 +206,7 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
     sub.env = env;
     sub.context = context;
     let wait = Duration::from_millis(gw.settings.run_timeout_ms) + Duration::from_secs(120);
-    let (tx, rx) = mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
+    let (tx, body) = crate::runs::body_channel();
     let started = std::time::Instant::now();
     tokio::spawn(async move {
         let mut streamed = Streamed::default();
@@ -240,8 +238,7 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
         }
         gw.metrics.run_seconds.observe(started.elapsed().as_secs_f64());
     });
-    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
-    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }
 
 /// Refuse variables a job could not carry (the protocol's rules).

@@ -26,6 +26,14 @@ pub struct Runs {
 /// The body of a streamed response, written by the task that follows the run.
 pub type BodyTx = tokio::sync::mpsc::UnboundedSender<Result<bytes::Bytes, std::io::Error>>;
 
+/// A streamed response's body and the sender that writes it (the body ends when every sender
+/// is dropped).
+pub fn body_channel() -> (BodyTx, axum::body::Body) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+    (tx, axum::body::Body::from_stream(stream))
+}
+
 /// How often a streamed run writes a keep-alive line while it is silent: writing is how a
 /// client that went away is noticed (the connection refuses the write).
 pub const KEEPALIVE: Duration = Duration::from_secs(1);

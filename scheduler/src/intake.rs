@@ -243,48 +243,37 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
         }
         return;
     }
+    let (s, publisher) = (shared.clone(), publisher.clone());
     if crate::uploads::is_upload_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
-        let s = shared.clone();
-        tokio::spawn(async move {
-            handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await;
-            drop(in_flight);
-        });
+        spawn_in_lane(shared, None, in_flight, async move { handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await });
         return;
     }
     if crate::cancels::is_cancel_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
         // In its session's lane (its routing key is the session id): judged after the
         // submissions of that session published before it, so it finds their jobs recorded.
         let key = crate::cancels::lane_key(&delivery.data, delivery.routing_key.as_str());
-        let (before, done) = match shared.lanes.lock() {
-            Ok(mut lanes) => lanes.enter(key),
-            Err(poisoned) => poisoned.into_inner().enter(key),
-        };
-        let (s, publisher) = (shared.clone(), publisher.clone());
-        tokio::spawn(async move {
-            if let Some(before) = before {
-                let _ = before.await;
-            }
-            handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await;
-            if let Some(done) = done {
-                let _ = done.send(());
-            }
-            drop(in_flight);
-        });
+        spawn_in_lane(shared, key, in_flight, async move { handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await });
         return;
     }
     // Judged once, here: the lane and the handler read the same verdict.
     let verdict = parse_submission(&delivery.data, &shared.cfg.intake);
+    let key = session_key(&verdict);
+    spawn_in_lane(shared, key, in_flight, async move { handle_delivery(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery, verdict).await });
+}
+
+/// Handle a delivery in a task of its own holding `in_flight`, after the deliveries entered
+/// before it in its lane `key` (none: at once).
+fn spawn_in_lane(shared: &Shared, key: Option<String>, in_flight: mpsc::Sender<()>, work: impl std::future::Future<Output = ()> + Send + 'static) {
     let (before, done) = match shared.lanes.lock() {
-        Ok(mut lanes) => lanes.enter(session_key(&verdict)),
-        Err(poisoned) => poisoned.into_inner().enter(session_key(&verdict)),
+        Ok(mut lanes) => lanes.enter(key),
+        Err(poisoned) => poisoned.into_inner().enter(key),
     };
-    let (s, publisher) = (shared.clone(), publisher.clone());
     tokio::spawn(async move {
         if let Some(before) = before {
             // Err only means the previous handler's task ended without signalling.
             let _ = before.await;
         }
-        handle_delivery(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery, verdict).await;
+        work.await;
         if let Some(done) = done {
             let _ = done.send(());
         }
@@ -298,28 +287,35 @@ async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metric
     let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
     let trusted = matches!(publisher, Publisher::Trusted(_));
     let answered = crate::uploads::answer(jobs.pool(), &store, &delivery.data, publisher.name(), trusted, cfg.max_upload_bytes, cfg.upload_url_ttl).await;
-    let (settled, what) = match answered {
-        Ok(grant) => {
-            let outcome = match &grant {
-                Some(g) if g.status == "ready" => "upload_ready",
-                Some(_) => "upload_rejected",
-                None => "upload_unattributable",
-            };
+    let outcome = answered.map(|grant| match &grant {
+        Some(g) if g.status == "ready" => "upload_ready",
+        Some(_) => "upload_rejected",
+        None => {
+            tracing::warn!(message_id = ?delivery.properties.message_id(), "an upload request names no tenant and upload id it may use; dropped");
+            "upload_unattributable"
+        }
+    });
+    settle_request(&delivery, &metrics, "an upload request", outcome).await;
+}
+
+/// Settle a request that is not a submission (an upload request, a cancel): counted under its
+/// outcome and acked once answered; returned to the queue (after [`FAILED_REQUEUE_DELAY`]) when
+/// the database, the store or the broker failed.
+async fn settle_request(delivery: &Delivery, metrics: &Metrics, what: &str, outcome: anyhow::Result<&'static str>) {
+    let (settled, disposition) = match outcome {
+        Ok(outcome) => {
             metrics.submissions.with_label_values(&[outcome]).inc();
-            if grant.is_none() {
-                tracing::warn!(message_id = ?delivery.properties.message_id(), "an upload request names no tenant and upload id it may use; dropped");
-            }
             (delivery.ack(BasicAckOptions::default()).await, "ack")
         }
         Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "an upload request could not be answered; returning it to the queue");
+            tracing::error!(error = format!("{e:#}"), request = what, "a request could not be handled; returning it to the queue");
             tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
             (delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await, "requeue")
         }
     };
     if let Err(e) = settled {
-        metrics.ack_failures.with_label_values(&[what]).inc();
-        tracing::warn!(disposition = what, error = %e, "settling an upload request failed; the broker will redeliver it");
+        metrics.ack_failures.with_label_values(&[disposition]).inc();
+        tracing::warn!(disposition, request = what, error = %e, "settling a request failed; the broker will redeliver it");
     }
 }
 
@@ -328,21 +324,8 @@ async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metric
 async fn handle_cancel(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher_ch: &Channel, delivery: Delivery) {
     let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
     let trusted = matches!(publisher, Publisher::Trusted(_));
-    let (settled, what) = match crate::cancels::handle(jobs.pool(), publisher_ch, &delivery.data, publisher.name(), trusted).await {
-        Ok(outcome) => {
-            metrics.submissions.with_label_values(&[outcome.label()]).inc();
-            (delivery.ack(BasicAckOptions::default()).await, "ack")
-        }
-        Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "a cancel request could not be handled; returning it to the queue");
-            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
-            (delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await, "requeue")
-        }
-    };
-    if let Err(e) = settled {
-        metrics.ack_failures.with_label_values(&[what]).inc();
-        tracing::warn!(disposition = what, error = %e, "settling a cancel request failed; the broker will redeliver it");
-    }
+    let outcome = crate::cancels::handle(jobs.pool(), publisher_ch, &delivery.data, publisher.name(), trusted).await.map(|o| o.label());
+    settle_request(&delivery, metrics, "a cancel request", outcome).await;
 }
 
 /// Whether a delivery was published to the intake exchange itself: not routed there from
