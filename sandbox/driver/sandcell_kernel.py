@@ -340,6 +340,8 @@ class Kernel:
         # The process forked for the next fresh run, and the pipe its request goes down:
         # (pid, write fd), or None.
         self.standby = None
+        # Whether the zygote's memory was offered to huge pages (before its first standby).
+        self.collapsed = False
         # The namespaces of a session's contexts other than the current one, by name:
         # (module, namespace, execution count).
         self.context = DEFAULT_CONTEXT
@@ -400,11 +402,13 @@ class Kernel:
                 continue
         self.channel.send({"type": "child_exit", "id": req["id"], "status": os.waitstatus_to_exitcode(wait_status)})
 
-    def run_as_child(self, req):
-        """A fresh run's process: run the cell, then exit (never returns)."""
+    def run_as_child(self, req, reseeded=False):
+        """A fresh run's process: run the cell, then exit (never returns).
+        reseeded: a standby that drew its own random state while it waited."""
         status = 70  # EX_SOFTWARE: the cell's machinery failed
         try:
-            _reseed_after_fork()
+            if not reseeded:
+                _reseed_after_fork()
             self.run_cell(req)
             status = 0
         except BaseException as exc:
@@ -423,18 +427,25 @@ class Kernel:
         this process writes."""
         if self.standby is not None:
             return
+        if not self.collapsed:
+            # Once, before the first standby (so not on a job's path, and only in a sandbox
+            # that forks): fork and a job's exit cost per page table entry of the zygote.
+            self.collapsed = True
+            collapse_to_huge_pages(self._libc, self.channel.log)
         go_r, go_w = os.pipe()
         pid = self.channel.fork_heir()
         if pid == 0:
             try:
                 os.close(go_w)
                 warm_up_shell(self.shell)
+                # Its own random state now, off the job's path: this process serves one job.
+                _reseed_after_fork()
                 req = _read_request(go_r)
             except BaseException:
                 os._exit(70)
             if req is None:
                 os._exit(0)  # the zygote went, or dropped this standby
-            self.run_as_child(req)
+            self.run_as_child(req, reseeded=True)
         os.close(go_r)
         self.standby = (pid, go_w)
         self.channel.send({"type": "standby", "pid": pid})
@@ -714,6 +725,48 @@ def _reseed_after_fork():
             numpy.random.seed()
         except Exception:
             pass
+
+
+# madvise(2) advice: MADV_HUGEPAGE (14), MADV_COLLAPSE (25, Linux 6.1).
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+HUGE_PAGE = 2 << 20
+
+
+def collapse_to_huge_pages(libc, log):
+    """Back the zygote's private writable memory (the imported modules' objects, some 80 MiB
+    with numpy, pandas and matplotlib) with 2 MiB pages where the kernel can: a fork then
+    copies one entry per 2 MiB instead of 512, and a job's exit unmaps as few. A page a job
+    writes is still copied alone (the kernel splits a shared huge page on a write fault).
+    Best effort: where the kernel has no MADV_COLLAPSE (older kernels, gVisor) nothing changes.
+    Measured in the sandbox image on a 2-core VM: fork + exit + wait of the zygote 5.4 -> 3.8 ms."""
+    if libc is None:
+        return
+    started = time.monotonic()
+    collapsed = refused = 0
+    try:
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except (OSError, AttributeError) as exc:
+        log("no huge pages: %r" % (exc,))
+        return
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 2 or not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith(("[v", "[stack"))):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        start = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+        end &= ~(HUGE_PAGE - 1)
+        if end - start < HUGE_PAGE:
+            continue
+        madvise(start, end - start, MADV_HUGEPAGE)
+        if madvise(start, end - start, MADV_COLLAPSE) == 0:
+            collapsed += 1
+        else:
+            refused += 1
+    log("huge pages: %d regions collapsed, %d not, in %d ms"
+        % (collapsed, refused, (time.monotonic() - started) * 1000))
 
 
 def _reap_children():

@@ -5,6 +5,8 @@ objects -- reaches the next."""
 
 import json
 import os
+import re
+import tempfile
 import signal
 import time
 import unittest
@@ -233,3 +235,53 @@ class TestFreshHostile(unittest.TestCase):
         a, b = stream_text(first, "stdout").split(), stream_text(second, "stdout").split()
         self.assertNotEqual(a[0], b[0], "numpy's generator repeated across jobs")
         self.assertNotEqual(a[1], b[1], "random's generator repeated across jobs")
+
+
+def _huge_pages_expected():
+    """Whether this kernel can collapse a process's memory into huge pages on request
+    (MADV_COLLAPSE, Linux 6.1, THP not disabled); gVisor cannot."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return False
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except (OSError, ValueError):
+        return False
+    return (major, minor) >= (6, 1)
+
+
+class TestFreshPreloaded(unittest.TestCase):
+    """Fresh jobs forked from a kernel with numpy imported, as a one-off sandbox's kernel is."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.diag = tempfile.TemporaryFile()
+        cls.driver = DriverProcess(env_extra={"SANDCELL_PRELOAD": "numpy"}, stderr=cls.diag)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.driver.close()
+        cls.diag.close()
+
+    def run_fresh(self, code):
+        frames = self.driver.execute(code, fresh=True)
+        d = done(frames)
+        self.assertEqual((d["status"], d["reusable"]), ("ok", True), json.dumps(frames)[:2000])
+        return stream_text(frames, "stdout")
+
+    def test_each_job_draws_numbers_of_its_own_from_a_preloaded_numpy(self):
+        # The first job is forked anew, the next ones are standbys that reseeded while waiting.
+        draws = [self.run_fresh("import numpy\nprint(numpy.random.randint(0, 2**62))") for _ in range(4)]
+        self.assertEqual(len(set(draws)), 4, draws)
+
+    def test_the_kernel_that_forks_jobs_is_backed_by_huge_pages_after_its_first_job(self):
+        if not _huge_pages_expected():
+            self.skipTest("this kernel collapses no huge pages on request")
+        self.run_fresh("1")
+        self.run_fresh("2")  # it waited for the first standby, forked after the collapse
+        # The kernel is not dumpable (no one reads its memory map without CAP_SYS_PTRACE):
+        # it says what it did in the driver's log.
+        self.diag.seek(0)
+        said = re.findall(r"huge pages: (\d+) regions collapsed", self.diag.read().decode("utf-8", "replace"))
+        self.assertEqual(len(said), 1, "collapsed once, before the first standby")
+        self.assertGreater(int(said[0]), 0)
