@@ -183,3 +183,20 @@ async fn each_result_reports_the_cpu_time_and_peak_memory_its_code_used() {
     // file's tests run in parallel): 650 ms was seen under runsc in CI. Measured is the point.
     assert!(s.wall_ms >= 1500.0 && s.cpu_ms.unwrap() >= 200.0, "{s:?}");
 }
+
+#[tokio::test]
+async fn a_driver_speaks_over_its_own_socket_where_the_runtime_allows_it_and_over_attach_elsewhere() {
+    // gVisor does not connect to a host socket: there the driver falls back to its stdio.
+    let link = if under_gvisor() { "attach" } else { "socket" };
+    let name = format!("sandcell_sandbox_links_total{{link=\"{link}\"}}");
+    let before = worker_metric(&name).await.unwrap_or(0.0);
+    let c = client().await;
+    // A memory limit no warm kernel has: a sandbox is started for this job.
+    let mut sub = python(&tenant(), "print('spoken')\n6 * 7");
+    sub.memory_mb = Some(768);
+    let r = run(&c, &sub).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!((r.execution.stdout.as_str(), value(&r).as_deref()), ("spoken\n", Some("42")));
+    let after = worker_metric(&name).await.unwrap_or(0.0);
+    assert!(after > before, "{name}: {before} -> {after}");
+}

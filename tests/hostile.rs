@@ -347,3 +347,20 @@ async fn a_sandbox_that_dies_while_starting_is_replaced_before_the_job_fails() {
     assert!(retries >= 2.0, "replaced {retries} times");
     assert_worker_serves(&c, &r.tenant, &r.worker_id).await;
 }
+
+#[tokio::test]
+async fn a_job_cannot_reach_the_socket_its_driver_speaks_on() {
+    let c = client().await;
+    let code = "import os, socket\n\
+                try:\n    print('listed', os.listdir('/run/sandcell'))\nexcept OSError as e:\n    print('listdir refused')\n\
+                s = socket.socket(socket.AF_UNIX)\n\
+                try:\n    s.connect('/run/sandcell/worker.sock')\n    print('connected')\nexcept OSError as e:\n    print('connect refused')\n\
+                print('SANDCELL_CHANNEL' in os.environ)";
+    let t = tenant();
+    let opened = run(&c, &open_session(&t, code, None)).await;
+    let one_off = run(&c, &python(&t, code)).await;
+    for r in [opened, one_off] {
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        assert_eq!(r.execution.stdout, "listdir refused\nconnect refused\nFalse\n", "{r:?}");
+    }
+}

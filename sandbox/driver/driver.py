@@ -151,7 +151,7 @@ Frames of one execute request are either
     file_list?,  done.
 Requests are handled one at a time; python state persists between them
 unless they are fresh.
-EOF on stdin makes the driver exit with status 0.  SIGINT interrupts a
+EOF on its channel (stdin, or the socket) makes the driver exit with status 0.  SIGINT interrupts a
 running cell (python: KeyboardInterrupt; bash: SIGINT to its process group,
 SIGKILL after 2 s) and is ignored between cells.
 
@@ -165,6 +165,12 @@ SANDCELL_PRELOAD    comma-separated module names (e.g.
                     left out of "preloaded".  If matplotlib got imported, a
                     throwaway figure is rendered (outside pyplot) so a cell's
                     first figure costs no more than later ones.
+SANDCELL_CHANNEL    a Unix socket the worker listens on (worker/src/sandbox/
+                    channel.rs): the driver connects to it before the kernel
+                    exists and speaks the protocol there instead of on its
+                    stdin/stdout (fewer hops than Docker's attach stream).
+                    If it cannot connect (e.g. under gVisor) it logs why and
+                    uses stdin/stdout, which the worker also listens to.
 """
 import contextlib
 import errno
@@ -175,6 +181,7 @@ import re
 import secrets
 import select
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -842,18 +849,40 @@ class Driver:
         return not errors
 
 
+def connect_worker():
+    """The worker's socket (SANDCELL_CHANNEL), connected: its fd, or the error
+    why not (None when there is none).  The kernel never sees the variable."""
+    path = os.environ.pop("SANDCELL_CHANNEL", "")
+    if not path:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # non-inheritable
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        return exc
+    return sock.detach()
+
+
 def setup_io():
-    """Take the worker's stream for the protocol; return the Channel.  fd 0
-    becomes /dev/null and fds 1/2 the diagnostics, so that nothing but
-    frames ever reaches the worker's stream."""
-    proto_in = os.dup(0)  # os.dup() fds are non-inheritable
-    proto_out = os.dup(1)
+    """Take the worker's stream for the protocol (its socket, else stdin and
+    stdout); return the Channel.  fd 0 becomes /dev/null and fds 1/2 the
+    diagnostics, so that nothing but frames ever reaches the worker's
+    stream."""
+    linked = connect_worker()
+    if isinstance(linked, int):
+        proto_in, proto_out = linked, os.dup(linked)
+    else:
+        proto_in = os.dup(0)  # os.dup() fds are non-inheritable
+        proto_out = os.dup(1)
     diag = os.dup(2)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.close(devnull)
     os.dup2(diag, 1)
     channel = Channel(proto_in, proto_out, diag, max_in=MAX_REQUEST_BYTES)
+    if isinstance(linked, OSError):
+        channel.log("cannot connect to the worker's socket (%s): speaking on stdin/stdout" % (linked,))
     threading.excepthook = lambda args: channel.log("exception in thread %s: %r" % (args.thread, args.exc_value))
     return channel
 

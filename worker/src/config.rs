@@ -109,6 +109,8 @@ impl Config {
                 interrupt_grace: Duration::from_millis(config::parse_or("SANDCELL_INTERRUPT_GRACE_MS", 3_000u64)?),
                 max_frame: sandbox::frames::MAX_FRAME_BYTES,
                 cgroup_root: config::var_or("SANDCELL_CGROUP_ROOT", "/sys/fs/cgroup").into(),
+                channel_dir: Some(config::var_or("SANDCELL_CHANNEL_DIR", "/var/lib/sandcell/channels")).filter(|d| !d.is_empty()).map(Into::into),
+                channels: None,
             },
             max_attempts: config::parse_or("SANDCELL_MAX_ATTEMPTS", 3i32)?.max(1),
             max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 
 use crate::events::LiveJob;
 use crate::outcome::{apply, Outcome, Step};
-use crate::sandbox::cgroup::Cgroup;
+use crate::sandbox::cgroup::{Cgroup, CpuWeight};
 use crate::sandbox::container::SandboxSpec;
 use crate::sandbox::driver::{DriverEvent, ExecuteRequest, DRIVER_PROTOCOL_VERSION};
 use crate::sandbox::Sandbox;
@@ -39,6 +39,12 @@ pub struct KernelSettings {
     pub max_frame: usize,
     /// `SANDCELL_CGROUP_ROOT`: the host's cgroup filesystem, for the containers' pids, CPU and memory counters.
     pub cgroup_root: std::path::PathBuf,
+    /// `SANDCELL_CHANNEL_DIR`: where the drivers' sockets are made (empty: none, the attach
+    /// stream only); must be the same path on the Docker host.
+    pub channel_dir: Option<std::path::PathBuf>,
+    /// This worker's directory under `channel_dir`, once prepared at start-up
+    /// ([`crate::sandbox::channel::ChannelRoot::prepare`]).
+    pub channels: Option<crate::sandbox::channel::ChannelRoot>,
 }
 
 /// What to do when a cell's wall clock runs out.
@@ -81,21 +87,40 @@ pub struct Kernel {
     cgroup: Cgroup,
     /// Container create → driver ready.
     pub start_time: Duration,
+    /// Lowered while the kernel waits in the warm pool (started in the background); given
+    /// back by [`Kernel::bring_to_foreground`].
+    weight: Option<CpuWeight>,
+    /// How it was started.
+    priority: Priority,
+}
+
+/// Whether a kernel is started for a job waiting now, or ahead of demand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// A job waits for it: the start competes for CPU as any container does.
+    Foreground,
+    /// The warm pool's refill: a small share of contended CPU ([`crate::sandbox::cgroup::CpuWeight`])
+    /// and four times the start timeout, so running jobs come first.
+    Background,
 }
 
 impl Kernel {
     /// Create a container for `spec` and wait for its driver's `ready`.
-    pub async fn start(docker: &Docker, settings: &KernelSettings, spec: &SandboxSpec) -> Result<Kernel> {
+    pub async fn start(docker: &Docker, settings: &KernelSettings, spec: &SandboxSpec, priority: Priority) -> Result<Kernel> {
         let t0 = Instant::now();
-        let mut sandbox = Sandbox::start(docker, spec, settings.max_frame).await?;
-        match tokio::time::timeout(settings.start_timeout, sandbox.next_event()).await {
+        let mut sandbox = Sandbox::start(docker, spec, settings.max_frame, settings.channels.as_ref()).await?;
+        let (weight, timeout) = match priority {
+            Priority::Foreground => (None, settings.start_timeout),
+            Priority::Background => (CpuWeight::lower(&settings.cgroup_root, sandbox.id()), settings.start_timeout * 4),
+        };
+        match tokio::time::timeout(timeout, sandbox.next_event()).await {
             Ok(Ok(Some(DriverEvent::Ready { driver_version, kernel_isolated: true }))) if driver_version == DRIVER_PROTOCOL_VERSION => {
                 let cgroup = Cgroup::locate(&settings.cgroup_root, sandbox.id());
-                Ok(Kernel { sandbox, cgroup, start_time: t0.elapsed() })
+                Ok(Kernel { sandbox, cgroup, start_time: t0.elapsed(), weight, priority })
             }
             other => {
                 let what = match other {
-                    Err(_) => format!("the sandbox did not become ready within {:?}", settings.start_timeout),
+                    Err(_) => format!("the sandbox did not become ready within {timeout:?}"),
                     Ok(Ok(None)) => "the sandbox exited before it was ready".to_string(),
                     Ok(Ok(Some(DriverEvent::Ready { driver_version, .. }))) if driver_version != DRIVER_PROTOCOL_VERSION => format!(
                         "the sandbox image {} speaks driver protocol {driver_version}, this worker {DRIVER_PROTOCOL_VERSION}: build the image that matches the worker",
@@ -112,6 +137,23 @@ impl Kernel {
                 Err(anyhow!("{what}; driver said: {}", diag.trim()))
             }
         }
+    }
+
+    /// Give a kernel started in the background its full CPU weight (a job is about to use it).
+    pub fn bring_to_foreground(&mut self) {
+        if let Some(weight) = self.weight.take() {
+            weight.restore();
+        }
+    }
+
+    /// Count how this kernel's driver speaks (`sandcell_sandbox_links_total`) and, for a start a
+    /// job waited for, its start time (a background start is slow on purpose when the machine
+    /// is busy: it would only blur what a waiting job sees).
+    pub fn count_start(&self, metrics: &crate::metrics::Metrics) {
+        if self.priority == Priority::Foreground {
+            metrics.container_start_seconds.observe(self.start_time.as_secs_f64());
+        }
+        metrics.sandbox_links.with_label_values(&[if self.sandbox.on_socket() { "socket" } else { "attach" }]).inc();
     }
 
     /// The container id.

@@ -14,8 +14,13 @@ pub struct Metrics {
     pub execution_seconds: Histogram,
     /// `sandcell_queue_wait_seconds`: recorded by the scheduler to claimed by a worker.
     pub queue_wait_seconds: Histogram,
-    /// `sandcell_container_start_seconds`: container create to driver ready.
+    /// `sandcell_container_start_seconds`: container create to driver ready, of the starts a
+    /// job waited for (warm-pool refills start in the background and are not observed).
     pub container_start_seconds: Histogram,
+    /// `sandcell_sandbox_links_total{link}`: sandboxes started, by how their driver speaks:
+    /// `socket` (its own Unix socket) or `attach` (Docker's attach stream: no channel
+    /// directory, or a runtime whose sandboxes cannot connect to a host socket, like gVisor).
+    pub sandbox_links: IntCounterVec,
     /// `sandcell_worker_busy_slots`: jobs running now.
     pub busy_slots: IntGauge,
     /// `sandcell_worker_slots`: capacity.
@@ -77,6 +82,9 @@ impl Metrics {
         let queue_wait_seconds = Histogram::with_opts(HistogramOpts::new("sandcell_queue_wait_seconds", "Recorded to claimed").buckets(latency_buckets()))?;
         let container_start_seconds =
             Histogram::with_opts(HistogramOpts::new("sandcell_container_start_seconds", "Container create to driver ready").buckets(latency_buckets()))?;
+        let sandbox_links =
+            IntCounterVec::new(Opts::new("sandcell_sandbox_links_total", "Sandboxes started, by how their driver speaks: socket, attach"), &["link"])?;
+        registry.register(Box::new(sandbox_links.clone()))?;
         let busy_slots = IntGauge::new("sandcell_worker_busy_slots", "Jobs running now")?;
         let slots = IntGauge::new("sandcell_worker_slots", "Concurrent job capacity")?;
         registry.register(Box::new(jobs.clone()))?;
@@ -151,6 +159,7 @@ impl Metrics {
             execution_seconds,
             queue_wait_seconds,
             container_start_seconds,
+            sandbox_links,
             busy_slots,
             slots,
             sessions,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bollard::Docker;
 use tokio::sync::Notify;
 
-use crate::kernel::{Kernel, KernelSettings};
+use crate::kernel::{Kernel, KernelSettings, Priority};
 use crate::metrics::Metrics;
 use crate::sandbox::container::{ContainerShape, SandboxSpec, LABEL_POOL, LABEL_WORKER};
 
@@ -44,17 +44,19 @@ impl WarmPool {
         WarmPool { inner: Arc::new(Inner { kernels: Mutex::new(Vec::new()), target, spec, shape, refill: Notify::new(), metrics }) }
     }
 
-    /// A warm kernel for a job needing `shape`, if one is ready. Counts a hit or a miss.
+    /// A warm kernel for a job needing `shape`, if one is ready, with its full CPU weight back
+    /// (it was started in the background). Counts a hit or a miss.
     pub fn take(&self, shape: &ContainerShape) -> Option<Kernel> {
         let inner = &self.inner;
-        let kernel = if *shape == inner.shape { inner.kernels.lock().ok().and_then(|mut k| k.pop()) } else { None };
+        let mut kernel = if *shape == inner.shape { inner.kernels.lock().ok().and_then(|mut k| k.pop()) } else { None };
         let outcome = match (&kernel, *shape == inner.shape) {
             (Some(_), _) => "hit",
             (None, true) => "empty",
             (None, false) => "shape",
         };
         inner.metrics.pool_takes.with_label_values(&[outcome]).inc();
-        if kernel.is_some() {
+        if let Some(kernel) = kernel.as_mut() {
+            kernel.bring_to_foreground();
             inner.metrics.pool_size.dec();
             inner.refill.notify_one();
         }
@@ -72,9 +74,9 @@ impl WarmPool {
         let mut backoff = Duration::from_millis(500);
         loop {
             while self.len() < inner.target {
-                match Kernel::start(&docker, &settings, &inner.spec).await {
+                match Kernel::start(&docker, &settings, &inner.spec, Priority::Background).await {
                     Ok(kernel) => {
-                        inner.metrics.container_start_seconds.observe(kernel.start_time.as_secs_f64());
+                        kernel.count_start(&inner.metrics);
                         match inner.kernels.lock() {
                             Ok(mut k) => {
                                 k.push(kernel);

@@ -23,7 +23,7 @@ use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, Job
 
 use crate::bound::Bound;
 use crate::context::{Slot, WorkerContext};
-use crate::kernel::{CellRun, Kernel, OnTimeout, Stop};
+use crate::kernel::{CellRun, Kernel, OnTimeout, Priority, Stop};
 use crate::ledger::Disposition;
 use crate::outcome::{Extras, Outcome};
 use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
@@ -269,9 +269,9 @@ pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec, _slot: &Slot) -
     let tries = ctx.cfg.sandbox_start_tries;
     let mut attempt = 1;
     loop {
-        match Kernel::start(&ctx.docker, &ctx.cfg.kernel, spec).await {
+        match Kernel::start(&ctx.docker, &ctx.cfg.kernel, spec, Priority::Foreground).await {
             Ok(k) => {
-                ctx.metrics.container_start_seconds.observe(k.start_time.as_secs_f64());
+                k.count_start(&ctx.metrics);
                 return Ok(k);
             }
             Err(e) if attempt < tries => {

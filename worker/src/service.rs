@@ -28,7 +28,7 @@ pub async fn connect_docker() -> Result<bollard::Docker> {
 const SNAPSHOT_GRACE: Duration = Duration::from_secs(20);
 
 /// Run the worker until a fatal error. Services that are down are waited for, not fatal.
-pub async fn run(cfg: Config) -> Result<()> {
+pub async fn run(mut cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     metrics.slots.set(i64::from(cfg.slots));
     metrics.max_sessions.set(i64::from(cfg.max_sessions));
@@ -37,6 +37,8 @@ pub async fn run(cfg: Config) -> Result<()> {
     if removed > 0 {
         tracing::warn!(removed, worker_id = %cfg.worker_id, "removed sandboxes left by a previous run");
     }
+    // After the sweep: the sockets of the previous run's sandboxes go with them.
+    cfg.kernel.channels = cfg.kernel.channel_dir.as_deref().and_then(|dir| sandbox::channel::ChannelRoot::prepare(dir, &cfg.worker_id));
     let db_url = cfg.services.database_url.clone();
     let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, u32::from(cfg.slots) + 4)).await;
     let jobs = JobStore::new(pool.clone());

@@ -12,6 +12,12 @@
 //!   for the container's life. A peak that could not be reset is not reported: a lifetime
 //!   high-water mark is not this cell's.
 //!
+//! - **CPU weight.** A warm-pool kernel starts in the background: [`CpuWeight::lower`] gives
+//!   its container a small share of contended CPU (cgroup v2 `cpu.weight`, v1 `cpu.shares`)
+//!   while it imports its libraries, so the refill after a burst's takes does not slow the
+//!   burst's jobs; [`CpuWeight::restore`] gives back the weight it had when it is handed out.
+//!   Weights only divide CPU that is contended: on an idle machine the refill runs at full speed.
+//!
 //! All of it needs the host's cgroup filesystem at `SANDCELL_CGROUP_ROOT` (default
 //! `/sys/fs/cgroup`), writable for the peak's reset — true for a worker running on the host
 //! as root, or in a pod with `/sys/fs/cgroup` mounted. Where a file cannot be found, that
@@ -22,6 +28,46 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// A container's CPU weight, lowered while it starts in the background.
+#[derive(Debug)]
+pub struct CpuWeight {
+    file: PathBuf,
+    /// What the file said before it was lowered, written back by [`CpuWeight::restore`].
+    before: String,
+}
+
+/// The weight of a background start, out of the default 100 (cgroup v2; v1's shares are scaled
+/// from it, 1024 for 100).
+pub const BACKGROUND_CPU_WEIGHT: u32 = 10;
+
+impl CpuWeight {
+    /// Lower the CPU weight of `container_id`'s cgroup to [`BACKGROUND_CPU_WEIGHT`]. `None` when
+    /// its cgroup was not found or is not writable: the container then keeps its weight.
+    pub fn lower(root: &Path, container_id: &str) -> Option<CpuWeight> {
+        let candidates = [
+            (root.join("docker").join(container_id).join("cpu.weight"), BACKGROUND_CPU_WEIGHT),
+            (root.join("system.slice").join(format!("docker-{container_id}.scope")).join("cpu.weight"), BACKGROUND_CPU_WEIGHT),
+            (root.join("cpu").join("docker").join(container_id).join("cpu.shares"), BACKGROUND_CPU_WEIGHT * 1024 / 100),
+        ];
+        let (file, value) = candidates.into_iter().find(|(f, _)| f.is_file())?;
+        let before = std::fs::read_to_string(&file).ok()?.trim().to_string();
+        match std::fs::write(&file, value.to_string()) {
+            Ok(()) => Some(CpuWeight { file, before }),
+            Err(e) => {
+                tracing::debug!(container_id, file = %file.display(), error = %e, "cannot lower a background start's CPU weight");
+                None
+            }
+        }
+    }
+
+    /// Give the container back the weight it had before [`CpuWeight::lower`].
+    pub fn restore(self) {
+        if let Err(e) = std::fs::write(&self.file, &self.before) {
+            tracing::warn!(file = %self.file.display(), error = %e, "cannot restore a warm kernel's CPU weight");
+        }
+    }
+}
 
 /// Where a container's counters live.
 #[derive(Debug, Default)]

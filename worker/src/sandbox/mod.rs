@@ -1,5 +1,6 @@
 //! The sandbox: one capped Docker container running the in-container driver, and the
-//! conversation with it over the attach stream.
+//! conversation with it: over a Unix socket of its own ([`channel`]) where the driver can
+//! connect, else over the attach stream.
 //!
 //! A [`Sandbox`] owns its container. It is removed by [`Sandbox::destroy`], and — should the
 //! worker drop it on an unexpected path — by its `Drop`, so no container outlives its job.
@@ -7,6 +8,7 @@
 //! sweep ([`remove_leftovers`]).
 
 pub mod cgroup;
+pub mod channel;
 pub mod container;
 pub mod driver;
 pub mod frames;
@@ -19,8 +21,10 @@ use bollard::container::LogOutput;
 use bollard::query_parameters::{AttachContainerOptions, InspectContainerOptions, KillContainerOptions, ListContainersOptions, RemoveContainerOptions};
 use bollard::Docker;
 use futures::{Stream, StreamExt};
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
+use self::channel::{ChannelRoot, Listening};
 use self::container::{create_body, SandboxSpec, LABEL_WORKER};
 use self::driver::DriverEvent;
 use self::frames::FrameDecoder;
@@ -37,10 +41,23 @@ pub struct ExitState {
     pub exit_code: Option<i64>,
 }
 
+/// Which way the driver's frames travel.
+enum Link {
+    /// Until the driver's first frame: it connects to the socket, or speaks on its stdout.
+    Pending(Listening),
+    /// The driver connected: frames go over the socket.
+    Socket(OwnedReadHalf, OwnedWriteHalf),
+    /// Frames go over the attach stream (no channel directory, or the driver could not connect).
+    Attach,
+}
+
 /// A running sandbox container with its attached streams.
 pub struct Sandbox {
     docker: Docker,
     id: String,
+    link: Link,
+    /// The attach stream's output: the driver's stdout (its frames under [`Link::Attach`]) and
+    /// stderr (its diagnostics, always).
     output: Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>,
     input: Option<Pin<Box<dyn AsyncWrite + Send>>>,
     decoder: FrameDecoder,
@@ -65,9 +82,23 @@ async fn proxy_address(docker: &Docker, name: &str, network: &str) -> Result<Str
 }
 
 impl Sandbox {
-    /// Create, attach and start a container. `max_frame` bounds a single driver frame.
-    pub async fn start(docker: &Docker, spec: &SandboxSpec, max_frame: usize) -> Result<Sandbox> {
+    /// Create, attach and start a container. `max_frame` bounds a single driver frame;
+    /// `channels`: where the driver's socket goes (`None`: the attach stream only).
+    pub async fn start(docker: &Docker, spec: &SandboxSpec, max_frame: usize, channels: Option<&ChannelRoot>) -> Result<Sandbox> {
         let mut body = create_body(spec);
+        let listening = match channels.map(ChannelRoot::listen).transpose() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = format!("{e:#}"), "no socket for this sandbox's driver; it speaks over the attach stream");
+                None
+            }
+        };
+        if let Some(l) = &listening {
+            if let Some(hc) = body.host_config.as_mut() {
+                hc.binds.get_or_insert_with(Vec::new).push(l.bind());
+            }
+            body.env.get_or_insert_with(Vec::new).push(format!("SANDCELL_CHANNEL={}", Listening::path_in_container()));
+        }
         if let Some((name, network)) = spec.egress.as_ref().and_then(|e| Some((e.proxy_name()?, e.network.as_str()))) {
             let address = proxy_address(docker, name, network).await?;
             if let Some(hc) = body.host_config.as_mut() {
@@ -89,6 +120,7 @@ impl Sandbox {
         Ok(Sandbox {
             docker: docker.clone(),
             id,
+            link: listening.map_or(Link::Attach, Link::Pending),
             output: attach.output,
             input: Some(attach.input),
             decoder: FrameDecoder::new(max_frame),
@@ -102,32 +134,82 @@ impl Sandbox {
         &self.id
     }
 
+    /// Whether the driver's frames travel over its own socket (not the attach stream).
+    pub fn on_socket(&self) -> bool {
+        matches!(self.link, Link::Socket(..))
+    }
+
     /// Send one frame to the driver.
     pub async fn send(&mut self, payload: &[u8]) -> Result<()> {
+        let frame = frames::encode(payload);
+        if let Link::Socket(_, write) = &mut self.link {
+            return write.write_all(&frame).await.context("writing to the sandbox's socket");
+        }
         let input = self.input.as_mut().ok_or_else(|| anyhow!("sandbox input already closed"))?;
-        input.write_all(&frames::encode(payload)).await.context("writing to the sandbox")?;
+        input.write_all(&frame).await.context("writing to the sandbox")?;
         input.flush().await.context("flushing the sandbox input")?;
         Ok(())
     }
 
     /// The next driver event; `Ok(None)` when the driver's output ended (it exited or died).
     pub async fn next_event(&mut self) -> Result<Option<DriverEvent>> {
+        let mut chunk = Vec::with_capacity(64 * 1024);
         loop {
             if let Some(frame) = self.decoder.next_frame()? {
                 let event = serde_json::from_slice::<DriverEvent>(&frame).map_err(|e| frames::FrameError::Invalid(e.to_string()))?;
                 return Ok(Some(event));
             }
-            match self.output.next().await {
-                None => return Ok(None),
-                Some(Err(e)) => return Err(anyhow!(e).context("reading from the sandbox")),
-                Some(Ok(LogOutput::StdOut { message })) => self.decoder.push(&message),
-                Some(Ok(LogOutput::StdErr { message })) => {
-                    let room = MAX_DIAGNOSTICS.saturating_sub(self.diagnostics.len());
-                    self.diagnostics.extend_from_slice(&message[..message.len().min(room)]);
+            // The attach stream is read in every state: stderr must never fill up.
+            let heard = match &mut self.link {
+                Link::Attach => Heard::Attach(self.output.next().await),
+                Link::Pending(listening) => tokio::select! {
+                    conn = listening.accept() => Heard::Connected(conn),
+                    out = self.output.next() => Heard::Attach(out),
+                },
+                Link::Socket(read, _) => {
+                    chunk.clear();
+                    tokio::select! {
+                        n = read.read_buf(&mut chunk) => Heard::Socket(n),
+                        out = self.output.next() => Heard::Attach(out),
+                    }
                 }
-                Some(Ok(_)) => {}
+            };
+            match heard {
+                Heard::Connected(Ok(stream)) => {
+                    // The listener and its directory go: nothing else can connect.
+                    let (read, write) = stream.into_split();
+                    self.link = Link::Socket(read, write);
+                }
+                Heard::Connected(Err(e)) => {
+                    tracing::warn!(container = %self.id, error = %e, "accepting the driver's connection failed; listening to its stdout");
+                    self.link = Link::Attach;
+                }
+                Heard::Socket(Ok(0)) => return Ok(None),
+                Heard::Socket(Ok(_)) => self.decoder.push(&chunk),
+                Heard::Socket(Err(e)) => return Err(anyhow!(e).context("reading from the sandbox's socket")),
+                Heard::Attach(None) if self.on_socket() => {
+                    // The container's stdio closed; the socket says when the driver is gone.
+                    self.output = Box::pin(futures::stream::pending());
+                }
+                Heard::Attach(None) => return Ok(None),
+                Heard::Attach(Some(Err(e))) => return Err(anyhow!(e).context("reading from the sandbox")),
+                Heard::Attach(Some(Ok(LogOutput::StdOut { message }))) => match self.link {
+                    Link::Socket(..) => self.keep_diagnostics(&message),
+                    _ => {
+                        // A driver that could not connect speaks here; stop listening.
+                        self.link = Link::Attach;
+                        self.decoder.push(&message);
+                    }
+                },
+                Heard::Attach(Some(Ok(LogOutput::StdErr { message }))) => self.keep_diagnostics(&message),
+                Heard::Attach(Some(Ok(_))) => {}
             }
         }
+    }
+
+    fn keep_diagnostics(&mut self, message: &[u8]) {
+        let room = MAX_DIAGNOSTICS.saturating_sub(self.diagnostics.len());
+        self.diagnostics.extend_from_slice(&message[..message.len().min(room)]);
     }
 
     /// What the driver wrote to its own stderr (diagnostics, not user output), capped.
@@ -188,11 +270,20 @@ impl Sandbox {
         remove(&self.docker, &self.id).await;
     }
 
-    /// Close the attach connection: from here on the driver can neither be heard nor told.
+    /// Close the attach connection and the socket: from here on the driver can neither be
+    /// heard nor told.
     fn hang_up(&mut self) {
+        self.link = Link::Attach;
         self.output = Box::pin(futures::stream::empty());
         self.input = None;
     }
+}
+
+/// What [`Sandbox::next_event`] heard first.
+enum Heard {
+    Connected(std::io::Result<tokio::net::UnixStream>),
+    Socket(std::io::Result<usize>),
+    Attach(Option<Result<LogOutput, bollard::errors::Error>>),
 }
 
 /// Removes a container when dropped while still holding its id: covers a start-up that fails
