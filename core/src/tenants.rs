@@ -75,15 +75,16 @@ pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: 
 /// Locks the tenant's row until `tx` ends, so two submissions cannot both take the last slot.
 /// Returns the refusal, or `None` when the job is admitted.
 pub async fn admit(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: &Quotas, opens_session: bool) -> Result<Option<Reason>> {
-    ensure(tx, tenant, defaults).await?;
     // Lock first, count after, in separate statements: under READ COMMITTED each statement
     // sees what was committed when it began, so counts taken after the lock is granted
-    // include the job of the submission that held it.
-    sqlx::query("SELECT 1 FROM tenants WHERE tenant = $1 FOR UPDATE")
-        .bind(tenant)
-        .execute(&mut **tx)
-        .await
-        .with_context(|| format!("locking tenant {tenant}"))?;
+    // include the job of the submission that held it. A tenant's first job registers it
+    // (every later one is spared that statement).
+    let lock = || sqlx::query("SELECT 1 FROM tenants WHERE tenant = $1 FOR UPDATE").bind(tenant);
+    let locked = lock().execute(&mut **tx).await.with_context(|| format!("locking tenant {tenant}"))?.rows_affected();
+    if locked == 0 {
+        ensure(tx, tenant, defaults).await?;
+        lock().execute(&mut **tx).await.with_context(|| format!("locking tenant {tenant}"))?;
+    }
     let row = sqlx::query(
         "SELECT t.max_sessions, t.max_queued_jobs, t.max_artifact_bytes,
                 (SELECT count(*) FROM jobs j WHERE j.tenant = t.tenant AND j.status IN ('queued', 'running')) AS queued,

@@ -58,6 +58,9 @@ impl JobStore {
     /// Commit a job's outcome and its artifacts in one transaction. Returns false when the job
     /// was no longer in a state that may become `fin.status` (someone else finished it).
     pub async fn finish(&self, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
+        if fin.artifacts.is_empty() && !fin.session.as_ref().is_some_and(|s| s.close) {
+            return self.finish_in_one_statement(tenant, job_id, fin).await;
+        }
         let mut tx = self.pool.begin().await.context("beginning result transaction")?;
         let n = sqlx::query(
             "UPDATE jobs SET status = $3, reason = $4, execution = $5, container_id = $6, finished_at = now()
@@ -113,6 +116,39 @@ impl JobStore {
         }
         tx.commit().await.context("committing job result")?;
         Ok(true)
+    }
+
+    /// [`JobStore::finish`] of a job with no artifacts whose session (if any) goes on: the same
+    /// writes as the transaction (the result, the reservation released, the keep-alive
+    /// extended, each only if the result was taken), in one statement, so one round trip
+    /// instead of five. Most jobs end this way.
+    async fn finish_in_one_statement(&self, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
+        let taken: i64 = sqlx::query_scalar(
+            "WITH done AS (
+                 UPDATE jobs SET status = $3, reason = $4, execution = $5, container_id = $6, finished_at = now()
+                 WHERE tenant = $1 AND job_id = $2 AND status = ANY($7)
+                 RETURNING 1),
+             released AS (
+                 DELETE FROM artifact_reservations WHERE tenant = $1 AND job_id = $2 AND EXISTS (SELECT 1 FROM done)),
+             extended AS (
+                 UPDATE sessions SET keep_alive_s = COALESCE($9, keep_alive_s), last_activity_at = now(),
+                                     expires_at = now() + COALESCE($9, keep_alive_s) * interval '1 second'
+                 WHERE session_id = $8 AND state = 'active' AND EXISTS (SELECT 1 FROM done))
+             SELECT count(*) FROM done",
+        )
+        .bind(tenant)
+        .bind(job_id)
+        .bind(fin.status.as_str())
+        .bind(fin.reason.as_ref().map(storable::json).transpose()?)
+        .bind(storable::json(&fin.execution)?)
+        .bind(&fin.container_id)
+        .bind(status_list(fin.status))
+        .bind(fin.session.as_ref().map(|s| s.id.as_str()))
+        .bind(fin.session.as_ref().and_then(|s| s.keep_alive_s).map(|k| i32::try_from(k).unwrap_or(i32::MAX)))
+        .fetch_one(&self.pool)
+        .await
+        .context("committing job result")?;
+        Ok(taken > 0)
     }
 
     /// The result record of one job, as a client sees it ([`crate::reads::result`]).
