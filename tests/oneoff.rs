@@ -166,3 +166,59 @@ async fn limits_still_fire_per_job_and_the_tenants_next_job_runs_clean() {
         assert_eq!(r.execution.stdout.trim(), "0", "no copy of the bomb runs on: {r:?}");
     }
 }
+
+#[tokio::test]
+async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_for_a_start() {
+    if under_gvisor() {
+        return; // one-off sandboxes are not reused under gVisor by default
+    }
+    let c = client().await;
+    let t = tenant();
+    // A memory limit no warm kernel has: every sandbox of this shape is started for it.
+    let shaped = |code: &str| {
+        let mut sub = python(&t, code);
+        sub.memory_mb = Some(640);
+        sub
+    };
+    let first = shaped("import time\ntime.sleep(0.5)\n'first'");
+    c.submit(&first).await.expect("submit");
+    let db = service_db().await;
+    let running = eventually(JOB_WAIT, || async {
+        let status: Option<String> = sqlx::query_scalar("SELECT status FROM jobs WHERE tenant = $1 AND job_id = $2")
+            .bind(&t)
+            .bind(&first.job_id)
+            .fetch_optional(&db)
+            .await
+            .ok()
+            .flatten();
+        (status.as_deref() == Some("running")).then_some(())
+    })
+    .await;
+    assert!(running.is_some(), "the first job never ran");
+    // No sandbox of the tenant waits: the second job starts one, but the first job's comes
+    // back (0.5 s) long before a start (about a second) is ready.
+    let second = shaped("'second'");
+    let r = run(&c, &second).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("'second'")), "{r:?}");
+    let first_result = c.wait(&t, &first.job_id, JOB_WAIT).await.expect("first result");
+    assert_eq!(first_result.status, JobStatus::Succeeded, "{first_result:?}");
+    assert_eq!(container(&second).await, container(&first).await, "the second job waited for a start");
+    // The start went on without it, and waits for the tenant's next job: the tenant's next two
+    // jobs at once run in those two sandboxes, with no third started.
+    let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
+    let tenants_containers = || async {
+        let filters = std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.tenant={t}")])]);
+        let list = docker
+            .list_containers(Some(bollard::query_parameters::ListContainersOptions { filters: Some(filters), ..Default::default() }))
+            .await
+            .expect("list containers");
+        list.into_iter().filter_map(|c| c.id).collect::<HashSet<String>>()
+    };
+    let both = eventually(JOB_WAIT, || async { Some(tenants_containers().await).filter(|ids| ids.len() == 2) }).await;
+    let both = both.expect("the start that lost did not go on for the tenant");
+    let (third, fourth) = (shaped("import time\ntime.sleep(0.3)"), shaped("import time\ntime.sleep(0.3)"));
+    let (r3, r4) = tokio::join!(run(&c, &third), run(&c, &fourth));
+    assert_eq!((r3.status, r4.status), (JobStatus::Succeeded, JobStatus::Succeeded));
+    let used = HashSet::from([container(&third).await, container(&fourth).await]);
+    assert_eq!(used, both, "two jobs at once of the tenant did not run in its two sandboxes");
+}

@@ -60,10 +60,33 @@ struct Waiting {
     since: Instant,
 }
 
+/// A start in flight (from [`BoundPool::start_ticket`]); its end, when dropped, wakes the jobs
+/// waiting for a sandbox of the tenant (one of them may then start the next).
+pub struct StartTicket {
+    pool: BoundPool,
+    tenant: String,
+    shape: ContainerShape,
+}
+
+impl Drop for StartTicket {
+    fn drop(&mut self) {
+        if let Ok(mut starting) = self.pool.starting.lock() {
+            if let Some(i) = starting.iter().position(|(t, s)| *t == self.tenant && *s == self.shape) {
+                starting.swap_remove(i);
+            }
+        }
+        self.pool.returned.notify_waiters();
+    }
+}
+
 /// The bound sandboxes waiting for their tenant's next job, cheap to clone.
 #[derive(Clone)]
 pub struct BoundPool {
     waiting: Arc<Mutex<Vec<Waiting>>>,
+    /// Woken whenever a sandbox goes back to wait, or a start ends (see [`BoundPool::returned`]).
+    returned: Arc<tokio::sync::Notify>,
+    /// Sandbox starts in flight, by tenant and shape (see [`StartTicket`]).
+    starting: Arc<Mutex<Vec<(String, ContainerShape)>>>,
     settings: ReuseSettings,
     metrics: Metrics,
 }
@@ -76,7 +99,13 @@ impl BoundPool {
 
     /// An empty pool.
     pub fn new(settings: ReuseSettings, metrics: Metrics) -> Self {
-        BoundPool { waiting: Arc::new(Mutex::new(Vec::new())), settings, metrics }
+        BoundPool {
+            waiting: Arc::new(Mutex::new(Vec::new())),
+            returned: Arc::new(tokio::sync::Notify::new()),
+            starting: Arc::new(Mutex::new(Vec::new())),
+            settings,
+            metrics,
+        }
     }
 
     /// A sandbox bound to `tenant` of `shape`, if one waits (the one idle the shortest: its
@@ -90,6 +119,24 @@ impl BoundPool {
         self.metrics.oneoff_idle.set(waiting.len() as i64);
         self.metrics.oneoff_sandboxes.with_label_values(&["reused"]).inc();
         Some(w.bound)
+    }
+
+    /// Resolves when a sandbox next goes back to wait, or a start ends (enable it before
+    /// looking with [`BoundPool::take`], so a return in between is not missed).
+    pub fn returned(&self) -> tokio::sync::futures::Notified<'_> {
+        self.returned.notified()
+    }
+
+    /// A ticket for a start of a sandbox for `tenant` of `shape`, unless one is in flight
+    /// already: then a job waits for a return or for that start's end instead of starting
+    /// another, so a burst starts at most one sandbox per tenant and shape at a time.
+    pub fn start_ticket(&self, tenant: &str, shape: &ContainerShape) -> Option<StartTicket> {
+        let mut starting = self.starting.lock().ok()?;
+        if starting.iter().any(|(t, s)| t == tenant && s == shape) {
+            return None;
+        }
+        starting.push((tenant.to_string(), shape.clone()));
+        Some(StartTicket { pool: self.clone(), tenant: tenant.to_string(), shape: shape.clone() })
     }
 
     /// Count a one-off job that got a sandbox of its own (warm pool or fresh).
@@ -113,6 +160,12 @@ impl BoundPool {
         if let Some(why) = why {
             return self.recycle(bound, why).await;
         }
+        self.keep(bound).await;
+    }
+
+    /// Keep `bound` waiting for its tenant's next job (the longest idle beyond
+    /// `SANDCELL_ONEOFF_IDLE_MAX` is destroyed), and wake those waiting for a return.
+    pub async fn keep(&self, bound: Bound) {
         let evicted = match self.waiting.lock() {
             Ok(mut waiting) => {
                 waiting.push(Waiting { bound, since: Instant::now() });
@@ -124,6 +177,7 @@ impl BoundPool {
             }
             Err(_) => return,
         };
+        self.returned.notify_waiters();
         for w in evicted {
             self.recycle(w.bound, "evicted").await;
         }

@@ -63,6 +63,11 @@ impl WarmPool {
         kernel
     }
 
+    /// Whether a job needing `shape` would find no warm kernel now (a look, not a take).
+    pub fn is_empty_for(&self, shape: &ContainerShape) -> bool {
+        *shape != self.inner.shape || self.len() == 0
+    }
+
     /// Number of warm kernels now.
     pub fn len(&self) -> usize {
         self.inner.kernels.lock().map(|k| k.len()).unwrap_or(0)

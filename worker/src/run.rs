@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use sandcell_core::jobs::{Claim, Finished};
 use sandcell_core::store::Fetched;
 use sandcell_protocol::submission::is_valid_upload_key;
@@ -26,7 +26,7 @@ use crate::context::{Slot, WorkerContext};
 use crate::kernel::{CellRun, Kernel, OnTimeout, Priority, Stop};
 use crate::ledger::Disposition;
 use crate::outcome::{Extras, Outcome};
-use crate::sandbox::container::{SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
+use crate::sandbox::container::{ContainerShape, SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
 
 /// Who owns the kernel a job runs in: the one difference between a one-off job ([`OneOff`])
 /// and a session's (the session's task).
@@ -96,6 +96,7 @@ impl Host for OneOff {
         let shape = spec.shape();
         let bound = match ctx.bound.take(&job.tenant, &shape) {
             Some(bound) => bound,
+            None if self.reuse && ctx.pool.is_empty_for(&shape) => start_or_take_returned(ctx, &job.tenant, spec, shape, slot).await?,
             None => {
                 let kernel = kernel_for(ctx, &spec, slot).await?;
                 ctx.bound.count_new();
@@ -258,6 +259,60 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
     }
 }
 
+/// A one-off job's sandbox when none of its tenant's waits and the warm pool has none: start
+/// one, but take one of the tenant's sandboxes if another job of the tenant returns it first (a
+/// job takes milliseconds, a start about a second of CPU: in a burst, a job waited up to 3.7 s
+/// for a start while its tenant's sandboxes went back idle). A start that lost goes on without
+/// the job and waits, bound to the tenant, for its next job: the burst grows the tenant's
+/// sandboxes as before, and no job waits for it.
+///
+/// At most one start per tenant and shape is in flight ([`crate::bound::BoundPool::start_ticket`]):
+/// a job that finds one waits for a return or for that start's end, then looks again.
+async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: SandboxSpec, shape: ContainerShape, _slot: &Slot) -> Result<Bound> {
+    let mut starting: Option<(tokio::task::JoinHandle<Result<Kernel>>, crate::bound::StartTicket)> = None;
+    loop {
+        let returned = ctx.bound.returned();
+        tokio::pin!(returned);
+        returned.as_mut().enable();
+        if let Some(bound) = ctx.bound.take(tenant, &shape) {
+            if let Some((handle, ticket)) = starting.take() {
+                // The start goes on without this job; its sandbox waits for the tenant's next.
+                let (pool, tenant, shape) = (ctx.bound.clone(), tenant.to_string(), shape.clone());
+                tokio::spawn(async move {
+                    match handle.await {
+                        Ok(Ok(kernel)) => {
+                            pool.count_new();
+                            pool.keep(Bound::new(kernel, &tenant, shape)).await;
+                        }
+                        Ok(Err(e)) => tracing::warn!(tenant, error = format!("{e:#}"), "a one-off sandbox started ahead of demand failed"),
+                        Err(e) => tracing::warn!(tenant, error = %e, "a one-off sandbox start was lost"),
+                    }
+                    drop(ticket);
+                });
+            }
+            return Ok(bound);
+        }
+        if starting.is_none() {
+            if let Some(ticket) = ctx.bound.start_ticket(tenant, &shape) {
+                let start = start_kernel(ctx.docker.clone(), ctx.cfg.kernel.clone(), spec.clone(), ctx.cfg.sandbox_start_tries, ctx.metrics.clone());
+                starting = Some((tokio::spawn(start), ticket));
+            }
+        }
+        match starting.as_mut() {
+            Some((handle, _)) => tokio::select! {
+                started = handle => {
+                    let kernel = started.context("the sandbox start was lost")??;
+                    ctx.bound.count_new();
+                    return Ok(Bound::new(kernel, tenant, shape));
+                }
+                () = &mut returned => {}
+            },
+            // Another job's start is in flight: a return, or its end, wakes this one.
+            None => returned.await,
+        }
+    }
+}
+
 /// A kernel for `spec`: a warm one when the pool has one of that shape, else a fresh one. A
 /// sandbox that fails to start (it died, or never became ready) is replaced by a fresh one up
 /// to `SANDCELL_SANDBOX_START_TRIES` times before the error is final (`sandbox_unavailable`).
@@ -266,17 +321,28 @@ pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec, _slot: &Slot) -
     if let Some(k) = ctx.pool.take(&spec.shape()) {
         return Ok(k);
     }
-    let tries = ctx.cfg.sandbox_start_tries;
+    start_kernel(ctx.docker.clone(), ctx.cfg.kernel.clone(), spec.clone(), ctx.cfg.sandbox_start_tries, ctx.metrics.clone()).await
+}
+
+/// Start a kernel for `spec` (a job waits for it), replacing one that fails to start up to
+/// `tries` times. Owns its arguments, so it can run on as a task of its own.
+async fn start_kernel(
+    docker: bollard::Docker,
+    settings: crate::kernel::KernelSettings,
+    spec: SandboxSpec,
+    tries: u32,
+    metrics: crate::metrics::Metrics,
+) -> Result<Kernel> {
     let mut attempt = 1;
     loop {
-        match Kernel::start(&ctx.docker, &ctx.cfg.kernel, spec, Priority::Foreground).await {
+        match Kernel::start(&docker, &settings, &spec, Priority::Foreground).await {
             Ok(k) => {
-                k.count_start(&ctx.metrics);
+                k.count_start(&metrics);
                 return Ok(k);
             }
             Err(e) if attempt < tries => {
                 tracing::warn!(attempt, tries, error = format!("{e:#}"), "a sandbox failed to start; starting a fresh one");
-                ctx.metrics.sandbox_start_retries.inc();
+                metrics.sandbox_start_retries.inc();
                 attempt += 1;
             }
             Err(e) => return Err(e.context(format!("the sandbox failed to start {tries} times"))),
