@@ -8,10 +8,13 @@ it prints, never how it is framed: nothing it writes can become a frame of
 another type, or a frame of another request.
 """
 
+import array
 import codecs
+import fcntl
 import os
 import secrets
 import select
+import termios
 import threading
 import time
 
@@ -70,6 +73,9 @@ class StreamPump:
         self._decoder = None
         self._token = None
         self._token_seen = threading.Event()
+        # Bytes the pump has read from the pipe and not yet fed (while it
+        # collects a few more, see _read_available).
+        self._held = False
         threading.Thread(target=self._run, name="pump-" + name, daemon=True).start()
 
     def begin(self, req_id, limit):
@@ -82,6 +88,8 @@ class StreamPump:
 
     def sync(self):
         """Block until every byte written to the pipe so far is framed."""
+        if self._drained():
+            return
         token = SYNC_PREFIX + secrets.token_hex(16).encode("ascii") + b"\x00"
         with self._lock:
             self._token = token
@@ -89,6 +97,22 @@ class StreamPump:
         write_all(self.write_fd, token)
         if not self._token_seen.wait(SYNC_TIMEOUT_S):
             self.channel.log("%s pipe did not drain within %ss" % (self.name, SYNC_TIMEOUT_S))
+
+    def _drained(self):
+        """Whether every byte written to the pipe so far is framed already:
+        the pipe is empty, and the pump holds no bytes it read (it reads
+        and feeds under the lock taken here).  The common case -- a cell
+        that printed nothing since the last sync -- then costs no token,
+        no wake-up of the pump and no wait for it."""
+        with self._lock:
+            if self._held or self._buf:
+                return False
+            pending = array.array("i", [0])
+            try:
+                fcntl.ioctl(self.read_fd, termios.FIONREAD, pending, True)
+            except OSError:
+                return False  # then the token tells
+            return pending[0] == 0
 
     def end(self):
         """Detach from the current request; return its truncated flag."""
@@ -111,31 +135,42 @@ class StreamPump:
                 data = self._read_available()
             except OSError as exc:
                 self.channel.log("%s pipe read failed: %r" % (self.name, exc))
+                with self._lock:
+                    self._held = False  # what it read is lost with the read
                 time.sleep(0.1)
                 continue
             if not data:  # cannot happen while we hold write_fd open
                 return
             try:
                 with self._lock:
+                    self._held = False
                     self._feed(data)
             except Exception as exc:  # keep draining whatever happens
                 self.channel.log("%s pump error: %r" % (self.name, exc))
 
     def _read_available(self):
-        # Block for the first bytes, then keep collecting for a few ms so a
+        # Wait for the first bytes, then keep collecting for a few ms so a
         # print-per-line loop becomes a few frames, not one per line.  A sync
-        # token ends the wait at once: syncs must stay fast.
-        data = os.read(self.read_fd, READ_CHUNK)
+        # token ends the wait at once: syncs must stay fast.  Bytes are read
+        # under the lock and marked held until fed (see _drained).
+        select.select([self.read_fd], [], [])
+        data = self._read_held(READ_CHUNK)
         deadline = time.monotonic() + COALESCE_S
         while data and len(data) < READ_CHUNK and SYNC_PREFIX not in data:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self.read_fd], [], [], remaining)[0]:
                 break
-            more = os.read(self.read_fd, READ_CHUNK - len(data))
+            more = self._read_held(READ_CHUNK - len(data))
             if not more:
                 break
             data += more
         return data
+
+    def _read_held(self, size):
+        with self._lock:
+            data = os.read(self.read_fd, size)  # readable: the pump is the pipe's only reader
+            self._held = self._held or bool(data)
+            return data
 
     def _feed(self, data):
         buf = self._buf + data

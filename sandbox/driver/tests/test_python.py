@@ -59,6 +59,40 @@ class TestPython(DriverTestCase):
         markdown = of_type(frames, "display_data")[0]["data"]
         self.assertEqual(markdown["text/markdown"], "**hi**")
 
+    def test_output_written_just_before_a_rich_output_is_framed_before_it(self):
+        # The driver skips the capture pipes' sync when they hold nothing; bytes written at the
+        # C level (unbuffered) or by a child process an instant before a rich output, or before
+        # the cell ends, must still be framed before it.
+        frames = self.run_ok(
+            "import os, subprocess\n"
+            "from IPython.display import display\n"
+            "for i in range(60):\n"
+            "    os.write(1, b'w%d\\n' % i)\n"
+            "    if i % 10 == 0:\n"
+            "        subprocess.run(['echo', 'child%d' % i])\n"
+            "    display(i)\n"
+            "os.write(2, b'last')")
+        seen = []
+        for f in frames:
+            if f["type"] == "stream" and f["name"] == "stdout":
+                seen.append(("out", f["text"]))
+            elif f["type"] == "display_data":
+                seen.append(("display", f["data"]["text/plain"]))
+        expected = []
+        for i in range(60):
+            expected.append(("out", "w%d\n" % i + ("child%d\n" % i if i % 10 == 0 else "")))
+            expected.append(("display", str(i)))
+        # Consecutive stream frames may be split or joined; compare with them merged.
+        merged = []
+        for kind, text in seen:
+            if merged and kind == "out" and merged[-1][0] == "out":
+                merged[-1] = ("out", merged[-1][1] + text)
+            else:
+                merged.append((kind, text))
+        self.assertEqual(merged, expected)
+        self.assertEqual(stream_text(frames, "stderr"), "last")
+        self.assertEqual(frames[-1]["type"], "done")
+
     def test_matplotlib_figure_captured(self):
         frames = self.run_ok("import matplotlib.pyplot as plt\nplt.bar([1, 2, 3], [3, 1, 2])")
         images = [f["data"]["image/png"] for f in of_type(frames, "display_data") if "image/png" in f["data"]]
