@@ -223,3 +223,23 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     let used = HashSet::from([container(&third).await, container(&fourth).await]);
     assert!(used.is_subset(&both), "a third sandbox was started: {used:?} beyond {both:?}");
 }
+
+#[tokio::test]
+async fn a_tenants_next_one_off_job_waits_for_the_sandbox_settling_after_the_last_rather_than_take_another() {
+    if under_gvisor() {
+        return; // one-off sandboxes are not reused under gVisor by default
+    }
+    let c = client().await;
+    let t = tenant();
+    // 20,000 files in /tmp: cleaning up after this job takes a while, and its result does not
+    // wait for that (the driver's `done` comes before its `settled`).
+    let litter = python(&t, "for i in range(20000):\n    open('/tmp/litter-%d' % i, 'w').close()\n'littered'");
+    let r = run(&c, &litter).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("'littered'")), "{r:?}");
+    // Submitted as soon as the result is read, while the sandbox settles: it waits for that
+    // sandbox (a warm one is at hand, but would be bound to the tenant for nothing).
+    let next = python(&t, "import os\nsum(n.startswith('litter-') for n in os.listdir('/tmp'))");
+    let r = run(&c, &next).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("0")), "{r:?}");
+    assert_eq!(container(&next).await, container(&litter).await, "the next job took another sandbox than the one settling");
+}

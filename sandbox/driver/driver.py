@@ -38,7 +38,7 @@ Driver diagnostics go to a private duplicate of the original stderr.
 
 Driver -> worker
 ----------------
-ready           {"driver_version": 3, "python": "3.11.2", "ipython": "8.5.0",
+ready           {"driver_version": 5, "python": "3.11.2", "ipython": "8.5.0",
                  "preloaded": [module names], "startup_ms": float,
                  "kernel_isolated": bool}
                 sent once, before the first request is read.  preloaded:
@@ -93,8 +93,9 @@ stats           {"id", "rss_kb": int, "children": int}
 done            {"id", "status": "ok"|"error"|"input_error",
                  "exit_code": int|null, "stdout_truncated", "stderr_truncated",
                  "execution_count", "duration_ms", "processes_killed",
-                 "workspace_full"[, "reusable"]}
-                the last frame of a request.  exit_code: python 0/1; bash
+                 "workspace_full"}
+                the last frame of a request's result (of a fresh request,
+                settled follows).  exit_code: python 0/1; bash
                 the exit status (128+N if killed by signal N); null for
                 input_error.  execution_count: the cell's IPython number
                 (for bash/input_error: the last python cell's, 0 if none).
@@ -104,10 +105,15 @@ done            {"id", "status": "ok"|"error"|"input_error",
                 when it ended: after a request, only the driver, its kernel
                 and PID 1 are alive.  workspace_full: the workspace or /tmp had less
                 than 1% (at least 64 KiB) free after the code ran, or the
-                code's exception was ENOSPC.  reusable (fresh requests
-                only): the workspace, /tmp and /dev/shm were emptied, the
+                code's exception was ENOSPC.
+settled         {"id", "reusable": bool}
+                after the done of a fresh request, its last frame: the job's
+                process has exited and the driver cleaned up after it
+                (sent apart so that the job's result waits for neither).
+                reusable: the workspace, /tmp and /dev/shm were emptied, the
                 job's IPC objects removed, no process of it is left and the
-                kernel lives -- the sandbox may take its tenant's next job.
+                kernel lives and is as it was -- the sandbox may take its
+                tenant's next job.  The next request is read only after it.
 protocol_error  {"message"[, "id"]}
                 a malformed/unknown request or a driver bug.  When it
                 carries the id of a request, it ends that request instead
@@ -148,7 +154,8 @@ Frames of one execute request are either
     file_error+, done(status "input_error")        (code not run), or
     (stream | execute_result | display_data | error)*  in the order produced,
     (file | file_skipped)*  (changed files sorted by path, then get_files),
-    file_list?,  done.
+    file_list?,  done,
+followed, for a fresh request, by settled.
 Requests are handled one at a time; python state persists between them
 unless they are fresh.
 EOF on its channel (stdin, or the socket) makes the driver exit with status 0.  SIGINT interrupts a
@@ -716,22 +723,25 @@ class Driver:
         existing = set(other_processes())
         existing.add(self.kernel.pid)
         if not ok:
-            reusable = self.leave_nothing_behind(existing) if req["fresh"] else None
-            self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0, 0, False, reusable))
+            self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0, 0, False))
+            if req["fresh"]:
+                self.settle(req_id, None, existing)
             return
 
         self.capture.begin(req_id, limits["stdout_limit"], limits["stderr_limit"])
         started = time.monotonic()
         try:
-            exit_code, error_errno = self.run(req_id, req["language"], req["code"], req["fresh"],
-                                              req["env"], req["context"])
+            run_id, exit_code, error_errno = self.run(req_id, req["language"], req["code"], req["fresh"],
+                                                      req["env"], req["context"])
             duration_ms = (time.monotonic() - started) * 1000.0
             self.capture.sync()
         finally:
             truncated = self.capture.end()
 
         # Nothing the cell started outlives it (and nothing changes files while
-        # they are collected).
+        # they are collected).  A fresh job's own process is spared here (it is
+        # among `existing`, forked before the request): its cell is over and it
+        # is exiting, which settle() waits for after the result is sent.
         killed = kill_strays(existing)
         with sandbox_user():
             full = (space_exhausted(WORKSPACE) or space_exhausted("/tmp") or error_errno == errno.ENOSPC)
@@ -739,11 +749,18 @@ class Driver:
             collect_files(WORKSPACE, before, after, limits, req["get_files"], lambda f: self.send(req_id, f))
         if req["list_files"]:
             self.send(req_id, file_listing(after))
-        reusable = None
-        if req["fresh"]:
-            reusable = self.leave_nothing_behind(existing)
         status = "ok" if exit_code == 0 else "error"
-        self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms, killed, full, reusable))
+        self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms, killed, full))
+        if req["fresh"]:
+            self.settle(req_id, run_id, existing)
+
+    def settle(self, req_id, run_id, existing):
+        """After a fresh request's done: wait for its process to exit (run_id;
+        None when no cell ran), clean up after it and say whether the
+        sandbox may take the tenant's next job (settled)."""
+        if run_id is not None:
+            self.await_child_exit(run_id)
+        self.send(req_id, {"type": "settled", "reusable": self.leave_nothing_behind(existing)})
 
     def leave_nothing_behind(self, existing):
         """After a fresh request: empty every place a job can write (the
@@ -777,9 +794,10 @@ class Driver:
         return verdict
 
     def run(self, req_id, language, code, fresh=False, env=None, context=None):
-        """Have the kernel run one cell (fresh: in a process forked for it);
-        forward its outputs.  Returns (exit_code, errno of the python
-        exception it ended with)."""
+        """Have the kernel run one cell (fresh: in a process forked for it,
+        which may still be exiting on return); forward its outputs.  Returns
+        (the run's id, exit_code, errno of the python exception it ended
+        with)."""
         self._runs += 1
         # Unguessable: a job's process can read its own run's id, never the next one's, so it
         # cannot forge frames for a later job of the sandbox.
@@ -788,10 +806,8 @@ class Driver:
         try:
             self.kernel.send({"type": "run", "id": run_id, "language": language, "code": code, "fresh": fresh,
                               "env": env or {}, "context": context})
-            result = self.forward(req_id, run_id, language)
-            if fresh:
-                self.await_child_exit(run_id)
-            return result
+            exit_code, error_errno = self.forward(req_id, run_id, language)
+            return run_id, exit_code, error_errno
         except KernelGone as exc:
             self.capture.sync()  # what it printed before it went
             if exc.broken:
@@ -852,15 +868,13 @@ class Driver:
             self.send(req_id, output)
             self.kernel.send({"type": "ack"})
 
-    def done_frame(self, status, exit_code, truncated, duration_ms, killed, full, reusable=None):
+    def done_frame(self, status, exit_code, truncated, duration_ms, killed, full):
         frame = {"type": "done", "status": status, "exit_code": exit_code,
                  "stdout_truncated": truncated[0], "stderr_truncated": truncated[1],
                  # For bash/input errors: the last python cell's number.
                  "execution_count": self.execution_count,
                  "duration_ms": round(duration_ms, 3),
                  "processes_killed": killed, "workspace_full": bool(full)}
-        if reusable is not None:
-            frame["reusable"] = reusable
         return frame
 
     def write_inputs(self, req_id, files):

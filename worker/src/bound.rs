@@ -9,9 +9,13 @@
 //! - **its kernel never runs user code**: a bound sandbox runs only fresh requests (each job in
 //!   a process forked for it, see `sandbox/driver/driver.py`), never a session's cells;
 //! - **nothing of one job reaches the next**: a sandbox goes back only when the driver vouched
-//!   for it (`reusable`: the workspace, `/tmp` and `/dev/shm` emptied, the job's processes and
-//!   IPC objects gone, the kernel alive); a job that timed out, ran out of memory or broke the
-//!   protocol destroys it;
+//!   for it (`settled` with `reusable`: the job's process exited, the workspace, `/tmp` and
+//!   `/dev/shm` emptied, the job's processes and IPC objects gone, the kernel alive and as it
+//!   was); a job that timed out, ran out of memory or broke the protocol destroys it;
+//! - **a job's result does not wait for the cleanup**: the driver sends `done` first, and the
+//!   sandbox *settles* (its process exits, the driver cleans up and says `settled`) while the
+//!   result is committed. The tenant's next job waits for a settling sandbox rather than start
+//!   or take another ([`BoundPool::is_settling`]);
 //! - **bounded**: a sandbox is destroyed after `SANDCELL_ONEOFF_REUSE_JOBS` jobs,
 //!   `SANDCELL_ONEOFF_REUSE_S` of life or `SANDCELL_ONEOFF_IDLE_S` idle; at most
 //!   `SANDCELL_ONEOFF_IDLE_MAX` wait at once (the longest idle is destroyed first).
@@ -60,19 +64,34 @@ struct Waiting {
     since: Instant,
 }
 
-/// A start in flight (from [`BoundPool::start_ticket`]); its end, when dropped, wakes the jobs
-/// waiting for a sandbox of the tenant (one of them may then start the next).
-pub struct StartTicket {
+/// Longest a stopping worker waits for sandboxes settling after their jobs (each settle has
+/// its own bound of 10 s, `SETTLE_WITHIN` in `run.rs`).
+const SETTLE_DRAIN: Duration = Duration::from_secs(12);
+
+/// What a sandbox of a tenant on its way is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coming {
+    /// Being started (at most one per tenant and shape: [`BoundPool::start_ticket`]).
+    Start,
+    /// Settling after a job ([`BoundPool::settling`]).
+    Settle,
+}
+
+/// A sandbox of a tenant on its way: being started, or settling after its job. Its end, when
+/// dropped, wakes the jobs waiting for a sandbox of the tenant (one of them may then start the
+/// next).
+pub struct InFlight {
     pool: BoundPool,
     tenant: String,
     shape: ContainerShape,
+    coming: Coming,
 }
 
-impl Drop for StartTicket {
+impl Drop for InFlight {
     fn drop(&mut self) {
-        if let Ok(mut starting) = self.pool.starting.lock() {
-            if let Some(i) = starting.iter().position(|(t, s)| *t == self.tenant && *s == self.shape) {
-                starting.swap_remove(i);
+        if let Ok(mut in_flight) = self.pool.in_flight.lock() {
+            if let Some(i) = in_flight.iter().position(|(t, s, c)| *t == self.tenant && *s == self.shape && *c == self.coming) {
+                in_flight.swap_remove(i);
             }
         }
         self.pool.returned.notify_waiters();
@@ -83,10 +102,13 @@ impl Drop for StartTicket {
 #[derive(Clone)]
 pub struct BoundPool {
     waiting: Arc<Mutex<Vec<Waiting>>>,
-    /// Woken whenever a sandbox goes back to wait, or a start ends (see [`BoundPool::returned`]).
+    /// Woken whenever a sandbox goes back to wait, or a start or a settle ends (see
+    /// [`BoundPool::returned`]).
     returned: Arc<tokio::sync::Notify>,
-    /// Sandbox starts in flight, by tenant and shape (see [`StartTicket`]).
-    starting: Arc<Mutex<Vec<(String, ContainerShape)>>>,
+    /// Sandboxes on their way, by tenant and shape (see [`InFlight`]).
+    in_flight: Arc<Mutex<Vec<(String, ContainerShape, Coming)>>>,
+    /// Set by [`BoundPool::drain`]: a sandbox that settles afterwards is destroyed, not kept.
+    closed: Arc<std::sync::atomic::AtomicBool>,
     settings: ReuseSettings,
     metrics: Metrics,
 }
@@ -102,7 +124,8 @@ impl BoundPool {
         BoundPool {
             waiting: Arc::new(Mutex::new(Vec::new())),
             returned: Arc::new(tokio::sync::Notify::new()),
-            starting: Arc::new(Mutex::new(Vec::new())),
+            in_flight: Arc::new(Mutex::new(Vec::new())),
+            closed: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             settings,
             metrics,
         }
@@ -121,8 +144,8 @@ impl BoundPool {
         Some(w.bound)
     }
 
-    /// Resolves when a sandbox next goes back to wait, or a start ends (enable it before
-    /// looking with [`BoundPool::take`], so a return in between is not missed).
+    /// Resolves when a sandbox next goes back to wait, or a start or a settle ends (enable it
+    /// before looking with [`BoundPool::take`], so a return in between is not missed).
     pub fn returned(&self) -> tokio::sync::futures::Notified<'_> {
         self.returned.notified()
     }
@@ -130,13 +153,28 @@ impl BoundPool {
     /// A ticket for a start of a sandbox for `tenant` of `shape`, unless one is in flight
     /// already: then a job waits for a return or for that start's end instead of starting
     /// another, so a burst starts at most one sandbox per tenant and shape at a time.
-    pub fn start_ticket(&self, tenant: &str, shape: &ContainerShape) -> Option<StartTicket> {
-        let mut starting = self.starting.lock().ok()?;
-        if starting.iter().any(|(t, s)| t == tenant && s == shape) {
+    pub fn start_ticket(&self, tenant: &str, shape: &ContainerShape) -> Option<InFlight> {
+        let mut in_flight = self.in_flight.lock().ok()?;
+        if in_flight.iter().any(|(t, s, c)| t == tenant && s == shape && *c == Coming::Start) {
             return None;
         }
-        starting.push((tenant.to_string(), shape.clone()));
-        Some(StartTicket { pool: self.clone(), tenant: tenant.to_string(), shape: shape.clone() })
+        in_flight.push((tenant.to_string(), shape.clone(), Coming::Start));
+        Some(InFlight { pool: self.clone(), tenant: tenant.to_string(), shape: shape.clone(), coming: Coming::Start })
+    }
+
+    /// Mark `bound` as settling after its job until the ticket is given to
+    /// [`BoundPool::put_back`] (or dropped).
+    pub fn settling(&self, bound: &Bound) -> InFlight {
+        if let Ok(mut in_flight) = self.in_flight.lock() {
+            in_flight.push((bound.tenant.clone(), bound.shape.clone(), Coming::Settle));
+        }
+        InFlight { pool: self.clone(), tenant: bound.tenant.clone(), shape: bound.shape.clone(), coming: Coming::Settle }
+    }
+
+    /// Whether a sandbox of `tenant` and `shape` is settling after a job: it is back in
+    /// milliseconds, sooner than any other could be had.
+    pub fn is_settling(&self, tenant: &str, shape: &ContainerShape) -> bool {
+        self.in_flight.lock().is_ok_and(|f| f.iter().any(|(t, s, c)| t == tenant && s == shape && *c == Coming::Settle))
     }
 
     /// Count a one-off job that got a sandbox of its own (warm pool or fresh).
@@ -145,8 +183,9 @@ impl BoundPool {
     }
 
     /// After a job: keep the sandbox for its tenant's next job when the driver vouched for it
-    /// (`clean`) and it is within its bounds; else destroy it.
-    pub async fn put_back(&self, mut bound: Bound, clean: bool) {
+    /// (`clean`) and it is within its bounds; else destroy it. `settled`: its ticket from
+    /// [`BoundPool::settling`], ended once the sandbox waits (or is known to go).
+    pub async fn put_back(&self, mut bound: Bound, clean: bool, settled: Option<InFlight>) {
         bound.jobs += 1;
         let why = if !clean {
             Some("dirty")
@@ -158,14 +197,20 @@ impl BoundPool {
             None
         };
         if let Some(why) = why {
+            drop(settled);
             return self.recycle(bound, why).await;
         }
         self.keep(bound).await;
+        drop(settled);
     }
 
     /// Keep `bound` waiting for its tenant's next job (the longest idle beyond
     /// `SANDCELL_ONEOFF_IDLE_MAX` is destroyed), and wake those waiting for a return.
     pub async fn keep(&self, bound: Bound) {
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            // The worker is stopping: nothing waits any more.
+            return self.recycle(bound, "shutdown").await;
+        }
         let evicted = match self.waiting.lock() {
             Ok(mut waiting) => {
                 waiting.push(Waiting { bound, since: Instant::now() });
@@ -208,6 +253,18 @@ impl BoundPool {
 
     /// Destroy every waiting sandbox (shutdown).
     pub async fn drain(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Sandboxes settling now are destroyed by their settle (see keep); wait for those.
+        let deadline = tokio::time::Instant::now() + SETTLE_DRAIN;
+        loop {
+            let returned = self.returned();
+            tokio::pin!(returned);
+            returned.as_mut().enable();
+            let settling = self.in_flight.lock().is_ok_and(|f| f.iter().any(|(_, _, c)| *c == Coming::Settle));
+            if !settling || tokio::time::timeout_at(deadline, returned).await.is_err() {
+                break;
+            }
+        }
         let waiting = self.waiting.lock().map(|mut w| std::mem::take(&mut *w)).unwrap_or_default();
         self.metrics.oneoff_idle.set(0);
         for w in waiting {

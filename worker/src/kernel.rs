@@ -279,6 +279,24 @@ impl Kernel {
         CellRun { outcome: out, alive }
     }
 
+    /// After a fresh request's `done`: wait up to `within` for the driver's `settled` frame
+    /// (the job's process gone and everything it could leave removed) and return whether the
+    /// driver vouched for the sandbox. Anything else — another frame, the driver gone, silence
+    /// — is a no: the sandbox is then not reused.
+    pub async fn settle(&mut self, within: Duration) -> bool {
+        let verdict = match tokio::time::timeout(within, self.sandbox.next_event()).await {
+            Ok(Ok(Some(DriverEvent::Settled { reusable: true }))) => return true,
+            Ok(Ok(Some(DriverEvent::Settled { reusable: false }))) => "the driver found something of the job left".to_string(),
+            Ok(Ok(Some(other))) => format!("the driver sent {other:?} instead of settled"),
+            Ok(Ok(None)) => "the driver exited before it settled".to_string(),
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(_) => format!("the driver did not settle within {within:?}"),
+        };
+        let diagnostics = self.sandbox.take_diagnostics();
+        tracing::info!(container = %self.id(), verdict, diagnostics = %diagnostics.trim(), "a one-off sandbox is not reused");
+        false
+    }
+
     /// Remove the container and its workspace.
     pub async fn destroy(self) {
         self.sandbox.destroy().await;

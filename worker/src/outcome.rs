@@ -139,9 +139,9 @@ pub struct Outcome {
     pub processes_killed: u32,
     /// What the cell used ([`crate::sandbox::cgroup`]), once it has run.
     pub usage: Option<sandcell_protocol::Usage>,
-    /// The driver left nothing of a fresh job behind: the sandbox may take its tenant's next
-    /// one-off job.
-    pub reusable: bool,
+    /// The driver ended the request with `done` (not a protocol error): of a fresh request, a
+    /// `settled` frame follows ([`crate::kernel::Kernel::settle`]).
+    pub done: bool,
     /// The kernel's execution count after the cell (Python).
     pub execution_count: Option<u32>,
 }
@@ -191,7 +191,7 @@ impl Outcome {
             skipped_files: Vec::new(),
             processes_killed: 0,
             usage: None,
-            reusable: false,
+            done: false,
             execution_count: None,
         }
     }
@@ -438,9 +438,10 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             out.reason = Some(Reason::new(ErrorCode::DriverProtocol, format!("the sandbox driver failed: {message}")));
             return Step::Done;
         }
-        DriverEvent::Ready { .. } | DriverEvent::Unknown => {}
-        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full, reusable, execution_count } => {
-            out.reusable = reusable;
+        // Settled belongs after done, to Kernel::settle; one before it means nothing.
+        DriverEvent::Ready { .. } | DriverEvent::Settled { .. } | DriverEvent::Unknown => {}
+        DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full, execution_count } => {
+            out.done = true;
             out.execution_count = execution_count.filter(|_| language == Language::Python);
             out.stdout.truncated |= stdout_truncated;
             out.stderr.truncated |= stderr_truncated;
@@ -684,7 +685,6 @@ mod tests {
             stderr_truncated: false,
             processes_killed: 0,
             workspace_full: false,
-            reusable: false,
             execution_count: Some(4),
         };
         assert_eq!(apply(&mut out, done.clone(), Language::Bash, &limits), Step::Done);

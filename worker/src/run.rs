@@ -96,7 +96,9 @@ impl Host for OneOff {
         let shape = spec.shape();
         let bound = match ctx.bound.take(&job.tenant, &shape) {
             Some(bound) => bound,
-            None if self.reuse && ctx.pool.is_empty_for(&shape) => start_or_take_returned(ctx, &job.tenant, spec, shape, slot).await?,
+            None if self.reuse && (ctx.pool.is_empty_for(&shape) || ctx.bound.is_settling(&job.tenant, &shape)) => {
+                start_or_take_returned(ctx, &job.tenant, spec, shape, slot).await?
+            }
             None => {
                 let kernel = kernel_for(ctx, &spec, slot).await?;
                 ctx.bound.count_new();
@@ -108,13 +110,29 @@ impl Host for OneOff {
 
     async fn after(&mut self, ctx: &WorkerContext, _job: &ExecutionJob, cell: CellRun) -> (Outcome, Extras) {
         let container_id = self.bound.as_ref().map(|b| b.kernel.id().to_string());
-        if let Some(bound) = self.bound.take() {
-            // Without reuse the sandbox is recycled for its one job (`jobs`), whatever the job did.
-            ctx.bound.put_back(bound, !self.reuse || (cell.alive && cell.outcome.reusable)).await;
+        if let Some(mut bound) = self.bound.take() {
+            if self.reuse && cell.alive && cell.outcome.done {
+                // The result goes on to its commit while the sandbox settles: its job's process
+                // exits and the driver cleans up, then says whether the sandbox may be reused.
+                let (pool, settled) = (ctx.bound.clone(), ctx.bound.settling(&bound));
+                tokio::spawn(async move {
+                    let clean = bound.kernel.settle(SETTLE_WITHIN).await;
+                    pool.put_back(bound, clean, Some(settled)).await;
+                });
+            } else {
+                // A job that timed out, was killed or broke the protocol leaves its sandbox
+                // dirty; without reuse the sandbox is recycled for its one job (`jobs`).
+                ctx.bound.put_back(bound, !self.reuse, None).await;
+            }
         }
         (cell.outcome, Extras { container_id, ..Default::default() })
     }
 }
+
+/// Longest wait for a one-off sandbox to settle after its job (its process to exit and the
+/// driver to clean up: milliseconds, more for a job that left many files); past it the sandbox
+/// is destroyed.
+const SETTLE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Run one job to its commit (or its refusal) in the kernel `host` provides; `claimed` when
 /// the job was claimed before it got here (a session's opening job). `Ok` is the disposition
@@ -259,7 +277,9 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
     }
 }
 
-/// A one-off job's sandbox when none of its tenant's waits and the warm pool has none: start
+/// A one-off job's sandbox when none of its tenant's waits and the warm pool has none, or one
+/// of the tenant's is settling after its job: while one settles, wait for it (it is back in
+/// milliseconds); else take a warm one if the pool has one by now, or start
 /// one, but take one of the tenant's sandboxes if another job of the tenant returns it first (a
 /// job takes milliseconds, a start about a second of CPU: in a burst, a job waited up to 3.7 s
 /// for a start while its tenant's sandboxes went back idle). A start that lost goes on without
@@ -269,7 +289,7 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
 /// At most one start per tenant and shape is in flight ([`crate::bound::BoundPool::start_ticket`]):
 /// a job that finds one waits for a return or for that start's end, then looks again.
 async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: SandboxSpec, shape: ContainerShape, _slot: &Slot) -> Result<Bound> {
-    let mut starting: Option<(tokio::task::JoinHandle<Result<Kernel>>, crate::bound::StartTicket)> = None;
+    let mut starting: Option<(tokio::task::JoinHandle<Result<Kernel>>, crate::bound::InFlight)> = None;
     loop {
         let returned = ctx.bound.returned();
         tokio::pin!(returned);
@@ -292,7 +312,16 @@ async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: Sandbox
             }
             return Ok(bound);
         }
+        if starting.is_none() && ctx.bound.is_settling(tenant, &shape) {
+            // A settle's end (kept or destroyed) wakes this one.
+            returned.await;
+            continue;
+        }
         if starting.is_none() {
+            if let Some(kernel) = if ctx.pool.is_empty_for(&shape) { None } else { ctx.pool.take(&shape) } {
+                ctx.bound.count_new();
+                return Ok(Bound::new(kernel, tenant, shape));
+            }
             if let Some(ticket) = ctx.bound.start_ticket(tenant, &shape) {
                 let start = start_kernel(ctx.docker.clone(), ctx.cfg.kernel.clone(), spec.clone(), ctx.cfg.sandbox_start_tries, ctx.metrics.clone());
                 starting = Some((tokio::spawn(start), ticket));

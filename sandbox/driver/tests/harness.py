@@ -129,14 +129,16 @@ class DriverProcess:
         self.send(request)
         return req_id
 
-    def collect(self, req_id, timeout=TIMEOUT, frames=None):
-        """Frames of one request up to and including its final frame."""
+    def collect(self, req_id, timeout=TIMEOUT, frames=None, fresh=False):
+        """Frames of one request up to and including its final frame (of a
+        fresh request: settled, after done)."""
         frames = frames if frames is not None else []
+        final = ("settled", "protocol_error") if fresh else ("done", "protocol_error")
         deadline = time.monotonic() + timeout
         while True:
             frame = self.next_frame(max(deadline - time.monotonic(), 0.01))
             frames.append(frame)
-            if frame.get("id") == req_id and frame["type"] in ("done", "protocol_error"):
+            if frame.get("id") == req_id and frame["type"] in final:
                 return frames
 
     def stats(self):
@@ -148,7 +150,7 @@ class DriverProcess:
 
     def execute(self, code, language="python", **fields):
         req_id = self.start(code, language, **fields)
-        frames = self.collect(req_id)
+        frames = self.collect(req_id, fresh=fields.get("fresh") is True)
         for frame in frames:
             assert frame.get("id") == req_id, "frame without the request id: %r" % (frame,)
         return frames
@@ -221,9 +223,19 @@ def stream_text(frames, name):
 
 
 def done(frames):
+    """The request's done frame: its last, or (a fresh request) the one before settled."""
     last = frames[-1]
+    if last["type"] == "settled" and len(frames) > 1:
+        last = frames[-2]
     assert last["type"] == "done", "request did not end with done: %r" % (last,)
     return last
+
+
+def settled(frames):
+    """A fresh request's settled frame, its last, right after done."""
+    assert len(frames) > 1 and frames[-2]["type"] == "done", "no done before the end: %r" % (frames[-2:],)
+    assert frames[-1]["type"] == "settled", "request did not end with settled: %r" % (frames[-1],)
+    return frames[-1]
 
 
 class DriverTestCase(unittest.TestCase):

@@ -74,12 +74,23 @@ class TestFresh(DriverTestCase):
         frames = self.run_ok(LEAVE_TRACES, fresh=True)
         self.assertEqual(stream_text(frames, "stdout"), "left True\n")
         d = done(frames)
-        self.assertTrue(d["reusable"], d)
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
         self.assertEqual(d["processes_killed"], 1)  # the sleep; the thread died with its process
         frames = self.run_ok(FIND_TRACES, fresh=True)
         found = json.loads(stream_text(frames, "stdout"))
         self.assertEqual(found, {"workspace": [], "tmp": [], "shm": [], "ipc_segment": False, "json_dumps_broken": False,
                                  "builtins_patched": False, "env": False, "sys_path": False, "variable": False})
+
+    def test_a_fresh_jobs_result_comes_before_the_cleanup_and_its_verdict_after_it(self):
+        # done does not wait for the job's process to exit or for the cleanup; settled, the
+        # request's last frame, says whether the cleanup left the sandbox fit for the next job.
+        frames = self.run_ok("for i in range(2000):\n    open('/tmp/left-%d' % i, 'w').close()\nprint('made')",
+                             fresh=True)
+        self.assertEqual([f["type"] for f in frames[-2:]], ["done", "settled"])
+        self.assertEqual(stream_text(frames, "stdout"), "made\n")
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
+        frames = self.run_ok("import os\nprint(sum(n.startswith('left-') for n in os.listdir('/tmp')))", fresh=True)
+        self.assertEqual(stream_text(frames, "stdout"), "0\n")
 
     def test_each_fresh_job_is_cell_one_in_a_process_of_its_own(self):
         pids = set()
@@ -155,7 +166,7 @@ class TestFreshHostile(unittest.TestCase):
         # Same uid: prlimit on the parent is allowed, and every later fork would inherit it.
         frames, d = self.run_fresh("import os, resource\nresource.prlimit(os.getppid(), resource.RLIMIT_NOFILE, (256, 256))\nprint('set')")
         self.assertEqual(stream_text(frames, "stdout"), "set\n")
-        self.assertFalse(d["reusable"], d)
+        self.assertFalse(settled(frames)["reusable"], frames[-2:])
 
     def test_frames_a_job_forges_on_the_kernels_pipe_never_reach_the_next_job(self):
         # The job writes complete frames straight to the kernel's reply pipe (its fd is in
@@ -175,7 +186,7 @@ class TestFreshHostile(unittest.TestCase):
             "print('forged')\n")
         frames, d = self.run_fresh(forge)
         self.assertEqual(stream_text(frames, "stdout"), "forged\n")
-        self.assertTrue(d["reusable"], d)
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
         frames, d = self.run_fresh("print('honest')")
         self.assertEqual(stream_text(frames, "stdout"), "honest\n")
         self.assertEqual(of_type(frames, "display_data"), [])
@@ -201,7 +212,7 @@ class TestFreshHostile(unittest.TestCase):
         self.assertEqual(stream_text(frames, "stdout"), "%d []\n" % standby)
         # Counted as there before the job, so not as a process the job left.
         self.assertEqual(d["processes_killed"], 0)
-        self.assertTrue(d["reusable"], d)
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
 
     def test_a_fresh_job_still_runs_when_the_process_forked_for_it_is_gone(self):
         self.run_fresh("1")
@@ -215,7 +226,7 @@ class TestFreshHostile(unittest.TestCase):
         self.assertNotEqual(stream_text(frames, "stdout"), "%d\n" % standby)
         self.assertEqual(d["status"], "ok")
         self.assertEqual(d["execution_count"], 1)
-        self.assertTrue(d["reusable"], d)
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
 
     def test_a_fresh_job_finds_the_namespace_of_a_shell_that_never_ran_a_cell(self):
         # The kernel and the process forked for the next job each run the cell machinery
@@ -266,7 +277,7 @@ class TestFreshPreloaded(unittest.TestCase):
     def run_fresh(self, code):
         frames = self.driver.execute(code, fresh=True)
         d = done(frames)
-        self.assertEqual((d["status"], d["reusable"]), ("ok", True), json.dumps(frames)[:2000])
+        self.assertEqual((d["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
         return stream_text(frames, "stdout")
 
     def test_each_job_draws_numbers_of_its_own_from_a_preloaded_numpy(self):

@@ -1,7 +1,8 @@
 //! The driver protocol's messages, as the worker sees them.
 //!
 //! The worker sends one [`ExecuteRequest`] per cell; the driver answers with a stream of
-//! [`DriverEvent`]s ending in [`DriverEvent::Done`]. Fields the worker does not use are ignored,
+//! [`DriverEvent`]s ending in [`DriverEvent::Done`], and for a fresh request one
+//! [`DriverEvent::Settled`] after it. Fields the worker does not use are ignored,
 //! so the driver may add information without breaking older workers.
 
 use std::collections::BTreeMap;
@@ -10,7 +11,7 @@ use sandcell_protocol::{ExecutionJob, ExecutionLimits, InputFile, Language};
 use serde::{Deserialize, Serialize};
 
 /// Version of the driver protocol this worker speaks.
-pub const DRIVER_PROTOCOL_VERSION: u32 = 4;
+pub const DRIVER_PROTOCOL_VERSION: u32 = 5;
 
 /// Run one cell.
 #[derive(Debug, Serialize)]
@@ -179,13 +180,16 @@ pub enum DriverEvent {
         /// The workspace or `/tmp` filled up.
         #[serde(default)]
         workspace_full: bool,
-        /// After a fresh request: nothing of the job is left (files, processes, IPC objects)
-        /// and the kernel lives, so the sandbox may take its tenant's next one-off job.
-        #[serde(default)]
-        reusable: bool,
         /// The kernel's execution count after the cell.
         #[serde(default)]
         execution_count: Option<u32>,
+    },
+    /// After the `done` of a fresh request, its last frame: the job's process has exited and
+    /// the driver cleaned up after it. Sent apart so that the job's result waits for neither.
+    Settled {
+        /// Nothing of the job is left (files, processes, IPC objects) and the kernel lives as
+        /// it was, so the sandbox may take its tenant's next one-off job.
+        reusable: bool,
     },
     /// A message type this worker does not know; ignored.
     #[serde(other)]
@@ -212,10 +216,11 @@ mod tests {
                 stderr_truncated: true,
                 processes_killed: 0,
                 workspace_full: false,
-                reusable: false,
                 execution_count: None
             }
         );
+        let e: DriverEvent = serde_json::from_str(r#"{"type":"settled","id":"j","reusable":true}"#).unwrap();
+        assert_eq!(e, DriverEvent::Settled { reusable: true });
         let e: DriverEvent = serde_json::from_str(r#"{"type":"something_new","x":1}"#).unwrap();
         assert_eq!(e, DriverEvent::Unknown);
     }
