@@ -249,11 +249,11 @@ def sandbox_user():
     if not ISOLATED:
         yield
         return
-    set_effective_ids(SANDBOX_UID, SANDBOX_GID)
     try:
+        set_effective_ids(SANDBOX_UID, SANDBOX_GID)
         yield
     finally:
-        set_effective_ids(0, 0)
+        set_effective_ids(0, 0)  # also after a switch that failed half-way
 
 
 # setresuid/setresgid by architecture, for the raw system calls (see set_effective_ids).
@@ -295,9 +295,9 @@ def set_effective_ids(uid, gid):
 # --------------------------------------------------------------------------
 
 
-def other_processes(spared=()):
+def other_processes(spared=(), children_of=None):
     """PIDs of the live (non-zombie) processes in the container other than
-    the driver, PID 1 (tini) and `spared`."""
+    the driver, PID 1 (tini), `spared` and the children of `children_of`."""
     skip = {1, os.getpid(), *spared}
     pids = []
     for name in os.listdir("/proc"):
@@ -305,25 +305,27 @@ def other_processes(spared=()):
             continue
         try:
             with open("/proc/%s/stat" % name) as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+                fields = f.read().rsplit(")", 1)[1].split()
+            state, parent = fields[0], int(fields[1])
+        except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
-        if state not in ("Z", "X"):  # zombies are not alive
+        if state not in ("Z", "X") and parent != children_of:  # zombies are not alive
             pids.append(int(name))
     return pids
 
 
-def kill_strays(existing, rounds=100):
+def kill_strays(existing, rounds=100, children_of=None):
     """Kill every process a cell left behind; returns how many were killed.
     `existing`: the processes alive before the cell (the kernel; in the
-    driver's tests also other drivers' processes), which are spared.  Repeats
-    while processes keep appearing (a fork bomb forks between the scan and
-    the kill), up to `rounds` scans.  Signals are sent as the sandbox user:
-    the driver needs no CAP_KILL, and can kill nothing the code could not."""
+    driver's tests also other drivers' processes), which are spared, as are
+    the children of `children_of`.  Repeats while processes keep appearing
+    (a fork bomb forks between the scan and the kill), up to `rounds` scans.
+    Signals are sent as the sandbox user: the driver needs no CAP_KILL, and
+    can kill nothing the code could not."""
     killed = set()
     with sandbox_user():
         for _ in range(rounds):
-            pids = other_processes(existing)
+            pids = other_processes(existing, children_of)
             if not pids:
                 break
             for pid in pids:
@@ -334,6 +336,19 @@ def kill_strays(existing, rounds=100):
                     pass
             time.sleep(0.002)
     return len(killed)
+
+
+def children_of(pid):
+    """The live processes whose parent is `pid`."""
+    return [p for p in other_processes() if _parent(p) == pid]
+
+
+def _parent(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def remove_sysv_ipc():
@@ -722,10 +737,14 @@ class Driver:
         self.kernel.await_standby()
         existing = set(other_processes())
         existing.add(self.kernel.pid)
+        # A fresh job runs in a child of the kernel: the standby forked before the request
+        # (among `existing`), or one forked for it.  Once it has exited, nothing of the
+        # job may be spared any more (see settle).
+        spared_after = existing - set(children_of(self.kernel.pid)) if req["fresh"] else existing
         if not ok:
             self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0, 0, False))
             if req["fresh"]:
-                self.settle(req_id, None, existing)
+                self.settle(req_id, None, spared_after)
             return
 
         self.capture.begin(req_id, limits["stdout_limit"], limits["stderr_limit"])
@@ -739,10 +758,10 @@ class Driver:
             truncated = self.capture.end()
 
         # Nothing the cell started outlives it (and nothing changes files while
-        # they are collected).  A fresh job's own process is spared here (it is
-        # among `existing`, forked before the request): its cell is over and it
-        # is exiting, which settle() waits for after the result is sent.
-        killed = kill_strays(existing)
+        # they are collected).  A fresh job's own process, a child of the kernel,
+        # is spared here: its cell is over and it is exiting, which settle() waits
+        # for after the result is sent, before it kills again.
+        killed = kill_strays(existing, children_of=self.kernel.pid if req["fresh"] else None)
         with sandbox_user():
             full = (space_exhausted(WORKSPACE) or space_exhausted("/tmp") or error_errno == errno.ENOSPC)
             after = snapshot(WORKSPACE)
@@ -752,15 +771,21 @@ class Driver:
         status = "ok" if exit_code == 0 else "error"
         self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms, killed, full))
         if req["fresh"]:
-            self.settle(req_id, run_id, existing)
+            self.settle(req_id, run_id, spared_after)
 
-    def settle(self, req_id, run_id, existing):
+    def settle(self, req_id, run_id, spared):
         """After a fresh request's done: wait for its process to exit (run_id;
-        None when no cell ran), clean up after it and say whether the
-        sandbox may take the tenant's next job (settled)."""
+        None when no cell ran), kill whatever of the job still runs (what that
+        process started after the first kill), drop what it printed on its
+        way out, clean up and say whether the sandbox may take the tenant's
+        next job (settled).  `spared`: the processes alive before the request
+        but the job's own."""
         if run_id is not None:
             self.await_child_exit(run_id)
-        self.send(req_id, {"type": "settled", "reusable": self.leave_nothing_behind(existing)})
+        kill_strays(spared)
+        # Its last bytes are framed for no request (logged), never for the next job.
+        self.capture.sync()
+        self.send(req_id, {"type": "settled", "reusable": self.leave_nothing_behind(spared)})
 
     def leave_nothing_behind(self, existing):
         """After a fresh request: empty every place a job can write (the

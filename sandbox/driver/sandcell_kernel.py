@@ -426,6 +426,8 @@ class Kernel:
         machinery's first use; it then waits for its request on a pipe only
         this process writes."""
         if self.standby is not None:
+            # Still unused (the last request ran no cell): the driver waits for this frame.
+            self.channel.send({"type": "standby", "pid": self.standby[0]})
             return
         if not self.collapsed:
             # Once, before the first standby (so not on a job's path, and only in a sandbox

@@ -197,31 +197,33 @@ impl BoundPool {
             None
         };
         if let Some(why) = why {
-            drop(settled);
-            return self.recycle(bound, why).await;
+            self.recycle(bound, why).await;
+        } else {
+            self.keep(bound).await;
         }
-        self.keep(bound).await;
+        // Only now: a stopping worker waits for settles, so a sandbox going away is gone first.
         drop(settled);
     }
 
     /// Keep `bound` waiting for its tenant's next job (the longest idle beyond
     /// `SANDCELL_ONEOFF_IDLE_MAX` is destroyed), and wake those waiting for a return.
     pub async fn keep(&self, bound: Bound) {
-        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
-            // The worker is stopping: nothing waits any more.
-            return self.recycle(bound, "shutdown").await;
-        }
-        let evicted = match self.waiting.lock() {
+        let (evicted, refused) = match self.waiting.lock() {
+            // Checked under the lock drain takes: the worker is stopping, nothing waits any more.
+            Ok(_) if self.closed.load(std::sync::atomic::Ordering::SeqCst) => (Vec::new(), Some(bound)),
             Ok(mut waiting) => {
                 waiting.push(Waiting { bound, since: Instant::now() });
                 // The longest idle first: it is the least likely to be asked for.
                 let excess = waiting.len().saturating_sub(self.settings.max_waiting);
                 let evicted: Vec<Waiting> = waiting.drain(..excess).collect();
                 self.metrics.oneoff_idle.set(waiting.len() as i64);
-                evicted
+                (evicted, None)
             }
             Err(_) => return,
         };
+        if let Some(bound) = refused {
+            return self.recycle(bound, "shutdown").await;
+        }
         self.returned.notify_waiters();
         for w in evicted {
             self.recycle(w.bound, "evicted").await;
@@ -253,7 +255,9 @@ impl BoundPool {
 
     /// Destroy every waiting sandbox (shutdown).
     pub async fn drain(&self) {
-        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Ok(_waiting) = self.waiting.lock() {
+            self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         // Sandboxes settling now are destroyed by their settle (see keep); wait for those.
         let deadline = tokio::time::Instant::now() + SETTLE_DRAIN;
         loop {

@@ -134,6 +134,10 @@ impl Host for OneOff {
 /// is destroyed.
 const SETTLE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Longest a one-off job waits for its tenant's sandboxes settling before it takes a warm one
+/// or starts one.
+const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Run one job to its commit (or its refusal) in the kernel `host` provides; `claimed` when
 /// the job was claimed before it got here (a session's opening job). `Ok` is the disposition
 /// of its message; an error means nothing was committed.
@@ -290,6 +294,9 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
 /// a job that finds one waits for a return or for that start's end, then looks again.
 async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: SandboxSpec, shape: ContainerShape, _slot: &Slot) -> Result<Bound> {
     let mut starting: Option<(tokio::task::JoinHandle<Result<Kernel>>, crate::bound::InFlight)> = None;
+    // A settle takes milliseconds; one that takes longer (a job that left a great many files)
+    // is not waited for past this, while the job holds its slot.
+    let settles_until = tokio::time::Instant::now() + SETTLE_WAIT;
     loop {
         let returned = ctx.bound.returned();
         tokio::pin!(returned);
@@ -312,9 +319,9 @@ async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: Sandbox
             }
             return Ok(bound);
         }
-        if starting.is_none() && ctx.bound.is_settling(tenant, &shape) {
+        if starting.is_none() && ctx.bound.is_settling(tenant, &shape) && tokio::time::Instant::now() < settles_until {
             // A settle's end (kept or destroyed) wakes this one.
-            returned.await;
+            let _ = tokio::time::timeout_at(settles_until, returned).await;
             continue;
         }
         if starting.is_none() {

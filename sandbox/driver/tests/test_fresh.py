@@ -92,6 +92,68 @@ class TestFresh(DriverTestCase):
         frames = self.run_ok("import os\nprint(sum(n.startswith('left-') for n in os.listdir('/tmp')))", fresh=True)
         self.assertEqual(stream_text(frames, "stdout"), "0\n")
 
+    def test_a_process_the_job_forks_on_its_way_out_is_killed_before_the_cleanup(self):
+        # The result is sent while the job's process exits; one that forks then (os._exit
+        # patched), after the strays were killed, must not outlive the cleanup to leave a file
+        # for the next job.
+        code = (
+            "import os, time\n"
+            "real_exit = os._exit\n"
+            "def late_exit(status):\n"
+            "    time.sleep(0.1)  # after the result's kill\n"
+            "    if os.fork() == 0:\n"
+            "        for _ in range(500):\n"
+            "            time.sleep(0.005)\n"
+            "            if not os.path.exists('marker'):\n"
+            "                break\n"
+            "        open('implant.py', 'w').write('x')\n"
+            "        open('/tmp/implant', 'w').write('x')\n"
+            "        real_exit(0)\n"
+            "    time.sleep(0.2)\n"
+            "    real_exit(status)\n"
+            "os._exit = late_exit\n"
+            "open('marker', 'w').write('x')\n"
+            "print('set')")
+        self.run_ok("1", fresh=True)  # so the job runs in a standby, forked before it
+        frames = self.run_ok(code, fresh=True)
+        self.assertEqual(stream_text(frames, "stdout"), "set\n")
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
+        time.sleep(0.5)  # what a surviving process would have had to write
+        frames = self.run_ok("import os\nprint(os.path.exists('implant.py'), os.path.exists('/tmp/implant'))", fresh=True)
+        self.assertEqual(stream_text(frames, "stdout"), "False False\n")
+
+    def test_a_fresh_jobs_own_process_is_not_counted_as_left_running_while_it_exits(self):
+        # The first job of a sandbox runs in a process forked for it (no standby yet); it is
+        # still exiting when the strays are killed, and is not one. What it prints on its way
+        # out reaches neither its result nor the next job's.
+        driver = DriverProcess()
+        try:
+            code = ("import os, threading, time\n"
+                    "real_exit = os._exit\n"
+                    "os._exit = lambda status: (time.sleep(0.3), real_exit(status))\n"
+                    "threading.Timer(0.1, lambda: print('late', flush=True)).start()\n"
+                    "print('first')")
+            frames = driver.execute(code, fresh=True)
+            self.assertEqual((done(frames)["status"], done(frames)["processes_killed"]), ("ok", 0), frames[-2:])
+            self.assertEqual(stream_text(frames, "stdout"), "first\n")
+            self.assertTrue(settled(frames)["reusable"], frames[-2:])
+            frames = driver.execute("print('next')", fresh=True)
+            self.assertEqual(stream_text(frames, "stdout"), "next\n")
+            self.assertEqual(done(frames)["processes_killed"], 0)
+        finally:
+            driver.close()
+
+    def test_an_input_error_after_a_fresh_job_does_not_hold_up_the_next(self):
+        # The cleanup after a refused request asks the kernel for a standby it already has:
+        # the kernel says so at once, and the next job does not wait for it.
+        self.run_ok("1", fresh=True)
+        frames = self.driver.execute("1", fresh=True, files=[{"path": "../escape", "content_b64": ""}])
+        self.assertEqual(done(frames)["status"], "input_error")
+        started = time.monotonic()
+        frames = self.run_ok("print('quick')", fresh=True)
+        self.assertEqual(stream_text(frames, "stdout"), "quick\n")
+        self.assertLess(time.monotonic() - started, 3.0, "the job waited for a standby frame")
+
     def test_each_fresh_job_is_cell_one_in_a_process_of_its_own(self):
         pids = set()
         for _ in range(3):
