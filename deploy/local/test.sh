@@ -17,13 +17,24 @@
 # fairness and egress) run again under runsc when gVisor is installed. Exits non-zero when anything fails.
 # Logs of the binaries: target/test-logs/<runtime>/.
 # Env: SANDCELL_STATE_DIR (default /var/lib/sandcell); CARGO_TEST_ARGS (extra args, e.g. a
-# filter); SANDCELL_TEST_RUNTIMES (default: the stack's SANDCELL_DOCKER_RUNTIMES, e.g. runc,runsc).
+# filter); SANDCELL_TEST_RUNTIMES (default: the stack's SANDCELL_DOCKER_RUNTIMES, e.g. runc,runsc);
+# SANDCELL_TEST_DATABASE (default sandcell_test): the database the run creates afresh and uses.
 set -euo pipefail
 # shellcheck source=deploy/local/services.sh
 . "$(dirname "$0")/services.sh"
 repo=$(repo_root)
 cd "$repo"
 bring_up_stack
+
+# A database of the run's own, dropped and created afresh: the stack's database may have been
+# migrated by another checkout (a branch's newer migrations make this checkout's binaries refuse
+# to start, by design), and no run should read an earlier run's rows. Roles are the cluster's,
+# shared; the migrations create what they need in the new database.
+test_db=${SANDCELL_TEST_DATABASE:-sandcell_test}
+echo "== a fresh database for the run: $test_db"
+runuser -u postgres -- psql -X -q -v ON_ERROR_STOP=1 -d postgres \
+    -c "DROP DATABASE IF EXISTS \"$test_db\" WITH (FORCE)" -c "CREATE DATABASE \"$test_db\" OWNER sandcell"
+export SANDCELL_DATABASE_URL="${SANDCELL_DATABASE_URL%/*}/$test_db"
 
 # Test-friendly settings: a fast sweeper so TTL expiry is observable in seconds.
 export SANDCELL_SWEEP_INTERVAL_S=1
