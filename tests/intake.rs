@@ -179,3 +179,51 @@ async fn the_broker_refuses_a_message_over_its_limit_before_it_reaches_the_sched
     let next = run(&c, &python(&tenant(), "print('still serving')")).await;
     assert_eq!(next.execution.stdout, "still serving\n");
 }
+
+/// The scheduler's record checks an id under the tenant's lock, but a refusal is recorded
+/// without it: a row written under the same id while a submission is being recorded makes the
+/// record a duplicate, and the session that submission would have opened is not left behind.
+#[tokio::test]
+async fn a_job_id_taken_while_its_submission_is_recorded_is_a_duplicate_and_opens_no_session() {
+    use sandcell_core::jobs::{JobSessionRecord, JobStore, Recorded};
+    let db = service_db().await;
+    let t = tenant();
+    let sub = open_session(&t, "1+1", None);
+    let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
+    // The other writer holds its row uncommitted: the record cannot see it yet, and its insert
+    // waits for that transaction.
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 10, 10, 1000000)")
+        .bind(&t)
+        .execute(&db)
+        .await
+        .expect("tenant");
+    let mut other = db.begin().await.expect("begin");
+    let other_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *other).await.expect("pid");
+    sqlx::query("INSERT INTO jobs (tenant, job_id, status, execution, finished_at) VALUES ($1, $2, 'rejected', '{}', now())")
+        .bind(&t)
+        .bind(&sub.job_id)
+        .execute(&mut *other)
+        .await
+        .expect("the other writer's row");
+    let session = unique("s");
+    let record = {
+        let (store, sub, session) = (JobStore::new(db.clone()), sub.clone(), session.clone());
+        tokio::spawn(async move { store.record_queued(&sub, &limits, "digest", Some(JobSessionRecord::Open(&session, 60)), Some(b"job")).await })
+    };
+    // Commit once the record waits for it (a lock the other transaction holds).
+    let waiting = eventually(Duration::from_secs(10), || {
+        let db = db.clone();
+        async move {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))").bind(other_pid).fetch_one(&db).await.ok()?;
+            (n > 0).then_some(())
+        }
+    })
+    .await;
+    assert!(waiting.is_some(), "the record never waited for the other writer");
+    other.commit().await.expect("commit");
+    let recorded = record.await.expect("task").expect("recorded");
+    assert!(matches!(recorded, Recorded::Duplicate { status: JobStatus::Rejected, same_payload: false, .. }), "{recorded:?}");
+    let sessions: i64 = sqlx::query_scalar("SELECT count(*) FROM sessions WHERE session_id = $1").bind(&session).fetch_one(&db).await.expect("count");
+    assert_eq!(sessions, 0, "the session of a duplicate was left behind");
+}

@@ -332,3 +332,28 @@ async fn a_tenant_cannot_take_over_a_broker_user_that_is_not_a_tenants() {
     assert!(!out.status.success(), "sandcell-admin replaced a non-tenant broker user");
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a sandcell tenant"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// Clients wait for results: a job's notification on its tenant's channel comes once, when its
+/// status is final, and none while it is recorded (`queued`) or claimed (`running`), whose
+/// notifying commits Postgres would serialise with every other job's.
+#[tokio::test]
+async fn a_job_is_notified_once_when_its_status_is_final_and_not_while_queued_or_running() {
+    let t = TestTenant::create(None).await;
+    let c = t.client().await;
+    let db = t.db().await;
+    let channel: String = sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1").bind(&t.name).fetch_one(&db).await.expect("channel");
+    let mut listener = sqlx::postgres::PgListener::connect(&t.creds.database_url).await.expect("listener");
+    listener.listen(&channel).await.expect("LISTEN");
+    let ok = python(&t.name, "1+1");
+    let failed = python(&t.name, "1/0");
+    for sub in [&ok, &failed] {
+        run(&c, sub).await;
+    }
+    // Every commit of both jobs is over: what they notified is on its way or here.
+    let mut seen: Vec<(String, String)> = Vec::new();
+    while let Ok(Ok(n)) = tokio::time::timeout(std::time::Duration::from_secs(2), listener.recv()).await {
+        let v: serde_json::Value = serde_json::from_str(n.payload()).expect("JSON payload");
+        seen.push((v["job_id"].as_str().unwrap_or_default().to_string(), v["status"].as_str().unwrap_or_default().to_string()));
+    }
+    assert_eq!(seen, [(ok.job_id.clone(), "succeeded".to_string()), (failed.job_id.clone(), "failed".to_string())]);
+}

@@ -92,21 +92,6 @@ fn states(next: SessionState) -> Vec<String> {
     SessionState::sources_of(next).into_iter().map(|s| s.as_str().to_string()).collect()
 }
 
-/// Record a session as `starting`, in the transaction that records the job opening it (so
-/// a duplicate submission never creates a second session).
-pub(crate) async fn create(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, session_id: &str, tenant: &str, keep_alive_s: u64, job_id: &str) -> Result<()> {
-    sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job) VALUES ($1, $2, $3, $4, $5)")
-        .bind(session_id)
-        .bind(tenant)
-        .bind(SessionState::Starting.as_str())
-        .bind(i32::try_from(keep_alive_s).unwrap_or(i32::MAX))
-        .bind(job_id)
-        .execute(&mut **tx)
-        .await
-        .context("inserting session")?;
-    Ok(())
-}
-
 /// What a session job's commit does to its session, in the commit's own transaction: close it
 /// (a transition, guarded like every other) or extend its keep-alive while it is active.
 pub(crate) async fn touch(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, touch: &crate::jobs::SessionTouch) -> Result<()> {

@@ -1,13 +1,13 @@
 //! Tenants: their quotas, their database roles, and the admission check every submission passes.
 //!
-//! The one owner of per-tenant limits. The scheduler calls [`admit`] inside the transaction that
-//! records a job, the worker calls [`TenantStore::reserve_artifact_bytes`] before it stores files,
+//! The one owner of per-tenant limits. Their admission check runs inside the one statement that
+//! records a job (the SQL function `sandcell_record_job`, migrations/0012_record_job.sql, called
+//! by [`crate::jobs::JobStore::record_queued`]); the worker calls [`TenantStore::reserve_artifact_bytes`] before it stores files,
 //! and `sandcell-admin` calls [`TenantStore::create`] to give a tenant its own database role.
 //! Row-level security on the tables (migrations/0003_tenants.sql) is what keeps one tenant's
 //! rows from another's role; this module only creates the roles the policies name.
 
 use anyhow::{bail, Context, Result};
-use sandcell_protocol::{ErrorCode, Reason};
 use sqlx::postgres::PgPool;
 use sqlx::{Postgres, Row, Transaction};
 
@@ -69,46 +69,6 @@ pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: 
     .await
     .with_context(|| format!("registering tenant {tenant}"))?;
     Ok(())
-}
-
-/// Decide whether `tenant` may queue one more job (which opens a session if `opens_session`).
-/// Locks the tenant's row until `tx` ends, so two submissions cannot both take the last slot.
-/// Returns the refusal, or `None` when the job is admitted.
-pub async fn admit(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: &Quotas, opens_session: bool) -> Result<Option<Reason>> {
-    // Lock first, count after, in separate statements: under READ COMMITTED each statement
-    // sees what was committed when it began, so counts taken after the lock is granted
-    // include the job of the submission that held it. A tenant's first job registers it
-    // (every later one is spared that statement).
-    let lock = || sqlx::query("SELECT 1 FROM tenants WHERE tenant = $1 FOR UPDATE").bind(tenant);
-    let locked = lock().execute(&mut **tx).await.with_context(|| format!("locking tenant {tenant}"))?.rows_affected();
-    if locked == 0 {
-        ensure(tx, tenant, defaults).await?;
-        lock().execute(&mut **tx).await.with_context(|| format!("locking tenant {tenant}"))?;
-    }
-    let row = sqlx::query(
-        "SELECT t.max_sessions, t.max_queued_jobs, t.max_artifact_bytes,
-                (SELECT count(*) FROM jobs j WHERE j.tenant = t.tenant AND j.status IN ('queued', 'running')) AS queued,
-                (SELECT count(*) FROM sessions s WHERE s.tenant = t.tenant AND s.state IN ('starting', 'active')) AS sessions,
-                (SELECT COALESCE(sum(a.size_bytes), 0)::bigint FROM artifacts a WHERE a.tenant = t.tenant AND a.state = 'available') AS stored
-         FROM tenants t WHERE t.tenant = $1",
-    )
-    .bind(tenant)
-    .fetch_one(&mut **tx)
-    .await
-    .with_context(|| format!("reading quotas of tenant {tenant}"))?;
-    let (max_sessions, max_queued, max_bytes): (i32, i32, i64) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
-    let (queued, sessions, stored): (i64, i64, i64) = (row.try_get(3)?, row.try_get(4)?, row.try_get(5)?);
-    let refuse = |m: String| Ok(Some(Reason::new(ErrorCode::QuotaExceeded, m)));
-    if queued >= i64::from(max_queued) {
-        return refuse(format!("tenant has {queued} jobs queued or running; its quota is {max_queued}"));
-    }
-    if opens_session && sessions >= i64::from(max_sessions) {
-        return refuse(format!("tenant has {sessions} live sessions; its quota is {max_sessions}"));
-    }
-    if stored >= max_bytes {
-        return refuse(format!("tenant stores {stored} bytes of artifacts; its quota is {max_bytes} (wait for artifacts to expire)"));
-    }
-    Ok(None)
 }
 
 /// A tenant's database login, as `sandcell-admin tenant create` hands it out.

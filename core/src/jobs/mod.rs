@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use chrono::{DateTime, Utc};
 use sandcell_protocol::storable;
 use sandcell_protocol::{ErrorCode, ExecutionLimits, JobStatus, Reason, Submission};
@@ -175,8 +175,10 @@ impl JobStore {
     }
 
     /// Record an accepted submission as `queued`, or report the existing job with that id. A job
-    /// that opens a session records the session (`starting`) in the same transaction, so a
-    /// duplicate submission never creates a second session.
+    /// that opens a session records the session (`starting`) in the same statement, so a
+    /// duplicate submission never creates a second session. The tenant's row lock, its quotas,
+    /// its fair share and the rows are one round trip: the function `sandcell_record_job`
+    /// (`migrations/0012_record_job.sql`), which owns the quota checks.
     ///
     /// `shared` is the execution job of a job that travels on the shared queue (one-off, or
     /// opening a session): when its tenant already has `max_jobs_in_flight` such jobs out, or
@@ -190,47 +192,10 @@ impl JobStore {
         shared: Option<&[u8]>,
     ) -> Result<Recorded> {
         let limits_json = serde_json::to_value(limits).context("serializing limits")?;
-        let mut tx = self.pool.begin().await.context("beginning transaction")?;
-        // Quotas are checked under the tenant's row lock; a resubmitted id is not a new job.
-        let opens_session = matches!(session, Some(JobSessionRecord::Open(..)));
-        if let Some(reason) = tenants::admit(&mut tx, &sub.tenant, &self.tenant_defaults, opens_session).await? {
-            let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant = $1 AND job_id = $2)")
-                .bind(&sub.tenant)
-                .bind(&sub.job_id)
-                .fetch_one(&mut *tx)
-                .await
-                .context("looking for the job id")?;
-            if !exists {
-                tx.rollback().await.context("rolling back refused job")?;
-                return Ok(Recorded::OverQuota(reason));
-            }
-        }
-        // Fair share, under the tenant's row lock taken by `admit`.
-        let held_job = match shared {
-            Some(payload) => {
-                let row = sqlx::query(
-                    "SELECT t.max_jobs_in_flight,
-                            count(j.job_id) FILTER (WHERE j.held_job IS NULL) AS out,
-                            count(j.job_id) FILTER (WHERE j.held_job IS NOT NULL) AS waiting
-                     FROM tenants t LEFT JOIN jobs j ON j.tenant = t.tenant AND j.shared AND j.status IN ('queued', 'running')
-                     WHERE t.tenant = $1 GROUP BY t.max_jobs_in_flight",
-                )
-                .bind(&sub.tenant)
-                .fetch_one(&mut *tx)
-                .await
-                .context("counting the tenant's jobs in flight")?;
-                let (max, out, waiting): (i32, i64, i64) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
-                (waiting > 0 || out >= i64::from(max)).then_some(payload)
-            }
-            None => None,
-        };
-        let session_id = match session {
-            Some(JobSessionRecord::Open(id, keep_alive_s)) => {
-                crate::sessions::create(&mut tx, id, &sub.tenant, keep_alive_s, &sub.job_id).await?;
-                Some(id)
-            }
-            Some(JobSessionRecord::Existing { id, .. }) => Some(id),
-            None => None,
+        let (open, keep_alive_s, existing) = match session {
+            Some(JobSessionRecord::Open(id, keep_alive_s)) => (Some(id), Some(i32::try_from(keep_alive_s).unwrap_or(i32::MAX)), None),
+            Some(JobSessionRecord::Existing { id, .. }) => (None, None, Some(id)),
+            None => (None, None, None),
         };
         // A session job's execution job is kept while the session lives (the opening job's too:
         // its input files are part of the workspace a moved session gets back).
@@ -241,43 +206,58 @@ impl JobStore {
             Some(JobSessionRecord::Open(..)) => (shared, None, false),
             None => (None, None, false),
         };
-        // `queued_at` is read now, under the tenant's row lock, not at the transaction's start:
-        // one tenant's jobs are then recorded in the order they were admitted, which is the
-        // order held jobs are dispatched in (`take_held`).
-        let inserted = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, session_id, shared, held_job, execution, queued_at,
-                               routed, routed_to, parked)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), $10, $11, $12)
-             ON CONFLICT (tenant, job_id) DO NOTHING",
-        )
-        .bind(&sub.tenant)
-        .bind(&sub.job_id)
-        .bind(sub.language.as_str())
-        .bind(sha256)
-        .bind(limits_json)
-        .bind(session_id)
-        .bind(shared.is_some())
-        .bind(held_job)
-        .bind(not_run())
-        .bind(routed)
-        .bind(routed_to)
-        .bind(parked)
-        .execute(&mut *tx)
-        .await
-        .context("inserting job")?
-        .rows_affected();
-        if inserted == 1 {
-            tx.commit().await.context("committing job")?;
-            return Ok(if parked {
-                Recorded::Parked
-            } else if held_job.is_some() {
-                Recorded::Held
-            } else {
-                Recorded::New
-            });
+        // Lock, quotas, fair share and the rows, in one statement (migration 0012); a tenant's
+        // first job registers it, then goes again.
+        let mut registered = false;
+        let row = loop {
+            let recorded = sqlx::query("SELECT outcome, used, quota FROM sandcell_record_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)")
+                .bind(&sub.tenant)
+                .bind(&sub.job_id)
+                .bind(sub.language.as_str())
+                .bind(sha256)
+                .bind(&limits_json)
+                .bind(not_run())
+                .bind(open)
+                .bind(keep_alive_s)
+                .bind(existing)
+                .bind(shared)
+                .bind(routed)
+                .bind(routed_to)
+                .bind(parked)
+                .fetch_one(&self.pool)
+                .await;
+            let row = match recorded {
+                // Recorded meanwhile by a path that takes no tenant lock: a duplicate.
+                Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("SCDUP") => None,
+                other => Some(other.context("recording job")?),
+            };
+            match row {
+                Some(row) if row.try_get::<&str, _>("outcome")? == "unknown_tenant" && !registered => {
+                    let mut tx = self.pool.begin().await.context("beginning transaction")?;
+                    tenants::ensure(&mut tx, &sub.tenant, &self.tenant_defaults).await?;
+                    tx.commit().await.with_context(|| format!("registering tenant {}", sub.tenant))?;
+                    registered = true;
+                }
+                row => break row,
+            }
+        };
+        if let Some(row) = row {
+            let outcome: String = row.try_get("outcome")?;
+            let (used, quota): (i64, i64) = (row.try_get("used")?, row.try_get("quota")?);
+            let refuse = |m: String| Ok(Recorded::OverQuota(Reason::new(ErrorCode::QuotaExceeded, m)));
+            match outcome.as_str() {
+                "new" => return Ok(Recorded::New),
+                "held" => return Ok(Recorded::Held),
+                "parked" => return Ok(Recorded::Parked),
+                "duplicate" => {}
+                "over_queued_jobs" => return refuse(format!("tenant has {used} jobs queued or running; its quota is {quota}")),
+                "over_sessions" => return refuse(format!("tenant has {used} live sessions; its quota is {quota}")),
+                "over_artifact_bytes" => {
+                    return refuse(format!("tenant stores {used} bytes of artifacts; its quota is {quota} (wait for artifacts to expire)"))
+                }
+                other => bail!("recording job {} of tenant {}: unexpected outcome {other:?}", sub.job_id, sub.tenant),
+            }
         }
-        // The id is taken: drop the session this copy would have opened.
-        tx.rollback().await.context("rolling back duplicate")?;
         let row = sqlx::query(
             "SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256, session_id, held_job IS NOT NULL OR parked AS held
              FROM jobs WHERE tenant = $1 AND job_id = $2",
