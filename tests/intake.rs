@@ -227,3 +227,29 @@ async fn a_job_id_taken_while_its_submission_is_recorded_is_a_duplicate_and_open
     let sessions: i64 = sqlx::query_scalar("SELECT count(*) FROM sessions WHERE session_id = $1").bind(&session).fetch_one(&db).await.expect("count");
     assert_eq!(sessions, 0, "the session of a duplicate was left behind");
 }
+
+/// A resubmitted id is answered as the job it names even while its tenant is over a quota: the
+/// quota refuses new jobs, not a retry of one already taken (the record checks the id first).
+#[tokio::test]
+async fn a_resubmitted_id_is_a_duplicate_even_while_its_tenant_is_over_its_quota() {
+    use sandcell_core::jobs::{JobStore, Recorded};
+    let db = service_db().await;
+    let t = tenant();
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 10, 1, 1000000)")
+        .bind(&t)
+        .execute(&db)
+        .await
+        .expect("tenant");
+    let store = JobStore::new(db.clone());
+    let sub = python(&t, "1+1");
+    let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
+    let first = store.record_queued(&sub, &limits, "digest", None, None).await.expect("first record");
+    assert!(matches!(first, Recorded::New), "{first:?}");
+    // Its one queued job is the quota: a new id is refused ...
+    let other = python(&t, "2+2");
+    let refused = store.record_queued(&other, &limits, "other digest", None, None).await.expect("second record");
+    assert!(matches!(refused, Recorded::OverQuota(_)), "{refused:?}");
+    // ... and the same id, resubmitted, is the job already taken.
+    let again = store.record_queued(&sub, &limits, "digest", None, None).await.expect("third record");
+    assert!(matches!(again, Recorded::Duplicate { status: JobStatus::Queued, same_payload: true, .. }), "{again:?}");
+}

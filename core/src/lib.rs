@@ -8,8 +8,10 @@
 //! and, with the `services` feature (on by default; a client turns it off and does without the
 //! S3 SDK, the HTTP server and the stores' write paths):
 //! - [`jobs`]: the job store in Postgres — every status transition goes through it;
-//! - [`sessions`]: the session store — every session write, through the session state machine;
-//! - [`tenants`]: quotas, tenant database roles, the admission check;
+//! - [`sessions`]: the session store — every session write but its creation (recorded with
+//!   its opening job by [`jobs`]), through the session state machine;
+//! - [`tenants`]: quotas as stored, tenant database roles, artifact reservations (the admission
+//!   check itself is the SQL function `sandcell_record_job` that [`jobs`] calls);
 //! - [`api_keys`]: API keys (stored hashed), each naming a tenant;
 //! - [`store`]: the S3 artifact store (upload, presign, delete, lifecycle backstop);
 //! - [`telemetry`]: structured logs, the Prometheus registry, `/metrics` and `/healthz`.

@@ -2,8 +2,10 @@
 //!
 //! Every session state change happens here, through a guarded `UPDATE` whose source states come
 //! from [`SessionState::sources_of`]. Who may call what:
-//! - the scheduler records a session as `starting` together with the job that opens it
-//!   ([`crate::jobs::JobStore::record_queued`] calls [`create`] in its transaction) and reads [`SessionStore::route`] to place later jobs;
+//! - the scheduler records a session as `starting` together with the job that opens it (the
+//!   one statement of [`crate::jobs::JobStore::record_queued`], the SQL function
+//!   `sandcell_record_job` of migrations/0012_record_job.sql: the one session write outside
+//!   this module) and reads [`SessionStore::route`] to place later jobs;
 //! - only the worker running the opening job may [`bind`](SessionStore::bind) it (→ `active`);
 //! - only the worker holding it may [`end`](SessionStore::end) it (→ `expired`, `closed`, `lost`);
 //! - a starting worker (its containers are gone), a draining worker, or the sweeper for a worker

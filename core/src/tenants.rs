@@ -1,6 +1,6 @@
-//! Tenants: their quotas, their database roles, and the admission check every submission passes.
+//! Tenants: their quotas, their database roles, and their artifact reservations.
 //!
-//! The one owner of per-tenant limits. Their admission check runs inside the one statement that
+//! The owner of per-tenant limits as stored. The admission check every submission passes runs inside the one statement that
 //! records a job (the SQL function `sandcell_record_job`, migrations/0012_record_job.sql, called
 //! by [`crate::jobs::JobStore::record_queued`]); the worker calls [`TenantStore::reserve_artifact_bytes`] before it stores files,
 //! and `sandcell-admin` calls [`TenantStore::create`] to give a tenant its own database role.
