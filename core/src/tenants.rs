@@ -1,9 +1,10 @@
 //! Tenants: their quotas, their database roles, and their artifact reservations.
 //!
-//! The owner of per-tenant limits as stored. The admission check every submission passes runs inside the one statement that
-//! records a job (the SQL function `sandcell_record_job`, migrations/0012_record_job.sql, called
-//! by [`crate::jobs::JobStore::record_queued`]); the worker calls [`TenantStore::reserve_artifact_bytes`] before it stores files,
-//! and `sandcell-admin` calls [`TenantStore::create`] to give a tenant its own database role.
+//! The owner of per-tenant limits as stored. The admission check every submission passes runs
+//! inside the one statement that records a job (the SQL function `sandcell_record_job`,
+//! migrations/0012_record_job.sql, called by [`crate::jobs::JobStore::record_queued`]); the
+//! worker calls [`TenantStore::reserve_artifact_bytes`] before it stores files, and
+//! `sandcell-admin` calls [`TenantStore::create`] to give a tenant its own database role.
 //! Row-level security on the tables (migrations/0003_tenants.sql) is what keeps one tenant's
 //! rows from another's role; this module only creates the roles the policies name.
 

@@ -206,10 +206,9 @@ impl JobStore {
             Some(JobSessionRecord::Open(..)) => (shared, None, false),
             None => (None, None, false),
         };
-        // Lock, quotas, fair share and the rows, in one statement (migration 0012); a tenant's
-        // first job registers it, then goes again.
-        let mut registered = false;
-        let row = loop {
+        // Lock, quotas, fair share and the rows, in one statement (migration 0012). `None`: the
+        // id was recorded meanwhile by a path that takes no tenant lock (a refusal), a duplicate.
+        let record = || async {
             let recorded = sqlx::query("SELECT outcome, used, quota FROM sandcell_record_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)")
                 .bind(&sub.tenant)
                 .bind(&sub.job_id)
@@ -226,21 +225,21 @@ impl JobStore {
                 .bind(parked)
                 .fetch_one(&self.pool)
                 .await;
-            let row = match recorded {
-                // Recorded meanwhile by a path that takes no tenant lock: a duplicate.
-                Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("SCDUP") => None,
-                other => Some(other.context("recording job")?),
-            };
-            match row {
-                Some(row) if row.try_get::<&str, _>("outcome")? == "unknown_tenant" && !registered => {
-                    let mut tx = self.pool.begin().await.context("beginning transaction")?;
-                    tenants::ensure(&mut tx, &sub.tenant, &self.tenant_defaults).await?;
-                    tx.commit().await.with_context(|| format!("registering tenant {}", sub.tenant))?;
-                    registered = true;
-                }
-                row => break row,
+            match recorded {
+                Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("SCDUP") => Ok(None),
+                other => other.map(Some).context("recording job"),
             }
         };
+        let mut row = record().await?;
+        // A tenant's first job registers it, then goes again.
+        if let Some(r) = &row {
+            if r.try_get::<&str, _>("outcome")? == "unknown_tenant" {
+                let mut tx = self.pool.begin().await.context("beginning transaction")?;
+                tenants::ensure(&mut tx, &sub.tenant, &self.tenant_defaults).await?;
+                tx.commit().await.with_context(|| format!("registering tenant {}", sub.tenant))?;
+                row = record().await?;
+            }
+        }
         if let Some(row) = row {
             let outcome: String = row.try_get("outcome")?;
             let (used, quota): (i64, i64) = (row.try_get("used")?, row.try_get("quota")?);
