@@ -244,7 +244,7 @@ async fn a_resubmitted_id_is_a_duplicate_even_while_its_tenant_is_over_its_quota
     let sub = python(&t, "1+1");
     let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
     let first = store.record_queued(&sub, &limits, "digest", None, None).await.expect("first record");
-    assert!(matches!(first, Recorded::New), "{first:?}");
+    assert!(matches!(first, Recorded::New { .. }), "{first:?}");
     // Its one queued job is the quota: a new id is refused ...
     let other = python(&t, "2+2");
     let refused = store.record_queued(&other, &limits, "other digest", None, None).await.expect("second record");
@@ -252,4 +252,102 @@ async fn a_resubmitted_id_is_a_duplicate_even_while_its_tenant_is_over_its_quota
     // ... and the same id, resubmitted, is the job already taken.
     let again = store.record_queued(&sub, &limits, "digest", None, None).await.expect("third record");
     assert!(matches!(again, Recorded::Duplicate { status: JobStatus::Queued, same_payload: true, .. }), "{again:?}");
+}
+
+/// A job naming an existing session is routed by its own record, in the same statement: to the
+/// session's worker when it is active, parked (no owner, nothing published) while it moves or
+/// while earlier jobs of it wait parked, and refused, with nothing written, when the tenant has
+/// no such session (another tenant's included) or it cannot take jobs. A duplicate id is
+/// answered with the route, so that its first delivery can finish the dispatch.
+#[tokio::test]
+async fn the_record_routes_a_session_job_to_its_worker_parks_it_while_the_session_moves_and_refuses_it_otherwise() {
+    use sandcell_core::jobs::{JobSessionRecord, JobStore, Recorded};
+    let db = service_db().await;
+    let (t, other_tenant) = (tenant(), tenant());
+    for name in [&t, &other_tenant] {
+        sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 100, 100, 1000000)")
+            .bind(name)
+            .execute(&db)
+            .await
+            .expect("tenant");
+    }
+    let session = |owner: &str, state: &str, worker: Option<&str>| {
+        let (db, owner, state, worker, id) = (db.clone(), owner.to_string(), state.to_string(), worker.map(str::to_string), unique("s"));
+        async move {
+            sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, worker_id, created_by_job) VALUES ($1, $2, $3, 60, $4, 'opener')")
+                .bind(&id)
+                .bind(&owner)
+                .bind(&state)
+                .bind(&worker)
+                .execute(&db)
+                .await
+                .expect("session");
+            id
+        }
+    };
+    let store = JobStore::new(db.clone());
+    let record = |sid: String, job: sandcell_protocol::Submission| {
+        let store = store.clone();
+        async move {
+            let mut sub = job;
+            sub.session = Some(sandcell_protocol::SessionRequest { id: Some(sid.clone()), ..Default::default() });
+            let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
+            let recorded =
+                store.record_queued(&sub, &limits, "digest", Some(JobSessionRecord::Existing { id: &sid, routed: b"routed job" }), None).await.expect("record");
+            (sub.job_id, recorded)
+        }
+    };
+    let row = |job_id: String| {
+        let (db, t) = (db.clone(), t.clone());
+        async move {
+            sqlx::query("SELECT parked, routed_to, routed FROM jobs WHERE tenant = $1 AND job_id = $2")
+                .bind(&t)
+                .bind(&job_id)
+                .fetch_optional(&db)
+                .await
+                .expect("job row")
+                .map(|r| (r.get::<bool, _>("parked"), r.get::<Option<String>, _>("routed_to"), r.get::<Option<Vec<u8>>, _>("routed")))
+        }
+    };
+
+    // Active on a worker: routed there, the payload kept.
+    let active = session(&t, "active", Some("worker-a")).await;
+    let first = python(&t, "1");
+    let (job, recorded) = record(active.clone(), first.clone()).await;
+    assert!(matches!(&recorded, Recorded::New { routed_to: Some(w) } if w == "worker-a"), "{recorded:?}");
+    assert_eq!(row(job).await, Some((false, Some("worker-a".into()), Some(b"routed job".to_vec()))));
+    // The same id again: a duplicate, still queued and routed, for its first delivery to finish.
+    let (_, again) = record(active.clone(), first).await;
+    assert!(matches!(&again, Recorded::Duplicate { status: JobStatus::Queued, routed_to: Some(w), .. } if w == "worker-a"), "{again:?}");
+
+    // Moving: parked, with no owner.
+    let moving = session(&t, "moving", None).await;
+    let (job, recorded) = record(moving.clone(), python(&t, "2")).await;
+    assert!(matches!(recorded, Recorded::Parked), "{recorded:?}");
+    assert_eq!(row(job).await, Some((true, None, Some(b"routed job".to_vec()))));
+    // Active again on a new worker while that job still waits parked: the next one waits behind it.
+    sqlx::query("UPDATE sessions SET state = 'active', worker_id = 'worker-b' WHERE session_id = $1").bind(&moving).execute(&db).await.expect("adopt");
+    let (job, recorded) = record(moving.clone(), python(&t, "3")).await;
+    assert!(matches!(recorded, Recorded::Parked), "{recorded:?}");
+    assert_eq!(row(job).await.map(|(parked, to, _)| (parked, to)), Some((true, None)));
+
+    // Refused, nothing written: no such session, another tenant's, one that cannot take jobs.
+    let others = session(&other_tenant, "active", Some("worker-a")).await;
+    let cases = [
+        (unique("s"), ErrorCode::SessionNotFound),
+        (others, ErrorCode::SessionNotFound),
+        (session(&t, "closed", None).await, ErrorCode::SessionClosed),
+        (session(&t, "expired", None).await, ErrorCode::SessionExpired),
+        (session(&t, "starting", None).await, ErrorCode::SessionNotReady),
+        (session(&t, "lost", None).await, ErrorCode::SessionLost),
+        (session(&t, "active", None).await, ErrorCode::SessionLost),
+    ];
+    for (sid, code) in cases {
+        let (job, recorded) = record(sid.clone(), python(&t, "4")).await;
+        match &recorded {
+            Recorded::SessionRefused(reason) => assert_eq!(reason.code, code, "session {sid}: {reason:?}"),
+            other => panic!("session {sid}: expected a refusal with {code:?}, got {other:?}"),
+        }
+        assert_eq!(row(job).await, None, "a refused job of session {sid} was written");
+    }
 }

@@ -4,8 +4,9 @@
 //! from [`SessionState::sources_of`]. Who may call what:
 //! - the scheduler records a session as `starting` together with the job that opens it (the
 //!   one statement of [`crate::jobs::JobStore::record_queued`], the SQL function
-//!   `sandcell_record_job` of migrations/0012_record_job.sql: the one session write outside
-//!   this module) and reads [`SessionStore::route`] to place later jobs;
+//!   `sandcell_record_job` of migrations/0014_record_job_routes.sql: the one session write
+//!   outside this module), which also routes later jobs to the session's worker ([`refusal`]
+//!   words why it would not);
 //! - only the worker running the opening job may [`bind`](SessionStore::bind) it (→ `active`);
 //! - only the worker holding it may [`end`](SessionStore::end) it (→ `expired`, `closed`, `lost`);
 //! - a starting worker (its containers are gone), a draining worker, or the sweeper for a worker
@@ -20,16 +21,18 @@ use sandcell_protocol::{storable, ErrorCode, MoveCause, Reason, Session, Session
 use sqlx::postgres::PgPool;
 use sqlx::Row;
 
-/// Where the scheduler should send a job naming a session.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
-    /// The session is active on this worker.
-    Worker(String),
-    /// The session is moving (or its earlier jobs still wait for its new owner): record the job
-    /// parked; the dispatcher publishes it in order once the session has its new owner.
-    Park,
-    /// The job cannot run; record this reason.
-    Refuse(Reason),
+/// Why a job of `tenant` naming `session_id` cannot run there, from the session's state as the
+/// record read it (`None`: the tenant has no such session). Which states take a job is decided
+/// by the record (`sandcell_record_job`, migration 0014); this says why not, in the words of
+/// [`SessionState::refusal`]. Another tenant's session is reported exactly like an unknown
+/// one, so ids cannot be probed.
+pub fn refusal(tenant: &str, session_id: &str, state: Option<&str>) -> Result<Reason> {
+    let Some(state) = state else {
+        return Ok(Reason::new(ErrorCode::SessionNotFound, format!("tenant {tenant} has no session {session_id}")));
+    };
+    let state = parse_state(state.to_string())?;
+    // Active (or moving) yet refused: it has no worker.
+    Ok(state.refusal(session_id).unwrap_or_else(|| Reason::new(ErrorCode::SessionLost, format!("session {session_id} is active but has no worker"))))
 }
 
 /// A moving session, taken over ([`SessionStore::adopt`]).
@@ -148,37 +151,6 @@ impl SessionStore {
     /// Wrap a pool.
     pub fn new(pool: PgPool) -> Self {
         SessionStore { pool }
-    }
-
-    /// Decide where a job of `tenant` naming `session_id` goes. Another tenant's session is
-    /// reported exactly like an unknown one, so ids cannot be probed.
-    pub async fn route(&self, tenant: &str, session_id: &str) -> Result<Route> {
-        let row = sqlx::query(
-            "SELECT state, worker_id,
-                    EXISTS (SELECT 1 FROM jobs j WHERE j.session_id = sessions.session_id AND j.parked AND j.status = 'queued') AS parked
-             FROM sessions WHERE session_id = $1 AND tenant = $2",
-        )
-        .bind(session_id)
-        .bind(tenant)
-        .fetch_optional(&self.pool)
-        .await
-        .context("looking up session")?;
-        let Some(row) = row else {
-            return Ok(Route::Refuse(Reason::new(ErrorCode::SessionNotFound, format!("tenant {tenant} has no session {session_id}"))));
-        };
-        let state = parse_state(row.try_get("state")?)?;
-        if let Some(reason) = state.refusal(session_id) {
-            return Ok(Route::Refuse(reason));
-        }
-        let worker: Option<String> = row.try_get("worker_id")?;
-        // Earlier jobs still parked go first: this one waits behind them.
-        if state == SessionState::Moving || row.try_get::<bool, _>("parked")? {
-            return Ok(Route::Park);
-        }
-        Ok(match worker {
-            Some(w) => Route::Worker(w),
-            None => Route::Refuse(Reason::new(ErrorCode::SessionLost, format!("session {session_id} is active but has no worker"))),
-        })
     }
 
     /// The state of a session, checked against its tenant.

@@ -36,7 +36,6 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use sandcell_core::broker;
 use sandcell_core::jobs::{JobSessionRecord, JobStore, Recorded};
-use sandcell_core::sessions::{Route, SessionStore};
 use sandcell_protocol::session::new_session_id;
 use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, JobSession, JobStatus, Reason, Rejection, Submission};
 use sha2::{Digest, Sha256};
@@ -487,14 +486,6 @@ fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision 
     }
 }
 
-/// Where a job of an existing session goes.
-enum Owner {
-    /// The session's worker.
-    Worker(String),
-    /// Nowhere yet: the session is moving (or earlier jobs wait for its new owner).
-    Parked,
-}
-
 async fn accept(
     cfg: &Config,
     jobs: &JobStore,
@@ -504,27 +495,20 @@ async fn accept(
     body: &[u8],
     may_redispatch: bool,
 ) -> Result<Disposition> {
-    let sessions = SessionStore::new(jobs.pool().clone());
     let limits = cfg.policy.resolve(&sub.resource_request());
     let digest = hex::encode(Sha256::digest(body));
-    // Where the job goes: a session's owner, or any worker.
-    let (mut session, owner) = match &sub.session {
-        None => (None, None),
-        Some(req) if req.new => {
+    // An existing session's job goes to its owner, which the record reads (and routes); any
+    // other job to a shared queue.
+    let mut session = sub.session.as_ref().map(|req| {
+        if req.new {
             let keep_alive_s = cfg.keep_alive.resolve(req.keep_alive_s);
-            (Some(JobSession { id: new_session_id(), new: true, keep_alive_s, close: false, adopt: None }), None)
-        }
-        Some(req) => {
-            let id = req.id.clone().unwrap_or_default();
+            JobSession { id: new_session_id(), new: true, keep_alive_s, close: false, adopt: None }
+        } else {
             let keep_alive_s = req.keep_alive_s.map_or(0, |k| cfg.keep_alive.resolve(Some(k)));
-            let session = Some(JobSession { id: id.clone(), new: false, keep_alive_s, close: req.close, adopt: None });
-            match sessions.route(&sub.tenant, &id).await? {
-                Route::Worker(w) => (session, Some(Owner::Worker(w))),
-                Route::Park => (session, Some(Owner::Parked)),
-                Route::Refuse(reason) => return refuse(jobs, metrics, sub, &reason).await,
-            }
+            JobSession { id: req.id.clone().unwrap_or_default(), new: false, keep_alive_s, close: req.close, adopt: None }
         }
-    };
+    });
+    let existing = session.as_ref().is_some_and(|s| !s.new);
     let mut job = ExecutionJob {
         tenant: sub.tenant.clone(),
         job_id: sub.job_id.clone(),
@@ -539,28 +523,20 @@ async fn accept(
         context: sub.context.clone(),
     };
     let mut payload = serde_json::to_vec(&job).context("serializing execution job")?;
-    // Where it goes: its session's owner (or nowhere yet: parked while the session moves), or a
-    // shared queue (one-off jobs, or new sessions).
-    let queue = match &owner {
-        Some(Owner::Worker(w)) => broker::worker_queue(w),
-        Some(Owner::Parked) => String::new(),
-        None => broker::shared_queue(&job).to_string(),
-    };
-    let record = session.as_ref().map(|s| {
-        if s.new {
-            JobSessionRecord::Open(&s.id, s.keep_alive_s)
-        } else {
-            let owner = match &owner {
-                Some(Owner::Worker(w)) => Some(w.as_str()),
-                _ => None,
-            };
-            JobSessionRecord::Existing { id: &s.id, routed: &payload, owner }
-        }
-    });
+    let record =
+        session.as_ref().map(
+            |s| {
+                if s.new {
+                    JobSessionRecord::Open(&s.id, s.keep_alive_s)
+                } else {
+                    JobSessionRecord::Existing { id: &s.id, routed: &payload }
+                }
+            },
+        );
     // Jobs of the shared queues are subject to their tenant's fair share.
-    let shared = owner.is_none().then_some(payload.as_slice());
-    match jobs.record_queued(sub, &limits, &digest, record, shared).await? {
-        Recorded::New => {}
+    let shared = (!existing).then_some(payload.as_slice());
+    let routed_to = match jobs.record_queued(sub, &limits, &digest, record, shared).await? {
+        Recorded::New { routed_to } => routed_to,
         Recorded::Parked => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "session moving; job parked for its new owner");
             metrics.submissions.with_label_values(&["parked"]).inc();
@@ -573,9 +549,10 @@ async fn accept(
         }
         // Only the delivery that recorded the job (retried, or redelivered after the scheduler
         // died) finishes its dispatch; a concurrent duplicate must not dispatch it a second time.
-        // A held job is the dispatcher's to publish.
-        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, held: false, session_id, .. }
-            if may_redispatch && !matches!(owner, Some(Owner::Parked)) =>
+        // A held job is the dispatcher's to publish, a parked one (its session moving, no
+        // owner to route to) too.
+        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, held: false, session_id, routed_to, .. }
+            if may_redispatch && (!existing || routed_to.is_some()) =>
         {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "job recorded earlier but never dispatched; dispatching now");
             // The session the first copy opened, not the one this copy would have.
@@ -584,8 +561,9 @@ async fn accept(
                 job.session = session;
                 payload = serde_json::to_vec(&job).context("serializing execution job")?;
             }
+            routed_to
         }
-        Recorded::OverQuota(reason) => return refuse(jobs, metrics, sub, &reason).await,
+        Recorded::OverQuota(reason) | Recorded::SessionRefused(reason) => return refuse(jobs, metrics, sub, &reason).await,
         Recorded::Duplicate { status, same_payload, .. } => {
             if same_payload {
                 tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, %status, "duplicate submission; not run again");
@@ -595,7 +573,12 @@ async fn accept(
             metrics.submissions.with_label_values(&["duplicate"]).inc();
             return Ok(Disposition::Ack);
         }
-    }
+    };
+    // Where it goes: its session's owner, or a shared queue (one-off jobs, or new sessions).
+    let queue = match &routed_to {
+        Some(w) => broker::worker_queue(w),
+        None => broker::shared_queue(&job).to_string(),
+    };
     let props = broker::json_properties(&format!("{}/{}", sub.tenant, sub.job_id));
     if let Err(e) = broker::publish_confirmed(publisher, &queue, &payload, props).await {
         if e.downcast_ref::<broker::Unroutable>().is_none() {

@@ -64,8 +64,12 @@ pub enum Gone<'a> {
 /// What happened when a submission was recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recorded {
-    /// A new job; it must be dispatched.
-    New,
+    /// A new job; it must be dispatched: to this worker, the owner of its session, or (`None`:
+    /// a one-off job or one opening a session) to the shared queue.
+    New {
+        /// The worker holding the job's session.
+        routed_to: Option<String>,
+    },
     /// A new job of the shared queue, held: its tenant has `max_jobs_in_flight` jobs out
     /// already (or older jobs held). The dispatcher publishes it when one of them finishes.
     Held,
@@ -84,7 +88,13 @@ pub enum Recorded {
         session_id: Option<String>,
         /// The existing job is held for the dispatcher (which will publish it).
         held: bool,
+        /// The worker holding the session the job names, when it is routed there now (`None`
+        /// for a session that is moving, or a job without an existing session).
+        routed_to: Option<String>,
     },
+    /// The job's session cannot take it (there is none, or it is not active); nothing was
+    /// recorded (the caller records the refusal).
+    SessionRefused(Reason),
     /// The tenant is at a quota; nothing was recorded (the caller records the refusal).
     OverQuota(Reason),
 }
@@ -94,21 +104,17 @@ pub enum Recorded {
 pub enum JobSessionRecord<'a> {
     /// The job opens this new session with this keep-alive (seconds).
     Open(&'a str, u64),
-    /// The job runs in this existing session: `routed` is the execution job as published, kept
-    /// while the session lives (it is published again should the session move before the job
-    /// ran, and its input files help put a moved session's workspace back); `owner` is the
-    /// worker it is published to, or `None`: the session is moving, and the job is *parked*
-    /// until the dispatcher publishes it to the session's new owner.
+    /// The job runs in this existing session, which the record routes (see [`Recorded`]):
+    /// `routed` is the execution job as published, kept while the session lives (it is
+    /// published again should the session move before the job ran, and its input files help
+    /// put a moved session's workspace back).
     Existing {
         /// The session.
         id: &'a str,
         /// The execution job.
         routed: &'a [u8],
-        /// Its worker, or none (parked).
-        owner: Option<&'a str>,
     },
 }
-
 /// What committing a session job does to its session.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionTouch {
@@ -178,7 +184,8 @@ impl JobStore {
     /// that opens a session records the session (`starting`) in the same statement, so a
     /// duplicate submission never creates a second session. The tenant's row lock, its quotas,
     /// its fair share and the rows are one round trip: the function `sandcell_record_job`
-    /// (`migrations/0012_record_job.sql`), which owns the quota checks.
+    /// (`migrations/0014_record_job_routes.sql`), which owns the quota checks and the route of a
+    /// job in an existing session.
     ///
     /// `shared` is the execution job of a job that travels on the shared queue (one-off, or
     /// opening a session): when its tenant already has `max_jobs_in_flight` such jobs out, or
@@ -199,32 +206,32 @@ impl JobStore {
         };
         // A session job's execution job is kept while the session lives (the opening job's too:
         // its input files are part of the workspace a moved session gets back).
-        let (routed, routed_to, parked) = match session {
-            // The owner the caller read may be stale by now (the session moved meanwhile): such a
-            // stray is parked by the sweeper (`SessionStore::park_strays`).
-            Some(JobSessionRecord::Existing { routed, owner, .. }) => (Some(routed), owner, owner.is_none()),
-            Some(JobSessionRecord::Open(..)) => (shared, None, false),
-            None => (None, None, false),
+        let routed = match session {
+            Some(JobSessionRecord::Existing { routed, .. }) => Some(routed),
+            Some(JobSessionRecord::Open(..)) => shared,
+            None => None,
         };
-        // Lock, quotas, fair share and the rows, in one statement (migration 0012). `None`: the
-        // id was recorded meanwhile by a path that takes no tenant lock (a refusal), a duplicate.
+        // The session's route, lock, quotas, fair share and the rows, in one statement
+        // (migrations 0012 and 0014). `None`: the id was recorded meanwhile by a path that takes
+        // no tenant lock (a refusal), a duplicate. The route read there may be stale by the time
+        // the job is published (the session moved meanwhile): such a stray is parked by the
+        // sweeper (`SessionStore::park_strays`).
         let record = || async {
-            let recorded = sqlx::query("SELECT outcome, used, quota FROM sandcell_record_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)")
-                .bind(&sub.tenant)
-                .bind(&sub.job_id)
-                .bind(sub.language.as_str())
-                .bind(sha256)
-                .bind(&limits_json)
-                .bind(not_run())
-                .bind(open)
-                .bind(keep_alive_s)
-                .bind(existing)
-                .bind(shared)
-                .bind(routed)
-                .bind(routed_to)
-                .bind(parked)
-                .fetch_one(&self.pool)
-                .await;
+            let recorded =
+                sqlx::query("SELECT outcome, used, quota, session_state, routed_to FROM sandcell_record_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")
+                    .bind(&sub.tenant)
+                    .bind(&sub.job_id)
+                    .bind(sub.language.as_str())
+                    .bind(sha256)
+                    .bind(&limits_json)
+                    .bind(not_run())
+                    .bind(open)
+                    .bind(keep_alive_s)
+                    .bind(existing)
+                    .bind(shared)
+                    .bind(routed)
+                    .fetch_one(&self.pool)
+                    .await;
             match recorded {
                 Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("SCDUP") => Ok(None),
                 other => other.map(Some).context("recording job"),
@@ -240,12 +247,18 @@ impl JobStore {
                 row = record().await?;
             }
         }
+        let mut routed_to = None;
         if let Some(row) = row {
             let outcome: String = row.try_get("outcome")?;
             let (used, quota): (i64, i64) = (row.try_get("used")?, row.try_get("quota")?);
+            routed_to = row.try_get("routed_to")?;
             let refuse = |m: String| Ok(Recorded::OverQuota(Reason::new(ErrorCode::QuotaExceeded, m)));
             match outcome.as_str() {
-                "new" => return Ok(Recorded::New),
+                "new" => return Ok(Recorded::New { routed_to }),
+                "session_refused" => {
+                    let state: Option<String> = row.try_get("session_state")?;
+                    return Ok(Recorded::SessionRefused(crate::sessions::refusal(&sub.tenant, existing.unwrap_or_default(), state.as_deref())?));
+                }
                 "held" => return Ok(Recorded::Held),
                 "parked" => return Ok(Recorded::Parked),
                 "duplicate" => {}
@@ -274,6 +287,7 @@ impl JobStore {
             same_payload: previous.as_deref() == Some(sha256),
             session_id: row.try_get("session_id")?,
             held: row.try_get("held")?,
+            routed_to,
         })
     }
 
