@@ -308,6 +308,9 @@ async fn main() -> Result<()> {
     for _ in 0..args.sessions {
         sessions.push(b.open("n = 0", None).await?.1);
     }
+    // A mark for whoever profiles the machine around this phase alone (the sessions' opening
+    // cold starts are over by now).
+    println!("throughput: {} sessions open, feeding {} jobs each", sessions.len(), args.jobs_per_session);
     let cpu_before = (cpu_ms("SANDCELL_SCHEDULER_PID"), cpu_ms("SANDCELL_WORKER_PID"));
     let t0 = Instant::now();
     let feeds = sessions.iter().map(|id| {
