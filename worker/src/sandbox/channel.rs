@@ -8,7 +8,9 @@
 //!
 //! How it is set up, and why it is safe:
 //! - before the container is created, the worker makes `<SANDCELL_CHANNEL_DIR>/<worker>/<random>`
-//!   (mode 0700, root's) and listens on `worker.sock` in it; the container gets the directory
+//!   (mode 0700, root's; `<worker>` is a hash of the worker's id, so that a long id cannot push
+//!   the socket's path past the 107 bytes a Unix socket's address holds) and listens on
+//!   `worker.sock` in it; the container gets the directory
 //!   at [`MOUNT_POINT`] and the socket's path in `SANDCELL_CHANNEL`;
 //! - the driver connects before it starts the kernel, as root: the sandbox user's code (uid
 //!   1000) can neither traverse the directory nor connect. The worker takes the first
@@ -32,6 +34,23 @@ use tokio::net::{UnixListener, UnixStream};
 pub const MOUNT_POINT: &str = "/run/sandcell";
 /// The socket's name in that directory.
 const SOCKET_NAME: &str = "worker.sock";
+/// Hex digits naming a worker's directory (a hash of its id) and a sandbox's (random).
+const NAME_HEX: usize = 16;
+/// The longest path a Unix socket's address holds (`sun_path`, 108 bytes with its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// The directory name of `worker_id`'s channels: a hash, the same on every start of the worker
+/// (a restart empties what the last run left), as short whatever the id.
+fn worker_dir_name(worker_id: &str) -> String {
+    use sha2::Digest;
+    let digest = hex::encode(sha2::Sha256::digest(worker_id.as_bytes()));
+    digest[..NAME_HEX].to_string()
+}
+
+/// The path a sandbox's socket gets under the worker's directory `dir`, at its longest.
+fn socket_path_len(dir: &Path) -> usize {
+    dir.as_os_str().len() + 1 + NAME_HEX + 1 + SOCKET_NAME.len()
+}
 
 /// This worker's channel directories: `<SANDCELL_CHANNEL_DIR>/<worker id>`.
 #[derive(Debug, Clone)]
@@ -41,9 +60,18 @@ pub struct ChannelRoot {
 
 impl ChannelRoot {
     /// The root for `worker_id` under `base`, emptied of what a previous run of the worker
-    /// left. `None` (the attach stream is used, with a warning) when it cannot be made.
+    /// left. `None` (the attach stream is used, with a warning) when it cannot be made, or when
+    /// `base` is so long that a socket under it could not be bound.
     pub fn prepare(base: &Path, worker_id: &str) -> Option<ChannelRoot> {
-        let dir = base.join(worker_id);
+        let dir = base.join(worker_dir_name(worker_id));
+        if socket_path_len(&dir) > MAX_SOCKET_PATH {
+            tracing::warn!(
+                dir = %dir.display(),
+                max = MAX_SOCKET_PATH,
+                "the sandboxes' sockets would not fit a Unix socket's address under this directory (shorten SANDCELL_CHANNEL_DIR); drivers speak over Docker's attach stream"
+            );
+            return None;
+        }
         let made = match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -51,7 +79,10 @@ impl ChannelRoot {
         }
         .and_then(|()| std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir));
         match made {
-            Ok(()) => Some(ChannelRoot { dir }),
+            Ok(()) => {
+                tracing::info!(worker_id, dir = %dir.display(), "the sandboxes' channel directory");
+                Some(ChannelRoot { dir })
+            }
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "cannot prepare the sandboxes' channel directory; drivers speak over Docker's attach stream");
                 None
@@ -61,7 +92,7 @@ impl ChannelRoot {
 
     /// A fresh directory with a listening socket, for one sandbox.
     pub fn listen(&self) -> Result<Listening> {
-        let dir = self.dir.join(uuid::Uuid::new_v4().simple().to_string());
+        let dir = self.dir.join(&uuid::Uuid::new_v4().simple().to_string()[..NAME_HEX]);
         std::fs::DirBuilder::new().mode(0o700).create(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let guard = RemoveDir(dir.clone());
         let socket = dir.join(SOCKET_NAME);
@@ -140,5 +171,30 @@ mod tests {
         let again = ChannelRoot::prepare(&base, "w1").expect("prepared again");
         assert_eq!(std::fs::read_dir(&again.dir).expect("read").count(), 0);
         std::fs::remove_dir_all(&base).expect("cleanup");
+    }
+
+    #[tokio::test]
+    async fn a_long_worker_id_still_gets_a_socket_a_driver_can_connect_to() {
+        // The default channel directory and a worker id of 64 characters: joined as they are,
+        // the socket's path would be past what a Unix socket's address holds.
+        let base = std::env::temp_dir().join(format!("sandcell-channel-test-{}", uuid::Uuid::new_v4().simple()));
+        let worker_id = "sandcell-worker-7d9f8b6c5d-x2k4q-0123456789abcdef0123456789abcdef";
+        let root = ChannelRoot::prepare(&base, worker_id).expect("prepared");
+        let listening = root.listen().expect("listening");
+        let socket = listening.dir.0.join(SOCKET_NAME);
+        assert!(socket.as_os_str().len() <= MAX_SOCKET_PATH, "{}", socket.display());
+        let _client = UnixStream::connect(&socket).await.expect("connect");
+        listening.accept().await.expect("accept");
+        // Another worker's id: another directory.
+        let other = ChannelRoot::prepare(&base, "w2").expect("prepared");
+        assert_ne!(other.dir, root.dir);
+        std::fs::remove_dir_all(&base).expect("cleanup");
+    }
+
+    #[test]
+    fn a_channel_directory_too_long_for_a_socket_is_refused_up_front() {
+        let base = PathBuf::from(format!("/tmp/{}", "d".repeat(80)));
+        assert!(ChannelRoot::prepare(&base, "w1").is_none());
+        assert!(!base.exists());
     }
 }
