@@ -2,9 +2,10 @@
 //!
 //! The owner of per-tenant limits as stored. The admission check every submission passes runs
 //! inside the one statement that records a job (the SQL function `sandcell_record_job`,
-//! migrations/0012_record_job.sql and 0014_record_job_routes.sql, called by [`crate::jobs::JobStore::record_queued`]); the
-//! worker calls [`TenantStore::reserve_artifact_bytes`] before it stores files, and
-//! `sandcell-admin` calls [`TenantStore::create`] to give a tenant its own database role.
+//! migrations/0012_record_job.sql and 0014_record_job_routes.sql, called by
+//! [`crate::jobs::JobStore::record_queued`]); the worker calls
+//! [`TenantStore::reserve_artifact_bytes`] before it stores files, and `sandcell-admin` calls
+//! [`TenantStore::create`] to give a tenant its own database role.
 //! Row-level security on the tables (migrations/0003_tenants.sql) is what keeps one tenant's
 //! rows from another's role; this module only creates the roles the policies name.
 

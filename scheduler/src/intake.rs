@@ -523,16 +523,11 @@ async fn accept(
         context: sub.context.clone(),
     };
     let mut payload = serde_json::to_vec(&job).context("serializing execution job")?;
-    let record =
-        session.as_ref().map(
-            |s| {
-                if s.new {
-                    JobSessionRecord::Open(&s.id, s.keep_alive_s)
-                } else {
-                    JobSessionRecord::Existing { id: &s.id, routed: &payload }
-                }
-            },
-        );
+    let record = match &session {
+        Some(s) if s.new => Some(JobSessionRecord::Open(&s.id, s.keep_alive_s)),
+        Some(s) => Some(JobSessionRecord::Existing { id: &s.id, routed: &payload }),
+        None => None,
+    };
     // Jobs of the shared queues are subject to their tenant's fair share.
     let shared = (!existing).then_some(payload.as_slice());
     let routed_to = match jobs.record_queued(sub, &limits, &digest, record, shared).await? {

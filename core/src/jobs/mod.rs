@@ -115,6 +115,7 @@ pub enum JobSessionRecord<'a> {
         routed: &'a [u8],
     },
 }
+
 /// What committing a session job does to its session.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionTouch {
