@@ -351,3 +351,100 @@ async fn the_record_routes_a_session_job_to_its_worker_parks_it_while_the_sessio
         assert_eq!(row(job).await, None, "a refused job of session {sid} was written");
     }
 }
+
+/// The figures the record reads instead of counting (`tenant_job_counts`, migration 0015), and
+/// the same figures counted from the job rows; they must be equal after every step.
+async fn job_figures(db: &sqlx::PgPool, t: &str) -> ((i64, i64, i64), (i64, i64, i64)) {
+    let kept = sqlx::query(
+        "SELECT COALESCE(sum(unfinished), 0)::bigint AS a, COALESCE(sum(shared_out), 0)::bigint AS b, COALESCE(sum(shared_held), 0)::bigint AS c
+         FROM tenant_job_counts WHERE tenant = $1",
+    )
+    .bind(t)
+    .fetch_one(db)
+    .await
+    .expect("kept figures");
+    let counted = sqlx::query(
+        "SELECT count(*) AS a, count(*) FILTER (WHERE shared AND held_job IS NULL) AS b, count(*) FILTER (WHERE shared AND held_job IS NOT NULL) AS c
+         FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')",
+    )
+    .bind(t)
+    .fetch_one(db)
+    .await
+    .expect("counted figures");
+    let row = |r: &sqlx::postgres::PgRow| (r.get::<i64, _>("a"), r.get::<i64, _>("b"), r.get::<i64, _>("c"));
+    (row(&kept), row(&counted))
+}
+
+#[tokio::test]
+async fn a_tenants_unfinished_job_figures_follow_every_way_a_job_is_recorded_held_released_and_ended_and_its_quotas_use_them() {
+    use sandcell_core::jobs::{Finished, JobStore, Recorded};
+    let db = service_db().await;
+    let t = tenant();
+    // Three jobs queued at most, one shared job in flight.
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight) VALUES ($1, 10, 3, 1000000, 1)")
+        .bind(&t)
+        .execute(&db)
+        .await
+        .expect("tenant");
+    let store = JobStore::new(db.clone());
+    let record = |sub: sandcell_protocol::Submission| {
+        let store = store.clone();
+        async move {
+            let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
+            let recorded = store.record_queued(&sub, &limits, "digest", None, Some(b"payload")).await.expect("record");
+            (sub.job_id, recorded)
+        }
+    };
+    let figures = |expected: (i64, i64, i64), step: &str| {
+        let (db, t, step) = (db.clone(), t.clone(), step.to_string());
+        async move {
+            let (kept, counted) = job_figures(&db, &t).await;
+            assert_eq!(kept, counted, "after {step}: the kept figures drifted from the job rows");
+            assert_eq!(kept, expected, "after {step}: (unfinished, shared out, shared held)");
+        }
+    };
+    figures((0, 0, 0), "nothing").await;
+
+    // The first shared job goes out, the next two are held behind it, the fourth is over quota.
+    let (first, r) = record(python(&t, "1")).await;
+    assert!(matches!(r, Recorded::New { .. }), "{r:?}");
+    let (second, r) = record(python(&t, "2")).await;
+    assert!(matches!(r, Recorded::Held), "{r:?}");
+    let (_third, r) = record(python(&t, "3")).await;
+    assert!(matches!(r, Recorded::Held), "{r:?}");
+    figures((3, 1, 2), "three recorded").await;
+    let (_, r) = record(python(&t, "4")).await;
+    match r {
+        Recorded::OverQuota(reason) => assert_eq!(reason.code, ErrorCode::QuotaExceeded, "{reason:?}"),
+        other => panic!("a fourth job of a tenant allowed three queued: {other:?}"),
+    }
+    figures((3, 1, 2), "a refusal over quota").await;
+
+    // Claimed, then finished: its place in the quota is free again.
+    store.claim(&t, &first, "worker-a", sandcell_core::jobs::Arrival::default(), Duration::from_secs(30)).await.expect("claim").expect("claimable");
+    figures((3, 1, 2), "a claim").await;
+    let fin = Finished::bare(JobStatus::Failed, sandcell_protocol::Reason::new(ErrorCode::StorageFailed, "done"), None, None);
+    assert!(store.finish(&t, &first, &fin).await.expect("finish"));
+    figures((2, 0, 2), "a finish").await;
+    let (_fifth, r) = record(python(&t, "5")).await;
+    assert!(matches!(r, Recorded::Held), "a job behind held ones is held too: {r:?}");
+    figures((3, 0, 3), "a job admitted in the freed place").await;
+
+    // The dispatcher releases the oldest held job; a refusal and a failure end the others.
+    let held = store.take_held(&t).await.expect("take held").expect("a held job");
+    assert_eq!(held.job_id, second, "held jobs go out in the order they were recorded");
+    held.dispatched().await.expect("dispatched");
+    figures((3, 1, 2), "a held job released").await;
+    assert!(store.refuse(&t, &second, &sandcell_protocol::Reason::new(ErrorCode::SessionLost, "gone")).await.expect("refuse"));
+    figures((2, 0, 2), "a refusal").await;
+    let rest: Vec<String> = sqlx::query_scalar("SELECT job_id FROM jobs WHERE tenant = $1 AND status = 'queued'").bind(&t).fetch_all(&db).await.expect("rest");
+    for job_id in &rest {
+        assert!(store.fail(&t, job_id, JobStatus::InfrastructureError, &sandcell_protocol::Reason::new(ErrorCode::DriverProtocol, "x")).await.expect("fail"));
+    }
+    figures((0, 0, 0), "every job ended").await;
+    // A job row removed while unfinished takes its figures with it.
+    let (gone, _) = record(python(&t, "6")).await;
+    figures((1, 1, 0), "one more").await;
+    sqlx::query("DELETE FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&gone).execute(&db).await.expect("delete");
+    figures((0, 0, 0), "a deleted job").await;
+}
