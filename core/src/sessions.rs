@@ -466,7 +466,8 @@ impl SessionStore {
     }
 
     /// Refuse new sessions no worker took: sessions still `starting` whose opening job was
-    /// dispatched more than `wait` ago and is still `queued` (a worker without room for another
+    /// dispatched (recorded, for a job the dispatcher did not hold: its dispatch is noted only
+    /// by the worker that claims it) more than `wait` ago and is still `queued` (a worker without room for another
     /// session does not consume `sandcell.sessions.new`, so at a full fleet such jobs wait in the
     /// queue). The session becomes `failed` and its jobs `rejected` with `capacity`; should a
     /// worker take the message later, its claim finds the job ended and skips it. Returns how
@@ -480,7 +481,8 @@ impl SessionStore {
             "UPDATE sessions SET state = 'failed', ended_at = now(), end_reason = $2
              WHERE state = 'starting' AND state = ANY($3)
                AND EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = sessions.tenant AND j.job_id = sessions.created_by_job
-                             AND j.status = 'queued' AND j.held_job IS NULL AND j.dispatched_at < now() - $1 * interval '1 millisecond')
+                             AND j.status = 'queued' AND j.held_job IS NULL
+                             AND COALESCE(j.dispatched_at, j.queued_at) < now() - $1 * interval '1 millisecond')
              RETURNING session_id",
         )
         .bind(millis)

@@ -275,8 +275,10 @@ pub struct Artifact {
 pub struct Timings {
     /// When the scheduler recorded the submission.
     pub queued_at: DateTime<Utc>,
-    /// When the scheduler handed it to the workers' queue (absent for jobs never dispatched:
-    /// rejected or refused ones).
+    /// When the scheduler handed it to the workers' queue: the time its message carries,
+    /// recorded by the worker's claim (by the dispatcher itself for jobs held for fair share or
+    /// parked while their session moved). Absent until a worker claims the job, and for jobs
+    /// never dispatched (rejected or refused ones).
     #[serde(default)]
     pub dispatched_at: Option<DateTime<Utc>>,
     /// When a worker started running it.

@@ -13,10 +13,10 @@
 //!   `rejected` job row the client can poll; any other bad message is recorded in
 //!   `intake_rejections` and dead-lettered;
 //! - a job id is run once per tenant: a duplicate is acked without dispatch, except when the
-//!   first copy was recorded but never confirmed on the jobs queue and this delivery is a retry
-//!   or a redelivery (the scheduler failed in between), in which case it is dispatched now.
-//!   Should a job still be dispatched twice, workers run it once: a fresh delivery never takes
-//!   over a job that is already running;
+//!   job is still queued and this delivery is a retry or a redelivery (the scheduler failed
+//!   between its record and its ack, perhaps before its publish), in which case it is
+//!   dispatched now. A job dispatched twice runs once: a fresh delivery never takes over a job
+//!   that is already running or ended (the worker's claim);
 //! - jobs of one session are handled one after the other in the order their submissions
 //!   arrived (a lane per session), and published to the queue of the worker holding the
 //!   session, which runs them in that order; other submissions are handled concurrently;
@@ -542,13 +542,13 @@ async fn accept(
             metrics.submissions.with_label_values(&["held"]).inc();
             return Ok(Disposition::Ack);
         }
-        // Only the delivery that recorded the job (retried, or redelivered after the scheduler
-        // died) finishes its dispatch; a concurrent duplicate must not dispatch it a second time.
-        // A held job is the dispatcher's to publish, a parked one (its session moving, no
-        // owner to route to) too.
-        Recorded::Duplicate { status: JobStatus::Queued, dispatched: false, held: false, session_id, routed_to, .. }
-            if may_redispatch && (!existing || routed_to.is_some()) =>
-        {
+        // Only a delivery that may have recorded the job (retried, or redelivered after the
+        // scheduler died) finishes its dispatch; a concurrent duplicate must not dispatch it a
+        // second time. Whether the first attempt's publish reached the broker is not noted (it
+        // would cost a statement per job): a job still queued is published again, and should
+        // the first copy exist too, the worker's claim runs the job once. A held job is the
+        // dispatcher's to publish, a parked one (its session moving, no owner to route to) too.
+        Recorded::Duplicate { status: JobStatus::Queued, held: false, session_id, routed_to, .. } if may_redispatch && (!existing || routed_to.is_some()) => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "job recorded earlier but never dispatched; dispatching now");
             // The session the first copy opened, not the one this copy would have.
             if let (Some(s), Some(recorded)) = (session.as_mut(), session_id) {
@@ -574,7 +574,9 @@ async fn accept(
         Some(w) => broker::worker_queue(w),
         None => broker::shared_queue(&job).to_string(),
     };
-    let props = broker::json_properties(&format!("{}/{}", sub.tenant, sub.job_id));
+    // The dispatch's time travels in the message, and the worker's claim records it: noting it
+    // here would cost a statement per job.
+    let props = broker::dispatch_properties(&format!("{}/{}", sub.tenant, sub.job_id));
     if let Err(e) = broker::publish_confirmed(publisher, &queue, &payload, props).await {
         if e.downcast_ref::<broker::Unroutable>().is_none() {
             return Err(e);
@@ -586,7 +588,6 @@ async fn accept(
         tracing::warn!(tenant = %sub.tenant, job_id = %sub.job_id, queue, "session worker queue missing; job refused");
         return Ok(Disposition::Ack);
     }
-    jobs.mark_dispatched(&sub.tenant, &sub.job_id).await?;
     metrics.submissions.with_label_values(&["accepted"]).inc();
     tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, language = sub.language.as_str(), queue, "job queued");
     Ok(Disposition::Ack)

@@ -285,7 +285,7 @@ async fn admit(ctx: &WorkerContext, delivery: Delivery) -> Option<(ExecutionJob,
 async fn handle_shared(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, place: Option<OwnedSemaphorePermit>) {
     match &job.session {
         None => {
-            let result = run::job(&ctx, &job, ticket.redelivered, None, &mut OneOff::new(ctx.bound.reuses())).await;
+            let result = run::job(&ctx, &job, ticket.arrival, None, &mut OneOff::new(ctx.bound.reuses())).await;
             let disposition = ledger::disposition_of(&job, result).await;
             ticket.settle(disposition).await;
         }
@@ -321,7 +321,7 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, pla
             }
         }
     };
-    match run::claim(&ctx, &job, ticket.redelivered).await {
+    match run::claim(&ctx, &job, ticket.arrival).await {
         Ok(Some(claim)) => crate::session::open(ctx, Work { job, ticket, claim: Some(claim) }, permit).await,
         Ok(None) => ticket.settle(Disposition::Ack).await,
         Err(e) => {

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
+use sandcell_core::jobs::Arrival;
 use sandcell_protocol::ExecutionJob;
 
 use crate::metrics::Metrics;
@@ -77,9 +78,10 @@ pub struct Ledger {
 pub struct Ticket {
     key: Option<Key>,
     ledger: Ledger,
-    /// The first delivery of this job to reach this worker was a redelivery (the broker gave
-    /// it to a consumer before, which may have died mid-job).
-    pub redelivered: bool,
+    /// How the first delivery of this job to reach this worker arrived: a redelivery (the
+    /// broker gave it to a consumer before, which may have died mid-job) or not, and when the
+    /// scheduler published it.
+    pub arrival: Arrival,
     /// How often the broker had this message returned before (`x-delivery-count` of quorum
     /// queues); a message returned more than [`sandcell_core::broker::DELIVERY_LIMIT`] times is
     /// dead-lettered.
@@ -101,12 +103,12 @@ impl Ledger {
     /// the job will settle it.
     pub async fn enter(&self, job: &ExecutionJob, delivery: Delivery) -> Option<Ticket> {
         let key = (job.tenant.clone(), job.job_id.clone());
-        let redelivered = delivery.redelivered;
+        let arrival = Arrival { redelivered: delivery.redelivered, dispatched_at: sandcell_core::broker::dispatched_at(&delivery.properties) };
         let returns = delivery_count(&delivery);
         let replaced = {
             let Ok(mut held) = self.held.lock() else {
                 // A poisoned lock means a panic elsewhere; run the job rather than lose it.
-                return Some(Ticket { key: None, ledger: self.clone(), redelivered, returns, hold: None });
+                return Some(Ticket { key: None, ledger: self.clone(), arrival, returns, hold: None });
             };
             match held.get_mut(&key) {
                 Some(current) => Some(std::mem::replace(current, delivery)),
@@ -117,7 +119,7 @@ impl Ledger {
             }
         };
         match replaced {
-            None => Some(Ticket { key: Some(key), ledger: self.clone(), redelivered, returns, hold: None }),
+            None => Some(Ticket { key: Some(key), ledger: self.clone(), arrival, returns, hold: None }),
             Some(old) => {
                 tracing::info!(tenant = %key.0, job_id = %key.1, "a copy of a job in flight here arrived; it will be settled with the running one");
                 self.metrics.redeliveries_absorbed.inc();

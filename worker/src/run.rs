@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use sandcell_core::jobs::{Claim, Finished};
+use sandcell_core::jobs::{Arrival, Claim, Finished};
 use sandcell_core::store::Fetched;
 use sandcell_protocol::submission::is_valid_upload_key;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
@@ -141,10 +141,10 @@ const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Run one job to its commit (or its refusal) in the kernel `host` provides; `claimed` when
 /// the job was claimed before it got here (a session's opening job). `Ok` is the disposition
 /// of its message; an error means nothing was committed.
-pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool, claimed: Option<Claim>, host: &mut H) -> Result<Disposition> {
+pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival, claimed: Option<Claim>, host: &mut H) -> Result<Disposition> {
     // Taken first, so that it is released on every path, the job's refusal included.
     let held = host.held_slot();
-    let Some((files, claim)) = prepare(ctx, job, redelivered, claimed).await? else { return Ok(Disposition::Ack) };
+    let Some((files, claim)) = prepare(ctx, job, arrival, claimed).await? else { return Ok(Disposition::Ack) };
     let files = with_restored(host.restored(), files);
     let session_id = job.session.as_ref().map(|s| s.id.as_str());
     let started = Instant::now();
@@ -216,7 +216,7 @@ pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<V
 /// Inputs first, then the claim (unless `claimed` already): the files to run with and the
 /// claim, or `None` when the job must not run — it was refused (missing upload) or is not
 /// claimable — and its message is to be acked.
-pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool, claimed: Option<Claim>) -> Result<Option<(Vec<InputFile>, Claim)>> {
+pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival, claimed: Option<Claim>) -> Result<Option<(Vec<InputFile>, Claim)>> {
     let files = match resolve_inputs(ctx, job).await {
         Ok(f) => f,
         Err(reason) => {
@@ -226,17 +226,17 @@ pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool,
     };
     let claim = match claimed {
         Some(c) => Some(c),
-        None => claim(ctx, job, redelivered).await?,
+        None => claim(ctx, job, arrival).await?,
     };
     Ok(claim.map(|c| (files, c)))
 }
 
 /// Claim a job; `None` when it must not run (finished, running elsewhere, unknown, or claimed
 /// too often — the last is failed with `too_many_attempts` here).
-pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, redelivered: bool) -> Result<Option<Claim>> {
+pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival) -> Result<Option<Claim>> {
     let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
-    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, redelivered, ctx.cfg.worker_dead_after).await? else {
-        tracing::info!(tenant, job_id, redelivered, "job already running, finished or unknown; not run again");
+    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, arrival, ctx.cfg.worker_dead_after).await? else {
+        tracing::info!(tenant, job_id, redelivered = arrival.redelivered, "job already running, finished or unknown; not run again");
         return Ok(None);
     };
     let wait = (chrono::Utc::now() - claim.queued_at).to_std().unwrap_or_default();

@@ -295,7 +295,7 @@ impl SessionTask {
     async fn step(&mut self, work: Work) -> Option<End> {
         let Work { job, ticket, claim } = work;
         let ctx = self.ctx.clone();
-        let result = run::job(&ctx, &job, ticket.redelivered, claim, self).await;
+        let result = run::job(&ctx, &job, ticket.arrival, claim, self).await;
         if result.is_err() {
             self.end = None;
         }

@@ -80,8 +80,6 @@ pub enum Recorded {
     Duplicate {
         /// Status of the existing job.
         status: JobStatus,
-        /// Whether the existing job was already handed to the workers.
-        dispatched: bool,
         /// Whether the earlier submission had the same body.
         same_payload: bool,
         /// The session the existing job runs in.
@@ -141,6 +139,16 @@ pub fn is_permanent(e: &anyhow::Error) -> bool {
         }
         cause.downcast_ref::<serde_json::Error>().is_some()
     })
+}
+
+/// How a job's message reached the worker claiming it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Arrival {
+    /// The broker gave this message to a consumer before (which may have died mid-job): only
+    /// such a delivery may take over a `running` job.
+    pub redelivered: bool,
+    /// When the scheduler published it ([`crate::broker::dispatched_at`]).
+    pub dispatched_at: Option<DateTime<Utc>>,
 }
 
 /// A job a worker has claimed.
@@ -272,7 +280,7 @@ impl JobStore {
             }
         }
         let row = sqlx::query(
-            "SELECT status, dispatched_at IS NOT NULL AS dispatched, submission_sha256, session_id, held_job IS NOT NULL OR parked AS held
+            "SELECT status, submission_sha256, session_id, held_job IS NOT NULL OR parked AS held
              FROM jobs WHERE tenant = $1 AND job_id = $2",
         )
         .bind(&sub.tenant)
@@ -284,7 +292,6 @@ impl JobStore {
         let previous: Option<String> = row.try_get("submission_sha256")?;
         Ok(Recorded::Duplicate {
             status: JobStatus::parse(&status).with_context(|| format!("unknown status {status:?} in database"))?,
-            dispatched: row.try_get("dispatched")?,
             same_payload: previous.as_deref() == Some(sha256),
             session_id: row.try_get("session_id")?,
             held: row.try_get("held")?,
@@ -360,13 +367,17 @@ impl JobStore {
     /// taking over the session with it: a copy left in the queue of a worker the session moved
     /// away from is never run there. A parked job is claimed only by the worker the dispatcher
     /// addressed it to (`routed_to`), its session's new owner.
-    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, takeover: bool, dead_after: Duration) -> Result<Option<Claim>> {
+    ///
+    /// The claim also records when the job was dispatched (`arrival.dispatched_at`), unless the
+    /// dispatcher noted it already.
+    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, arrival: Arrival, dead_after: Duration) -> Result<Option<Claim>> {
         let mut sources = status_list(JobStatus::Running);
-        if !takeover {
+        if !arrival.redelivered {
             sources.retain(|s| s != JobStatus::Running.as_str());
         }
         let row = sqlx::query(
-            "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1
+            "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1,
+                             dispatched_at = COALESCE(dispatched_at, $6)
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($4) AND (NOT parked OR routed_to = $3)
                AND (status <> 'running' OR worker_id IS NULL OR worker_id = $3
                     OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id
@@ -381,6 +392,7 @@ impl JobStore {
         .bind(worker_id)
         .bind(sources)
         .bind(i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX))
+        .bind(arrival.dispatched_at)
         .fetch_optional(&self.pool)
         .await
         .context("claiming job")?;
