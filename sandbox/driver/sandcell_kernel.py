@@ -165,6 +165,26 @@ def open_std_stream(fd):
 
 
 
+# Builtin types with no rich representation of their own.
+_PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes))
+
+
+def _only_plain_text(display_formatter, cls):
+    """Whether IPython's formatting of a cls value yields text/plain alone:
+    the plain formatter is enabled and no other formatter (nor the
+    _ipython_display_ or mimebundle one) has a printer for cls or a base."""
+    plain = display_formatter.formatters.get("text/plain")
+    if plain is None or not plain.enabled:
+        return False
+    others = [f for name, f in display_formatter.formatters.items() if name != "text/plain"]
+    others += [display_formatter.ipython_display_formatter, display_formatter.mimebundle_formatter]
+    for formatter in others:
+        for base in cls.__mro__:
+            if base in formatter.type_printers or (base.__module__, base.__name__) in formatter.deferred_printers:
+                return False
+    return True
+
+
 def create_shell():
     """Build the (singleton) IPython shell; imported lazily so that IPython's
     start-up runs after stdio is redirected."""
@@ -186,6 +206,16 @@ def create_shell():
 
         def finish_displayhook(self):
             pass
+
+        def compute_format_data(self, result):
+            # A builtin scalar (`1+1`, most agents' one-liners) is shown as text/plain alone:
+            # asked of all twelve formatters, it costs ~0.3 ms of the cell. Only the plain
+            # formatter is asked unless a formatter has a printer for the type (or a base of
+            # it), so the answer is IPython's own (its precision, its printers).
+            if type(result) in _PLAIN_TYPES and _only_plain_text(self.shell.display_formatter, type(result)):
+                data = self.shell.display_formatter.formatters["text/plain"](result)
+                return ({"text/plain": data} if data is not None else {}), {}
+            return super().compute_format_data(result)
 
         def write_format_data(self, format_dict, md_dict=None):
             bundle = clean_mime_bundle(format_dict)

@@ -36,6 +36,43 @@ class TestPython(DriverTestCase):
         self.assertNotIn("Out[", stream_text(frames, "stdout"))
         self.assertEqual(stream_text(frames, "stdout"), "")
 
+    def test_a_scalars_value_is_formatted_as_ipython_formats_it(self):
+        # Builtin scalars take a shorter path to their text/plain; it must answer as IPython's
+        # full formatting (`display_formatter.format`) does: its precision setting, its
+        # printers, and every other formatter's when one has a printer for the type or a base
+        # of it. A driver of its own: the printers registered here must not reach other tests.
+        driver = DriverProcess()
+        try:
+            def value(code):
+                frames = driver.execute(code)
+                self.assertEqual(done(frames)["status"], "ok", frames)
+                results = of_type(frames, "execute_result")
+                return results[0]["data"] if results else None
+
+            def full(code):
+                frames = driver.execute("import json as _j\nprint(_j.dumps(get_ipython().display_formatter.format(%s)[0]))" % code)
+                return json.loads(stream_text(frames, "stdout"))
+
+            scalars = ["7 * 6", "2 ** 70", "1 / 3", "True", "'a\\nb'", "b'x'", "1 + 2j"]
+            self.assertEqual(value("7 * 6"), {"text/plain": "42"})
+            self.assertEqual(value("1 / 3"), {"text/plain": "0.3333333333333333"})
+            setups = [
+                "None",
+                "%precision 2",
+                "get_ipython().display_formatter.formatters['text/plain'].for_type(int, lambda n, p, cycle: p.text('int %d' % n))",
+                "get_ipython().display_formatter.formatters['text/html'].for_type(float, lambda x: '<b>%s</b>' % x)",
+                "get_ipython().display_formatter.formatters['text/markdown'].for_type_by_name('builtins', 'object', lambda o: '*o*')",
+            ]
+            for setup in setups:
+                driver.execute(setup)
+                for code in scalars:
+                    self.assertEqual(value(code), full(code), "%s, after %s" % (code, setup))
+            self.assertEqual(value("1 / 3"), {"text/plain": "0.33", "text/html": "<b>0.3333333333333333</b>", "text/markdown": "*o*"})
+            self.assertEqual(value("2.5"), {"text/plain": "2.50", "text/html": "<b>2.5</b>", "text/markdown": "*o*"})
+            self.assertEqual(value("5")["text/plain"], "int 5")
+        finally:
+            driver.close()
+
     def test_trailing_semicolon_suppresses_result(self):
         frames = self.run_ok("1 + 1;")
         self.assertEqual(of_type(frames, "execute_result"), [])
