@@ -66,10 +66,11 @@ impl JobStore {
         if locked.is_none() {
             return Ok(None);
         }
+        // The tenant's shared jobs in flight as `tenant_job_counts` keeps them (exact under the
+        // tenant's lock, as in `sandcell_record_job`), not counted from its backlog.
         let room: bool = sqlx::query_scalar(
-            "SELECT count(j.job_id) < t.max_jobs_in_flight
-             FROM tenants t LEFT JOIN jobs j ON j.tenant = t.tenant AND j.shared AND j.status IN ('queued', 'running') AND j.held_job IS NULL
-             WHERE t.tenant = $1 GROUP BY t.max_jobs_in_flight",
+            "SELECT (SELECT COALESCE(sum(c.shared_out), 0) FROM tenant_job_counts c WHERE c.tenant = t.tenant) < t.max_jobs_in_flight
+             FROM tenants t WHERE t.tenant = $1",
         )
         .bind(tenant)
         .fetch_one(&mut *tx)
@@ -88,16 +89,5 @@ impl JobStore {
         .context("reading the oldest held job")?;
         let Some(row) = row else { return Ok(None) };
         Ok(Some(HeldJob { tx, tenant: tenant.to_string(), job_id: row.try_get("job_id")?, payload: row.try_get("held_job")? }))
-    }
-
-    /// Note that the job was confirmed on the jobs queue.
-    pub async fn mark_dispatched(&self, tenant: &str, job_id: &str) -> Result<()> {
-        sqlx::query("UPDATE jobs SET dispatched_at = now() WHERE tenant = $1 AND job_id = $2 AND dispatched_at IS NULL")
-            .bind(tenant)
-            .bind(job_id)
-            .execute(&self.pool)
-            .await
-            .context("marking job dispatched")?;
-        Ok(())
     }
 }
