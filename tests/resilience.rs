@@ -115,6 +115,46 @@ async fn jobs_run_after_a_database_restart() {
     assert_eq!(r.execution.stdout, "after database restart\n");
 }
 
+/// Heartbeats are rows in Postgres: when it comes back from an outage every one is as old as the
+/// outage, though no worker died. The rule every statement acting on silence asks
+/// (`sandcell_worker_silent`, migration 0016) counts a silence only once the database has been up
+/// longer than that silence, whenever the statement runs.
+#[tokio::test]
+async fn a_silence_longer_than_the_database_has_been_up_is_no_evidence_that_a_worker_died() {
+    let _serial = SERIAL.lock().await;
+    let db = service_db().await;
+    let (old, fresh) = (unique("beat-years-ago"), unique("beat-now"));
+    // No room (slots 0), so nothing is ever placed on them.
+    for (worker, beat_s_ago) in [(&old, 10 * 365 * 86_400_i64), (&fresh, 0)] {
+        sqlx::query("INSERT INTO workers (worker_id, slots, max_sessions, last_seen_at) VALUES ($1, 0, 0, now() - $2 * interval '1 second')")
+            .bind(worker)
+            .bind(beat_s_ago)
+            .execute(&db)
+            .await
+            .expect("worker row");
+    }
+    let up_ms: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now() - pg_postmaster_start_time()) * 1000)::bigint")
+        .fetch_one(&db)
+        .await
+        .expect("the database's uptime");
+    assert!(up_ms > 200, "the database started {up_ms} ms ago");
+    let silent = |worker: String, silence_ms: i64| {
+        let db = db.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT sandcell_worker_silent($1, $2)").bind(&worker).bind(silence_ms).fetch_one(&db).await.expect("asking the rule")
+        }
+    };
+    // Shorter than the database's uptime: the worker that beat years ago is silent, the other not,
+    // and a worker that never beat at all is silent.
+    assert!(silent(old.clone(), up_ms / 2).await, "a worker silent for years, judged on a silence the database outlived");
+    assert!(!silent(fresh.clone(), up_ms / 2).await, "a worker that beat just now");
+    assert!(silent(unique("never-beat"), up_ms / 2).await, "a worker that never beat");
+    // Longer than the database's uptime: nobody could have beaten, so nobody is silent.
+    assert!(!silent(old.clone(), up_ms + 60_000).await, "a silence longer than the database has been up was taken as evidence");
+    assert!(!silent(unique("never-beat"), up_ms + 60_000).await);
+    sqlx::query("DELETE FROM workers WHERE worker_id = ANY($1)").bind([old, fresh]).execute(&db).await.expect("cleanup");
+}
+
 #[tokio::test]
 async fn a_starting_worker_removes_containers_left_by_its_previous_run() {
     let _serial = SERIAL.lock().await;

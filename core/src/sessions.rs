@@ -417,7 +417,7 @@ impl SessionStore {
     pub async fn silent_workers(&self, silence: Duration) -> Result<Vec<String>> {
         let rows = sqlx::query_scalar(
             "SELECT w.worker_id FROM workers w
-             WHERE w.last_seen_at < now() - $1 * interval '1 millisecond'
+             WHERE sandcell_worker_silent(w.worker_id, $1)
                AND EXISTS (SELECT 1 FROM sessions s WHERE s.worker_id = w.worker_id AND s.state IN ('starting', 'active'))",
         )
         .bind(i64::try_from(silence.as_millis()).unwrap_or(i64::MAX))
@@ -518,7 +518,7 @@ impl SessionStore {
                 "UPDATE jobs SET status = 'infrastructure_error', reason = $2, finished_at = now()
                  FROM sessions s
                  WHERE s.state = 'moving' AND jobs.tenant = s.tenant AND jobs.job_id = s.adopting_job AND jobs.status = 'running'
-                   AND NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id AND w.last_seen_at > now() - $1 * interval '1 millisecond')",
+                   AND sandcell_worker_silent(jobs.worker_id, $1)",
             )
             .bind(i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX))
             .bind(&died)

@@ -35,10 +35,17 @@ pub struct SweepLimits {
 /// (about two minutes). A job still running after that has lost its worker's attention.
 const OVERDUE_MARGIN: Duration = Duration::from_secs(600);
 
+/// How long the sweeper's ping may take before the database counts as unreachable.
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Whether a worker's silence can be trusted to mean it is dead. Heartbeats are rows in the
 /// database: while it is out (or before this sweeper first reached it) every heartbeat grows
 /// old though no worker died, so silence is judged only once the database has been reachable
 /// for `dead_after` without a break: by then every live worker has beaten again.
+///
+/// This is what the sweeper sees of the database; the statements that act on silence also ask
+/// the database itself (`sandcell_worker_silent`, migration 0016): a statement held up by an
+/// outage runs the moment it ends, after this sweeper last looked.
 #[derive(Debug)]
 struct SilenceTrust {
     dead_after: Duration,
@@ -74,16 +81,19 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
     let mut silence = SilenceTrust::new(worker_dead_after);
     loop {
         tick.tick().await;
-        let reached = jobs.ping().await;
+        // A ping that waits for a database coming back (the pool retries its connection) is no
+        // answer: the outage it waited through aged every heartbeat.
+        let reached = match tokio::time::timeout(PING_TIMEOUT, jobs.ping()).await {
+            Ok(reached) => reached,
+            Err(_) => Err(anyhow::anyhow!("the database did not answer a ping within {} s", PING_TIMEOUT.as_secs())),
+        };
         silence.observe(reached.is_ok(), Instant::now());
         if let Err(e) = reached {
             tracing::warn!(error = format!("{e:#}"), "database unreachable; sweeping next tick");
             continue;
         }
+        // Silence is judged first, right after the ping, not after the artifact sweep's deletes.
         let dead_after = silence.dead_after(Instant::now());
-        if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
-            tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
-        }
         if let Some(dead_after) = dead_after {
             if let Err(e) = sweep_silent_workers(&sessions, dead_after).await {
                 tracing::warn!(error = format!("{e:#}"), "worker liveness sweep failed; retrying next tick");
@@ -96,6 +106,9 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
                 }
                 Err(e) => tracing::warn!(error = format!("{e:#}"), "dead-worker job sweep failed; retrying next tick"),
             }
+        }
+        if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
+            tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
         }
         match jobs.end_overdue(OVERDUE_MARGIN).await {
             Ok(0) => {}

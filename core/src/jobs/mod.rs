@@ -379,9 +379,7 @@ impl JobStore {
             "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1,
                              dispatched_at = COALESCE(dispatched_at, $6)
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($4) AND (NOT parked OR routed_to = $3)
-               AND (status <> 'running' OR worker_id IS NULL OR worker_id = $3
-                    OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id
-                                   AND w.last_seen_at > now() - $5 * interval '1 millisecond'))
+               AND (status <> 'running' OR worker_id IS NULL OR worker_id = $3 OR sandcell_worker_silent(jobs.worker_id, $5))
                AND (session_id IS NULL OR EXISTS (
                     SELECT 1 FROM sessions s WHERE s.session_id = jobs.session_id
                       AND (s.worker_id = $3 OR s.created_by_job = jobs.job_id OR s.adopting_job = jobs.job_id)))
@@ -421,9 +419,7 @@ impl JobStore {
             .bind(worker_id),
             Gone::Silent(silence) => sqlx::query(
                 "UPDATE jobs SET status = 'infrastructure_error', reason = $1, finished_at = now()
-                 WHERE status = 'running' AND worker_id IS NOT NULL
-                   AND NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = jobs.worker_id
-                                   AND w.last_seen_at > now() - $2 * interval '1 millisecond')",
+                 WHERE status = 'running' AND worker_id IS NOT NULL AND sandcell_worker_silent(worker_id, $2)",
             )
             .bind(reason)
             .bind(i64::try_from(silence.as_millis()).unwrap_or(i64::MAX)),
