@@ -320,20 +320,41 @@ async fn the_record_routes_a_session_job_to_its_worker_parks_it_while_the_sessio
     let (_, again) = record(active.clone(), first).await;
     assert!(matches!(&again, Recorded::Duplicate { status: JobStatus::Queued, routed_to: Some(w), .. } if w == "worker-a"), "{again:?}");
 
-    // Moving: parked, with no owner. The stack's scheduler runs beside this test, and its
-    // dispatcher may already have taken the parked job up (unparked as the job that takes the
-    // session over, or addressed to the session's new owner): the row is checked for what the
-    // record wrote that the dispatcher never changes.
+    // The stack's scheduler runs beside this test, and its dispatcher takes a session's parked
+    // jobs up at once (the oldest takes a moving session over; an active session's are sent to
+    // its owner). A share lock on the session's row keeps it away while the test looks: the
+    // dispatcher skips a locked session (`FOR NO KEY UPDATE SKIP LOCKED`), and the record takes
+    // no lock on the row.
+    let hold = |sid: String| {
+        let db = db.clone();
+        async move {
+            let mut tx = db.begin().await.expect("begin");
+            sqlx::query("SELECT 1 FROM sessions WHERE session_id = $1 FOR SHARE").bind(&sid).execute(&mut *tx).await.expect("share lock");
+            tx
+        }
+    };
+    // Moving: parked, with no owner.
     let moving = session(&t, "moving", None).await;
+    let held = hold(moving.clone()).await;
     let (job, recorded) = record(moving.clone(), python(&t, "2")).await;
     assert!(matches!(recorded, Recorded::Parked), "{recorded:?}");
-    assert_eq!(row(job).await.map(|(_, to, routed)| (to, routed)), Some((None, Some(b"routed job".to_vec()))));
-    // Active again on a new worker while that job still waits parked: the next one waits behind it.
-    sqlx::query("UPDATE sessions SET state = 'active', worker_id = 'worker-b' WHERE session_id = $1").bind(&moving).execute(&db).await.expect("adopt");
-    let (job, recorded) = record(moving.clone(), python(&t, "3")).await;
+    assert_eq!(row(job).await, Some((true, None, Some(b"routed job".to_vec()))));
+    held.rollback().await.expect("rollback");
+    // Active on a new worker while a job the move parked still waits: the next one waits behind it.
+    let moved = session(&t, "active", Some("worker-b")).await;
+    let held = hold(moved.clone()).await;
+    sqlx::query("INSERT INTO jobs (tenant, job_id, status, execution, session_id, parked, routed) VALUES ($1, $2, 'queued', '{}', $3, true, $4)")
+        .bind(&t)
+        .bind(unique("parked-by-the-move"))
+        .bind(&moved)
+        .bind(b"routed job".as_slice())
+        .execute(&db)
+        .await
+        .expect("a job the move parked");
+    let (job, recorded) = record(moved.clone(), python(&t, "3")).await;
     assert!(matches!(recorded, Recorded::Parked), "{recorded:?}");
-    let (parked, to, _) = row(job).await.expect("the parked job's row");
-    assert!(parked && (to.is_none() || to.as_deref() == Some("worker-b")), "parked, for the new owner at most: {parked} {to:?}");
+    assert_eq!(row(job).await, Some((true, None, Some(b"routed job".to_vec()))));
+    held.rollback().await.expect("rollback");
 
     // Refused, nothing written: no such session, another tenant's, one that cannot take jobs.
     let others = session(&other_tenant, "active", Some("worker-a")).await;
@@ -426,8 +447,23 @@ async fn a_tenants_unfinished_job_figures_follow_every_way_a_job_is_recorded_hel
 
     // The stack's scheduler runs beside this test, and its dispatcher publishes a tenant's held
     // jobs whenever the tenant has room: so that it never does here, a shared job stays out
-    // while any is held, and the release is the dispatcher's own statement, made here.
-    store.claim(&t, &first, "worker-a", sandcell_core::jobs::Arrival::default(), Duration::from_secs(30)).await.expect("claim").expect("claimable");
+    // while any is held, and the release is the dispatcher's own statement, made here. The job
+    // out is claimed by a worker that keeps beating, or the stack's sweeper would end it
+    // `worker_lost` (and so make room) once the worker looked silent.
+    let worker = unique("beating-worker");
+    let sessions = sandcell_core::sessions::SessionStore::new(db.clone());
+    // No room (slots 0): no session is ever placed on it.
+    sessions.heartbeat(&worker, 0, 0).await.expect("heartbeat");
+    let beating = {
+        let worker = worker.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                sessions.heartbeat(&worker, 0, 0).await.expect("heartbeat");
+            }
+        })
+    };
+    store.claim(&t, &first, &worker, sandcell_core::jobs::Arrival::default(), Duration::from_secs(30)).await.expect("claim").expect("claimable");
     figures((3, 1, 2), "a claim").await;
     sqlx::query("UPDATE jobs SET held_job = NULL, dispatched_at = now() WHERE tenant = $1 AND job_id = $2")
         .bind(&t)
@@ -459,4 +495,5 @@ async fn a_tenants_unfinished_job_figures_follow_every_way_a_job_is_recorded_hel
     figures((1, 1, 0), "one more").await;
     sqlx::query("DELETE FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&gone).execute(&db).await.expect("delete");
     figures((0, 0, 0), "a deleted job").await;
+    beating.abort();
 }
