@@ -420,7 +420,7 @@ impl SessionStore {
              WHERE sandcell_worker_silent(w.worker_id, $1)
                AND EXISTS (SELECT 1 FROM sessions s WHERE s.worker_id = w.worker_id AND s.state IN ('starting', 'active'))",
         )
-        .bind(i64::try_from(silence.as_millis()).unwrap_or(i64::MAX))
+        .bind(crate::jobs::millis(silence))
         .fetch_all(&self.pool)
         .await
         .context("finding silent workers")?;
@@ -441,7 +441,7 @@ impl SessionStore {
     /// [`crate::jobs::refuse_jobs_of_sessions`]; queued jobs become `rejected`. All with reason `stuck`.
     /// Returns (jobs, sessions) ended.
     pub async fn end_stuck(&self, after: Duration) -> Result<(u64, u64)> {
-        let millis = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        let millis = crate::jobs::millis(after);
         let why = format!("it stayed queued for more than {} s without reaching a worker", after.as_secs());
         let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Stuck, why))?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
@@ -473,7 +473,7 @@ impl SessionStore {
     /// worker take the message later, its claim finds the job ended and skips it. Returns how
     /// many sessions.
     pub async fn refuse_unplaced(&self, wait: Duration) -> Result<u64> {
-        let millis = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+        let millis = crate::jobs::millis(wait);
         let why = format!("no worker had room for another session within {} s", wait.as_secs());
         let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Capacity, why))?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
@@ -508,7 +508,7 @@ impl SessionStore {
     /// that ended meanwhile (recorded in the instant it ended) are `rejected` with its reason.
     /// Returns (expired, lost).
     pub async fn end_unadopted(&self, wait: Duration, dead_after: Option<Duration>) -> Result<(u64, u64)> {
-        let millis = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+        let millis = crate::jobs::millis(wait);
         let why = format!("no worker had room to take the session over within {} s", wait.as_secs());
         let reason = sandcell_protocol::storable::json(&Reason::new(ErrorCode::Capacity, why))?;
         let died = storable::json(&Reason::new(ErrorCode::WorkerLost, "the worker taking its session over died before it had; the job is not run again"))?;
@@ -520,7 +520,7 @@ impl SessionStore {
                  WHERE s.state = 'moving' AND jobs.tenant = s.tenant AND jobs.job_id = s.adopting_job AND jobs.status = 'running'
                    AND sandcell_worker_silent(jobs.worker_id, $1)",
             )
-            .bind(i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX))
+            .bind(crate::jobs::millis(dead_after))
             .bind(&died)
             .execute(&mut *tx)
             .await

@@ -141,6 +141,12 @@ pub fn is_permanent(e: &anyhow::Error) -> bool {
     })
 }
 
+/// A duration as the whole milliseconds a statement takes (`$n * interval '1 millisecond'`),
+/// saturating rather than failing for one too long to count.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// How a job's message reached the worker claiming it.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Arrival {
@@ -389,7 +395,7 @@ impl JobStore {
         .bind(job_id)
         .bind(worker_id)
         .bind(sources)
-        .bind(i64::try_from(dead_after.as_millis()).unwrap_or(i64::MAX))
+        .bind(millis(dead_after))
         .bind(arrival.dispatched_at)
         .fetch_optional(&self.pool)
         .await
@@ -422,7 +428,7 @@ impl JobStore {
                  WHERE status = 'running' AND worker_id IS NOT NULL AND sandcell_worker_silent(worker_id, $2)",
             )
             .bind(reason)
-            .bind(i64::try_from(silence.as_millis()).unwrap_or(i64::MAX)),
+            .bind(millis(silence)),
         };
         let n = query.execute(&self.pool).await.context("ending the jobs of a gone worker")?.rows_affected();
         Ok(n)
@@ -443,7 +449,7 @@ impl JobStore {
                AND started_at < now() - (COALESCE((limits->>'timeout_ms')::bigint, 0) + $2) * interval '1 millisecond'",
         )
         .bind(reason)
-        .bind(i64::try_from(margin.as_millis()).unwrap_or(i64::MAX))
+        .bind(millis(margin))
         .execute(&self.pool)
         .await
         .context("ending overdue jobs")?
