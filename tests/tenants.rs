@@ -357,3 +357,49 @@ async fn a_job_is_notified_once_when_its_status_is_final_and_not_while_queued_or
     }
     assert_eq!(seen, [(ok.job_id.clone(), "succeeded".to_string()), (failed.job_id.clone(), "failed".to_string())]);
 }
+
+/// A client that was listening needs no read after a job's final notification when the record
+/// fits one: the notification carries exactly what `job_results` holds for the job once its
+/// result is committed (its artifacts, inserted after the job's row, and its session among it).
+/// A record too large for a notification (shorter than 8,000 bytes) is announced without it,
+/// and the row is read as before.
+#[tokio::test]
+async fn a_final_notification_carries_the_committed_record_unless_it_does_not_fit() {
+    let t = TestTenant::create(None).await;
+    let c = t.client().await;
+    let db = t.db().await;
+    let channel: String = sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1").bind(&t.name).fetch_one(&db).await.expect("channel");
+    let mut listener = sqlx::postgres::PgListener::connect(&t.creds.database_url).await.expect("listener");
+    listener.listen(&channel).await.expect("LISTEN");
+    let opening = run(&c, &open_session(&t.name, "x = 41", None)).await;
+    let session = opening.session.as_ref().expect("a session").id.clone();
+    let with_file = in_session(&t.name, &session, "open('/home/user/report.txt', 'w').write('numbers'); x + 1");
+    let large = python(&t.name, "print('y' * 20000)");
+    for sub in [&with_file, &large] {
+        run(&c, sub).await;
+    }
+    let mut notes = std::collections::HashMap::new();
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(2), listener.recv()).await {
+        assert!(n.payload().len() < 8000, "a notification of {} bytes", n.payload().len());
+        let note = sandcell_client::JobNotification::parse(n.payload()).expect("a notification this client reads").expect("a job's");
+        notes.insert(note.job_id.clone(), note);
+    }
+    for (sub, carried) in [(&opening.job_id, true), (&with_file.job_id, true), (&large.job_id, false)] {
+        let note = notes.get(sub.as_str()).unwrap_or_else(|| panic!("no notification for {sub}"));
+        let row = c.result(&t.name, sub).await.expect("read").expect("a row");
+        assert_eq!(note.status, row.status);
+        match (&note.result, carried) {
+            // The session in a record is the session as it is now (later jobs move its activity).
+            (Some(r), true) => {
+                let (mut r, mut row) = (r.clone(), row.clone());
+                assert_eq!(r.session.take().map(|s| s.id), row.session.take().map(|s| s.id));
+                assert_eq!(r, row, "the notification's record is not the row's");
+            }
+            (None, false) => assert!(row.execution.stdout.len() > 8000),
+            (r, _) => panic!("{sub}: carried a record: {}, expected {carried}", r.is_some()),
+        }
+    }
+    let with_file = notes[&with_file.job_id].result.as_ref().expect("carried");
+    assert_eq!(with_file.artifacts.iter().map(|a| a.path.as_str()).collect::<Vec<_>>(), ["report.txt"], "artifacts inserted after the job's row");
+    assert_eq!(with_file.session.as_ref().map(|s| s.id.as_str()), Some(session.as_str()));
+}

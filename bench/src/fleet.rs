@@ -118,8 +118,8 @@ pub async fn run(b: &Bench, a: &FleetArgs, out: &Path) -> Result<()> {
             b.client.submit(&sub).await?;
         }
         for w in waits {
-            let status = tokio::time::timeout(Duration::from_secs(300), w).await.context("throughput job timed out")??;
-            anyhow::ensure!(status == "succeeded", "a throughput job ended {status}");
+            let status = tokio::time::timeout(Duration::from_secs(300), w).await.context("throughput job timed out")??.status;
+            anyhow::ensure!(status == JobStatus::Succeeded, "a throughput job ended {status}");
         }
         anyhow::Ok(())
     });

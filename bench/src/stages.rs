@@ -10,7 +10,8 @@
 //!    job, reading its events, storing files;
 //! 4. the code in the sandbox (`usage.wall_ms`);
 //! 5. committed → notified: the commit transaction and Postgres' `NOTIFY`;
-//! 6. notified → read: the client reading the result row.
+//! 6. notified → read: the client reading the result row (nothing to read when the
+//!    notification carried the result, as it does when the record fits one).
 //!
 //! `timings.dispatched_at` (the broker confirmed the dispatch) is reported beside them, not
 //! among them: the worker may claim the job before the scheduler has noted the confirm.

@@ -13,6 +13,7 @@ pub mod error;
 pub mod event;
 pub mod job;
 pub mod limits;
+pub mod notification;
 pub mod paths;
 pub mod result;
 pub mod schema;
@@ -26,6 +27,7 @@ pub use error::{ErrorCode, Reason};
 pub use event::{EventBody, JobEvent};
 pub use job::ExecutionJob;
 pub use limits::{ExecutionLimits, IntakeLimits, LimitPolicy, ResourceRequest};
+pub use notification::JobNotification;
 pub use result::{
     Artifact, ArtifactKind, ArtifactState, ExecError, Execution, FileEntry, FileListing, JobResult, LimitHit, Output, SkippedFile, Timings, Usage,
 };

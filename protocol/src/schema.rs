@@ -13,6 +13,7 @@ pub fn all() -> Vec<(&'static str, Schema)> {
         ("result.schema.json", schema_for!(crate::JobResult)),
         ("session.schema.json", schema_for!(crate::Session)),
         ("event.schema.json", schema_for!(crate::JobEvent)),
+        ("job-notification.schema.json", schema_for!(crate::JobNotification)),
         ("upload-request.schema.json", schema_for!(crate::upload::UploadRequest)),
         ("upload-grant.schema.json", schema_for!(crate::upload::UploadGrant)),
         ("cancel-request.schema.json", schema_for!(crate::cancel::CancelRequest)),

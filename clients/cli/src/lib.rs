@@ -3,8 +3,9 @@
 //! This is the flow the design prescribes for asynchronous agents: submit through the queue
 //! (with publisher confirms, so a returned `Ok` means the broker has the job), then poll the
 //! `job_results` view — or, as [`Client::wait`] does, `LISTEN` on the tenant's own
-//! notification channel and read the result when its notification arrives, with a periodic
-//! re-read in case a notification was lost while the listener reconnected.
+//! notification channel: a job's final notification carries its result record when it fits
+//! ([`JobNotification`]), else the result is read when it arrives, with a periodic re-read in
+//! case a notification was lost while the listener reconnected.
 //!
 //! A tenant connects with its own broker user and database role (`sandcell-admin tenant
 //! create`): submissions carry `user_id` = the broker user, which RabbitMQ verifies, and
@@ -17,6 +18,7 @@ use std::time::Duration;
 use anyhow::Context;
 use lapin::Channel;
 use sandcell_core::{broker, reads};
+pub use sandcell_protocol::JobNotification;
 use sandcell_protocol::{ArtifactState, JobResult, Session, Submission};
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
@@ -164,17 +166,27 @@ impl Client {
                     continue; // re-read: the job may have finished before LISTEN
                 }
             }
-            // Wake on a notification for this job, or re-read after a second regardless.
+            // Wake on a notification for this job, or re-read after a second regardless. Its
+            // final notification carries the result when it fits: then there is nothing to read.
             let wake = (deadline - now).min(Duration::from_secs(1));
+            let mut carried = None;
             let _ = tokio::time::timeout(wake, async {
                 while let Ok(n) = listener.recv().await {
-                    let v: serde_json::Value = serde_json::from_str(n.payload()).unwrap_or_default();
-                    if v["tenant"] == tenant && v["job_id"] == job_id {
-                        break;
+                    match JobNotification::parse(n.payload()) {
+                        Ok(Some(n)) if n.tenant == tenant && n.job_id == job_id => {
+                            carried = n.result;
+                            break;
+                        }
+                        Ok(_) => {}
+                        // Whose it was cannot be told: re-read the row.
+                        Err(_) => break,
                     }
                 }
             })
             .await;
+            if let Some(r) = carried.filter(|r| r.status.is_terminal()) {
+                return Ok(r);
+            }
         }
     }
 
@@ -248,12 +260,13 @@ impl LiveOutput {
     }
 }
 
-/// Jobs being waited for, by `(tenant, job_id)`, with where to send their terminal status.
-type Waiting = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<String>>>>;
+/// Jobs being waited for, by `(tenant, job_id)`, with where to send their final notification.
+type Waiting = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<JobNotification>>>>;
 
 /// Waits for many jobs over one `LISTEN` connection: register a job with [`Watcher::watch`]
-/// *before* submitting it, then await the returned receiver; it resolves when the job's
-/// notification reports a terminal status. For pipelining agents and benchmarks, where
+/// *before* submitting it, then await the returned receiver; it resolves with the job's final
+/// notification, which carries the result record when it fit ([`JobNotification::result`];
+/// read it with [`Client::result`] otherwise). For pipelining agents and benchmarks, where
 /// [`Client::wait`]'s connection per job would cost more than the job.
 pub struct Watcher {
     waiting: Waiting,
@@ -271,22 +284,24 @@ impl Watcher {
         let map = waiting.clone();
         let task = tokio::spawn(async move {
             while let Ok(n) = listener.recv().await {
-                let v: serde_json::Value = serde_json::from_str(n.payload()).unwrap_or_default();
-                let status = v["status"].as_str().and_then(sandcell_protocol::JobStatus::parse);
-                if !status.is_some_and(|s| s.is_terminal()) {
-                    continue;
-                }
-                let key = (v["tenant"].as_str().unwrap_or_default().to_string(), v["job_id"].as_str().unwrap_or_default().to_string());
-                if let Some(tx) = map.lock().ok().and_then(|mut m| m.remove(&key)) {
-                    let _ = tx.send(v["status"].as_str().unwrap_or_default().to_string());
+                let n = match JobNotification::parse(n.payload()) {
+                    Ok(Some(n)) if n.status.is_terminal() => n,
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a notification on the tenant's channel is not one this client can read; skipped");
+                        continue;
+                    }
+                };
+                if let Some(tx) = map.lock().ok().and_then(|mut m| m.remove(&(n.tenant.clone(), n.job_id.clone()))) {
+                    let _ = tx.send(n);
                 }
             }
         });
         Ok(Watcher { waiting, task })
     }
 
-    /// Be told when `(tenant, job_id)` reaches a terminal status (the status is sent).
-    pub fn watch(&self, tenant: &str, job_id: &str) -> tokio::sync::oneshot::Receiver<String> {
+    /// Be told when `(tenant, job_id)` reaches a terminal status (its final notification).
+    pub fn watch(&self, tenant: &str, job_id: &str) -> tokio::sync::oneshot::Receiver<JobNotification> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if let Ok(mut m) = self.waiting.lock() {
             m.insert((tenant.to_string(), job_id.to_string()), tx);

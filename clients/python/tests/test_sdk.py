@@ -6,11 +6,11 @@ import asyncio
 import base64
 import json
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 
-from sandcell import AsyncSandbox, Client, ExecutionError, JobRejected, Result, Sandbox, Settings
+from sandcell import AsyncClient, AsyncSandbox, Client, ExecutionError, JobRejected, Result, Sandbox, Settings
 
 
 def test_a_calculation_returns_its_value(sandbox: Sandbox) -> None:
@@ -163,3 +163,36 @@ def test_set_timeout_gives_the_session_a_new_keep_alive(sandbox: Sandbox) -> Non
     sandbox.set_timeout(45)
     assert sandbox.info()["keep_alive_s"] == 45
     assert sandbox.run_code("1 + 1").text == "2"
+
+
+def test_a_result_its_notification_carries_is_returned_without_reading_the_row(tenant: Settings) -> None:
+    """A job's final notification carries its record when it fits (``docs/protocol.md`` §2):
+    the waiter returns it, and reads the row only for a record too large for a notification."""
+
+    async def main() -> List[Tuple[dict, List[str]]]:
+        client = await AsyncClient.connect(tenant)
+        try:
+            outcomes = []
+            # Each job runs for a second, so every read before its end finds it unfinished.
+            for code in ("import time; time.sleep(1); print('small')", "import time; time.sleep(1); print('y' * 20000)"):
+                reads: List[str] = []
+                read_row = client.result
+
+                async def counted(job_id: str) -> Optional[dict]:
+                    record = await read_row(job_id)
+                    reads.append(record["status"] if record else "not recorded")
+                    return record
+
+                client.result = counted  # type: ignore[method-assign]
+                record = await client.wait(await client.submit(client.job(code)), timeout=120)
+                client.result = read_row  # type: ignore[method-assign]
+                outcomes.append((record, reads))
+            return outcomes
+        finally:
+            await client.close()
+
+    (small, small_reads), (large, large_reads) = asyncio.run(main())
+    assert (small["status"], small["stdout"]) == ("succeeded", "small\n")
+    assert small_reads and "succeeded" not in small_reads, small_reads
+    assert (large["status"], len(large["stdout"])) == ("succeeded", 20001)
+    assert large_reads[-1] == "succeeded", large_reads

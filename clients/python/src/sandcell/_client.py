@@ -5,7 +5,9 @@ One :class:`AsyncClient` holds three connections: an AMQP connection (a confirm-
 submissions, and one channel whose server-named queue carries the live output of the jobs being
 watched), a Postgres connection for reads, and a Postgres connection that ``LISTEN``s on the
 tenant's notification channel and wakes every waiter — so any number of jobs are waited for on
-one listener, with a re-read every second in case a notification was missed.
+one listener, with a re-read every second in case a notification was missed. A job's final
+notification carries its result record when it fits one (``docs/protocol.md`` §2): the waiter
+then returns it without reading the row.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class AsyncClient:
         self._listener: Optional[psycopg.AsyncConnection[Any]] = None
         self._listen_task: Optional["asyncio.Task[None]"] = None
         self._wakers: Dict[str, asyncio.Event] = {}
+        # Result records a final notification carried, by job id, for the waiter it woke.
+        self._carried: Dict[str, Dict[str, Any]] = {}
         self._handlers: Dict[str, EventHandler] = {}
 
     @classmethod
@@ -164,8 +168,12 @@ class AsyncClient:
                     if waker is not None:
                         waker.set()
                     continue
-                waker = self._wakers.get(payload.get("job_id", ""))
+                job_id = payload.get("job_id", "")
+                waker = self._wakers.get(job_id)
                 if waker is not None and payload.get("status") in TERMINAL:
+                    record = payload.get("result")
+                    if isinstance(record, dict) and record.get("job_id") == job_id and record.get("status") in TERMINAL:
+                        self._carried[job_id] = record
                     waker.set()
         except (psycopg.Error, asyncio.CancelledError):
             pass  # the waits fall back to re-reading every second
@@ -190,7 +198,7 @@ class AsyncClient:
                     pass
                 waker.clear()
             while True:
-                record = await self.result(job_id)
+                record = self._carried.pop(job_id, None) or await self.result(job_id)
                 if record is not None:
                     if record["status"] in TERMINAL:
                         return record
@@ -210,6 +218,7 @@ class AsyncClient:
                 waker.clear()
         finally:
             self._wakers.pop(job_id, None)
+            self._carried.pop(job_id, None)
 
     async def wait_all(self, job_ids: Iterable[str], timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """Wait for many jobs together (one listener); their records in the order given."""
