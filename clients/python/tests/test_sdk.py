@@ -196,3 +196,14 @@ def test_a_result_its_notification_carries_is_returned_without_reading_the_row(t
     assert small_reads and "succeeded" not in small_reads, small_reads
     assert (large["status"], len(large["stdout"])) == ("succeeded", 20001)
     assert large_reads[-1] == "succeeded", large_reads
+
+
+def test_a_cancelled_cell_ends_the_wait_as_cancelled_and_the_session_keeps_its_state(client: Client) -> None:
+    with Sandbox.create(keep_alive=60, client=client) as sb:
+        sb.run_code("kept = 7")
+        job_id = client.submit(client.job("import time\nfor i in range(600):\n    time.sleep(0.05)", session={"id": sb.session_id}))
+        time.sleep(1.0)  # it is running by now (or about to start: the cancel then stops it as it starts)
+        client.cancel(job_id, sb.session_id)
+        record = client.wait(job_id, timeout=20)
+        assert record["status"] == "cancelled", record
+        assert sb.run_code("kept").text == "7"

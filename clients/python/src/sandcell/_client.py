@@ -30,8 +30,9 @@ from ._settings import Settings
 INTAKE_EXCHANGE = "sandcell.intake"
 EVENTS_EXCHANGE = "sandcell.events"
 UPLOAD_MESSAGE_TYPE = "sandcell.upload"
+CANCEL_MESSAGE_TYPE = "sandcell.cancel"
 TERMINAL = frozenset(
-    {"succeeded", "failed", "timed_out", "oom_killed", "rejected", "infrastructure_error"}
+    {"succeeded", "failed", "timed_out", "oom_killed", "cancelled", "rejected", "infrastructure_error"}
 )
 
 #: A callback for one live event (a dict, ``docs/schemas/event.schema.json``); may be async.
@@ -121,6 +122,22 @@ class AsyncClient:
         routing_key = str(session.get("id") or job["job_id"])
         await self._intake.publish(message, routing_key=routing_key, mandatory=True)
         return str(job["job_id"])
+
+    async def cancel(self, job_id: str, session_id: str) -> None:
+        """Ask sandcell to stop a job of a session (``docs/protocol.md`` §2c): its cell is
+        interrupted, the job ends ``cancelled`` and the session keeps its state. A job that
+        already ended, or a one-off job, is left as it is."""
+        request = {"tenant": self.settings.tenant, "job_id": job_id}
+        message = aio_pika.Message(
+            json.dumps(request).encode("utf-8"),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=job_id,
+            user_id=self.settings.broker_user,
+            type=CANCEL_MESSAGE_TYPE,
+        )
+        # The session's id as the routing key: the request follows the job through its partition.
+        await self._intake.publish(message, routing_key=session_id, mandatory=True)
 
     # -- reading -------------------------------------------------------------------------
 

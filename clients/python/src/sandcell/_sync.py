@@ -61,6 +61,10 @@ class Client:
         """Wait for many jobs on one listener; their records in order."""
         return _Loop.run(self._async.wait_all(list(job_ids), timeout))
 
+    def cancel(self, job_id: str, session_id: str) -> None:
+        """Ask sandcell to stop a job of a session (it ends ``cancelled``)."""
+        _Loop.run(self._async.cancel(job_id, session_id))
+
     def result(self, job_id: str) -> Optional[Dict[str, Any]]:
         """A job's record as it stands."""
         return _Loop.run(self._async.result(job_id))
