@@ -115,6 +115,28 @@ async fn jobs_run_after_a_database_restart() {
     assert_eq!(r.execution.stdout, "after database restart\n");
 }
 
+/// Every pool hands out a connection used moments ago without pinging it first (a round trip
+/// per statement saved), but one that sat idle across a Postgres restart is pinged and replaced
+/// before its statement runs: the statement succeeds on its first try, as it did when every
+/// acquire pinged (`sandcell_core::pool`).
+#[tokio::test]
+async fn a_pooled_connection_idle_across_a_database_restart_is_replaced_before_its_next_statement() {
+    let _serial = SERIAL.lock().await;
+    let url = std::env::var("SANDCELL_DATABASE_URL").expect("SANDCELL_DATABASE_URL");
+    let pool = sandcell_core::pool::options(1).connect(&url).await.expect("a pool of one connection");
+    let before: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&pool).await.expect("a statement before the restart");
+    // Back in the idle queue (sqlx pings a connection as it is released, in a task of its own).
+    let idle = eventually(Duration::from_secs(5), || async { (pool.num_idle() == 1).then_some(()) }).await;
+    assert!(idle.is_some(), "the connection did not go back to the pool");
+    sh("pg_ctlcluster 15 main restart");
+    let up = eventually(Duration::from_secs(30), || async { sqlx::PgPool::connect(&url).await.ok() }).await;
+    assert!(up.is_some(), "Postgres did not come back");
+    let after: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&pool).await.expect("the first statement after the restart fails");
+
+    assert_ne!(before, after, "the statement ran on a new connection");
+    both_healthy_again().await;
+}
+
 /// Heartbeats are rows in Postgres: when it comes back from an outage every one is as old as the
 /// outage, though no worker died. The rule every statement acting on silence asks
 /// (`sandcell_worker_silent`, migration 0016) counts a silence only once the database has been up

@@ -23,6 +23,7 @@ pub mod broker;
 pub mod config;
 #[cfg(feature = "services")]
 pub mod jobs;
+pub mod pool;
 pub mod reads;
 #[cfg(feature = "services")]
 pub mod sessions;

@@ -20,7 +20,7 @@ use lapin::Channel;
 use sandcell_core::{broker, reads};
 pub use sandcell_protocol::JobNotification;
 use sandcell_protocol::{ArtifactState, JobResult, Session, Submission};
-use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgListener, PgPool};
 
 /// What can go wrong for a client.
 #[derive(Debug, thiserror::Error)]
@@ -64,8 +64,7 @@ impl Client {
         // declares the intake exchange.
         let conn = broker::connect(amqp_url, "sandcell-client").await?;
         let publisher = broker::publisher_channel(&conn).await?;
-        let pool =
-            PgPoolOptions::new().max_connections(4).connect(database_url).await.with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
+        let pool = sandcell_core::pool::options(4).connect(database_url).await.with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
         Ok(Client { conn, publisher, db: pool, database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
     }
 

@@ -26,7 +26,7 @@ pub use artifacts::ExpiredArtifact;
 pub use held::HeldJob;
 pub use parked::{Follow, Release, TakeOver};
 pub use results::{Finished, NewArtifact};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use sqlx::Row;
 
 /// The execution document of a job that has not run: every job row has one, so a client
@@ -42,12 +42,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 /// Connect to Postgres and apply pending migrations.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
-    let pool = PgPoolOptions::new()
-        .max_connections(max_connections)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
-        .await
-        .with_context(|| format!("connecting to Postgres at {}", crate::broker::redact(url)))?;
+    let pool = crate::pool::options(max_connections).connect(url).await.with_context(|| format!("connecting to Postgres at {}", crate::broker::redact(url)))?;
     MIGRATOR.run(&pool).await.context("applying database migrations")?;
     Ok(pool)
 }
