@@ -333,6 +333,15 @@ async fn a_tenant_cannot_take_over_a_broker_user_that_is_not_a_tenants() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a sandcell tenant"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// A listener on `t`'s notification channel, as the tenant's own database role.
+async fn listening_on_channel(t: &TestTenant) -> sqlx::postgres::PgListener {
+    let db = t.db().await;
+    let channel: String = sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1").bind(&t.name).fetch_one(&db).await.expect("channel");
+    let mut listener = sqlx::postgres::PgListener::connect(&t.creds.database_url).await.expect("listener");
+    listener.listen(&channel).await.expect("LISTEN");
+    listener
+}
+
 /// Clients wait for results: a job's notification on its tenant's channel comes once, when its
 /// status is final, and none while it is recorded (`queued`) or claimed (`running`), whose
 /// notifying commits Postgres would serialise with every other job's.
@@ -340,10 +349,7 @@ async fn a_tenant_cannot_take_over_a_broker_user_that_is_not_a_tenants() {
 async fn a_job_is_notified_once_when_its_status_is_final_and_not_while_queued_or_running() {
     let t = TestTenant::create(None).await;
     let c = t.client().await;
-    let db = t.db().await;
-    let channel: String = sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1").bind(&t.name).fetch_one(&db).await.expect("channel");
-    let mut listener = sqlx::postgres::PgListener::connect(&t.creds.database_url).await.expect("listener");
-    listener.listen(&channel).await.expect("LISTEN");
+    let mut listener = listening_on_channel(&t).await;
     let ok = python(&t.name, "1+1");
     let failed = python(&t.name, "1/0");
     for sub in [&ok, &failed] {
@@ -361,16 +367,13 @@ async fn a_job_is_notified_once_when_its_status_is_final_and_not_while_queued_or
 /// A client that was listening needs no read after a job's final notification when the record
 /// fits one: the notification carries exactly what `job_results` holds for the job once its
 /// result is committed (its artifacts, inserted after the job's row, and its session among it).
-/// A record too large for a notification (shorter than 8,000 bytes) is announced without it,
-/// and the row is read as before.
+/// A record too large for a notification (which must be shorter than 8,000 bytes) is announced
+/// without it, and the row is read as before.
 #[tokio::test]
 async fn a_final_notification_carries_the_committed_record_unless_it_does_not_fit() {
     let t = TestTenant::create(None).await;
     let c = t.client().await;
-    let db = t.db().await;
-    let channel: String = sqlx::query_scalar("SELECT notify_channel FROM tenants WHERE tenant = $1").bind(&t.name).fetch_one(&db).await.expect("channel");
-    let mut listener = sqlx::postgres::PgListener::connect(&t.creds.database_url).await.expect("listener");
-    listener.listen(&channel).await.expect("LISTEN");
+    let mut listener = listening_on_channel(&t).await;
     let opening = run(&c, &open_session(&t.name, "x = 41", None)).await;
     let session = opening.session.as_ref().expect("a session").id.clone();
     let with_file = in_session(&t.name, &session, "open('/home/user/report.txt', 'w').write('numbers'); x + 1");

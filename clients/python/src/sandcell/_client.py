@@ -108,36 +108,32 @@ class AsyncClient:
     async def submit(self, job: Dict[str, Any]) -> str:
         """Publish one submission; returns its job id once the broker has confirmed it (the job
         is then durable and will be answered)."""
-        body = json.dumps(job).encode("utf-8")
-        message = aio_pika.Message(
-            body,
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=job["job_id"],
-            user_id=self.settings.broker_user,
-        )
         # The session's id as the routing key: a session's submissions share an intake partition,
         # which keeps them in order however many schedulers run (docs/protocol.md).
         session = job.get("session") or {}
-        routing_key = str(session.get("id") or job["job_id"])
-        await self._intake.publish(message, routing_key=routing_key, mandatory=True)
+        await self._publish(job, str(job["job_id"]), str(session.get("id") or job["job_id"]))
         return str(job["job_id"])
+
+    async def _publish(self, document: Dict[str, Any], message_id: str, routing_key: str, message_type: Optional[str] = None) -> None:
+        """Publish one JSON document to the intake exchange as this tenant's broker user,
+        persistent and confirmed (``message_type``: the AMQP ``type`` of a request that is not
+        a submission)."""
+        message = aio_pika.Message(
+            json.dumps(document).encode("utf-8"),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=message_id,
+            user_id=self.settings.broker_user,
+            type=message_type,
+        )
+        await self._intake.publish(message, routing_key=routing_key, mandatory=True)
 
     async def cancel(self, job_id: str, session_id: str) -> None:
         """Ask sandcell to stop a job of a session (``docs/protocol.md`` §2c): its cell is
         interrupted, the job ends ``cancelled`` and the session keeps its state. A job that
         already ended, or a one-off job, is left as it is."""
-        request = {"tenant": self.settings.tenant, "job_id": job_id}
-        message = aio_pika.Message(
-            json.dumps(request).encode("utf-8"),
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=job_id,
-            user_id=self.settings.broker_user,
-            type=CANCEL_MESSAGE_TYPE,
-        )
         # The session's id as the routing key: the request follows the job through its partition.
-        await self._intake.publish(message, routing_key=session_id, mandatory=True)
+        await self._publish({"tenant": self.settings.tenant, "job_id": job_id}, job_id, session_id, CANCEL_MESSAGE_TYPE)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -252,15 +248,7 @@ class AsyncClient:
         waker = self._wakers.setdefault("upload:" + upload_id, asyncio.Event())
         try:
             await self._ensure_listening()
-            message = aio_pika.Message(
-                json.dumps(request).encode("utf-8"),
-                content_type="application/json",
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                message_id=upload_id,
-                user_id=self.settings.broker_user,
-                type=UPLOAD_MESSAGE_TYPE,
-            )
-            await self._intake.publish(message, routing_key=upload_id, mandatory=True)
+            await self._publish(request, upload_id, upload_id, UPLOAD_MESSAGE_TYPE)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 60.0
             while True:
