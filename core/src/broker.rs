@@ -316,6 +316,54 @@ pub async fn publish_to(ch: &Channel, exchange: &str, routing_key: &str, body: &
     }
 }
 
+/// What becomes of a delivered message once its handler is done with it: handlers decide, and
+/// each consumer's one settling place acts on it through [`settle`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Done with: its outcome is durable, or it must not be acted on. Removed from its queue.
+    Ack,
+    /// Nothing durable happened and it should be handled again: returned to its queue.
+    Requeue,
+    /// It can never be handled (unreadable, or refused for good): parked in the dead-letter queue.
+    DeadLetter,
+}
+
+impl Disposition {
+    /// The label it carries in logs and in the consumers' `*_ack_failures_total{disposition}`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Disposition::Ack => "ack",
+            Disposition::Requeue => "requeue",
+            Disposition::DeadLetter => "dead_letter",
+        }
+    }
+}
+
+/// Longest wait for the broker to take a settlement. An ack sent in the instant the connection
+/// dies can be left unanswered for good (seen in CI: a worker's ack sent 6 ms after a broker
+/// restart reset the connection never completed, and the task that sent it waited until the
+/// worker stopped). Past this the settlement counts as failed, as on a closed channel.
+pub const SETTLE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Ack, requeue or dead-letter `delivery`, waiting at most [`SETTLE_WITHIN`]. An error means the
+/// settlement did not reach the broker (its channel closed, or it went unanswered): the broker
+/// still holds the message and redelivers it once the connection is gone, so a caller logs and
+/// counts the error and does nothing else.
+pub async fn settle(delivery: &lapin::message::Delivery, disposition: Disposition) -> Result<()> {
+    use lapin::options::{BasicAckOptions, BasicNackOptions};
+    let settled = async {
+        match disposition {
+            Disposition::Ack => delivery.ack(BasicAckOptions::default()).await,
+            Disposition::Requeue => delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await,
+            Disposition::DeadLetter => delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await,
+        }
+    };
+    match tokio::time::timeout(SETTLE_WITHIN, settled).await {
+        Ok(result) => result.map(drop).with_context(|| format!("settling a message ({})", disposition.as_str())),
+        Err(_) => Err(anyhow!("settling a message ({}): no answer from the broker within {} s", disposition.as_str(), SETTLE_WITHIN.as_secs())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

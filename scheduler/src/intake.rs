@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use sandcell_core::broker;
@@ -47,11 +47,7 @@ use crate::metrics::Metrics;
 use crate::{partitions, Config};
 use sandcell_core::store::ArtifactStore;
 
-/// What to do with a delivery once handled.
-enum Disposition {
-    Ack,
-    DeadLetter,
-}
+use sandcell_core::broker::Disposition;
 
 /// Consume submissions until `shutdown`, reconnecting after broker or database failures.
 pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, broker_up: Arc<AtomicBool>, shutdown: CancellationToken) {
@@ -236,10 +232,7 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
         // tell that write permission from a publish. Such copies are nobody's submission.
         metrics.submissions.with_label_values(&["not_published_to_intake"]).inc();
         tracing::warn!(exchange = %delivery.exchange, routing_key = %delivery.routing_key, "dropping a message that reached the intake by a binding, not by a publish to it");
-        if let Err(e) = delivery.ack(BasicAckOptions::default()).await {
-            metrics.ack_failures.with_label_values(&["ack"]).inc();
-            tracing::warn!(error = %e, "settling a stray intake message failed; the broker will redeliver it");
-        }
+        settle(&delivery, Disposition::Ack, metrics, "a stray intake message").await;
         return;
     }
     let (s, publisher) = (shared.clone(), publisher.clone());
@@ -297,25 +290,32 @@ async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metric
     settle_request(&delivery, &metrics, "an upload request", outcome).await;
 }
 
+/// Settle a delivery: the one place this scheduler acks, requeues or dead-letters a message
+/// (through [`sandcell_core::broker::settle`], bounded in time). A settlement that did not reach
+/// the broker is logged and counted: the broker still holds the message and redelivers it.
+async fn settle(delivery: &Delivery, disposition: Disposition, metrics: &Metrics, what: &str) {
+    if let Err(e) = sandcell_core::broker::settle(delivery, disposition).await {
+        metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
+        tracing::warn!(disposition = disposition.as_str(), message = what, error = format!("{e:#}"), "settling a message failed; the broker will redeliver it");
+    }
+}
+
 /// Settle a request that is not a submission (an upload request, a cancel): counted under its
 /// outcome and acked once answered; returned to the queue (after [`FAILED_REQUEUE_DELAY`]) when
 /// the database, the store or the broker failed.
 async fn settle_request(delivery: &Delivery, metrics: &Metrics, what: &str, outcome: anyhow::Result<&'static str>) {
-    let (settled, disposition) = match outcome {
+    let disposition = match outcome {
         Ok(outcome) => {
             metrics.submissions.with_label_values(&[outcome]).inc();
-            (delivery.ack(BasicAckOptions::default()).await, "ack")
+            Disposition::Ack
         }
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), request = what, "a request could not be handled; returning it to the queue");
             tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
-            (delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await, "requeue")
+            Disposition::Requeue
         }
     };
-    if let Err(e) = settled {
-        metrics.ack_failures.with_label_values(&[disposition]).inc();
-        tracing::warn!(disposition, request = what, error = %e, "settling a request failed; the broker will redeliver it");
-    }
+    settle(delivery, disposition, metrics, what).await;
 }
 
 /// Judge and forward a cancel request ([`crate::cancels`]) and settle its delivery: acked once
@@ -379,20 +379,16 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
         handle(cfg, jobs, metrics, publisher, &delivery, &verdict, may_redispatch)
     })
     .await;
-    let (settled, what) = match handled {
-        Ok(Disposition::Ack) => (delivery.ack(BasicAckOptions::default()).await, "ack"),
-        Ok(Disposition::DeadLetter) => (delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await, "dead_letter"),
+    let disposition = match handled {
+        Ok(disposition) => disposition,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), message_id = ?delivery.properties.message_id(), "a submission could not be handled; returning it to the queue");
             tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
-            (delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await, "requeue")
+            Disposition::Requeue
         }
     };
-    if let Err(e) = settled {
-        // The channel closed: the broker redelivers, and the redelivery finds the job recorded.
-        metrics.ack_failures.with_label_values(&[what]).inc();
-        tracing::warn!(disposition = what, error = %e, "settling a submission failed; the broker will redeliver it");
-    }
+    // The redelivery of a submission whose settlement failed finds the job recorded.
+    settle(&delivery, disposition, metrics, "a submission").await;
     metrics.intake_seconds.observe(started.elapsed().as_secs_f64());
 }
 

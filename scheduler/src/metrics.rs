@@ -16,8 +16,8 @@ pub struct Metrics {
     pub jobs: IntGaugeVec,
     /// `sandcell_artifacts_expired_total`.
     pub artifacts_expired: prometheus::IntCounter,
-    /// `sandcell_intake_ack_failures_total{disposition}`: settling a submission failed (its
-    /// channel closed); the broker redelivers it.
+    /// `sandcell_intake_ack_failures_total{disposition}`: settling a submission or a request
+    /// failed (its channel closed, or the broker left it unanswered); the broker redelivers it.
     pub ack_failures: IntCounterVec,
     /// `sandcell_stuck_ended_total{what}`: jobs (`job`) and sessions (`session`) ended by the
     /// sweeper after staying `queued`/`starting` past `SANDCELL_STUCK_AFTER_S`.

@@ -19,32 +19,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use sandcell_core::jobs::Arrival;
 use sandcell_protocol::ExecutionJob;
 
 use crate::metrics::Metrics;
 
-/// What to do with a job's message once its handler is done with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposition {
-    /// The outcome is durable (or the job must not run): remove the message.
-    Ack,
-    /// Nothing durable happened and the job should run again: return the message to its queue.
-    Requeue,
-    /// The message is not a job this worker can read: park it in the dead-letter queue.
-    DeadLetter,
-}
-
-impl Disposition {
-    fn as_str(self) -> &'static str {
-        match self {
-            Disposition::Ack => "ack",
-            Disposition::Requeue => "requeue",
-            Disposition::DeadLetter => "dead_letter",
-        }
-    }
-}
+pub use sandcell_core::broker::Disposition;
 
 /// How long a failed handler waits before its message goes back to the queue, so that an
 /// outage does not spin the job through the broker.
@@ -198,28 +178,16 @@ pub async fn settle_undecodable(delivery: &Delivery, metrics: &Metrics) {
     apply(delivery, Disposition::DeadLetter, metrics).await;
 }
 
-/// Longest wait for the broker to take a settlement. An ack sent in the instant the connection
-/// dies can be left unanswered for good (seen in CI: a session's job committed 6 ms after a
-/// broker restart reset the connection, and its session task waited on the ack until the
-/// worker stopped, with the session's later jobs queued behind it). A settlement that does not
-/// complete in time is a failed one: the connection is gone, and the broker redelivers.
-const ACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
-
 async fn apply(delivery: &Delivery, disposition: Disposition, metrics: &Metrics) {
-    let settled = async {
-        match disposition {
-            Disposition::Ack => delivery.ack(BasicAckOptions::default()).await,
-            Disposition::Requeue => delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await,
-            Disposition::DeadLetter => delivery.nack(BasicNackOptions { requeue: false, ..Default::default() }).await,
-        }
-    };
-    let failure = match tokio::time::timeout(ACK_WITHIN, settled).await {
-        Ok(Ok(_)) => return,
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => format!("no answer within {} s", ACK_WITHIN.as_secs()),
-    };
-    // The channel closed (a broker restart): the broker redelivers the message, and the
-    // redelivery finds the job finished (ack) or in flight here (absorbed).
-    metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
-    tracing::warn!(disposition = disposition.as_str(), delivery_tag = delivery.delivery_tag, error = %failure, "settling a job's message failed; the broker will redeliver it");
+    if let Err(e) = sandcell_core::broker::settle(delivery, disposition).await {
+        // The channel closed (a broker restart): the broker redelivers the message, and the
+        // redelivery finds the job finished (ack) or in flight here (absorbed).
+        metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
+        tracing::warn!(
+            disposition = disposition.as_str(),
+            delivery_tag = delivery.delivery_tag,
+            error = format!("{e:#}"),
+            "settling a job's message failed; the broker will redeliver it"
+        );
+    }
 }

@@ -47,7 +47,7 @@ pub struct Metrics {
     /// `sandcell_kernel_restarts_total`: session kernels replaced after dying or being killed.
     pub kernel_restarts: IntCounter,
     /// `sandcell_worker_ack_failures_total{disposition}`: settling a job's message failed (its
-    /// channel closed); the broker redelivers it.
+    /// channel closed, or the broker left it unanswered); the broker redelivers it.
     pub ack_failures: IntCounterVec,
     /// `sandcell_worker_redeliveries_absorbed_total`: copies of a job already in flight here
     /// that arrived (after a broker reconnect) and were not run again.
