@@ -189,7 +189,6 @@ import secrets
 import select
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -202,8 +201,8 @@ from sandcell_capture import Capture  # noqa: E402
 from sandcell_frames import (DRIVER_VERSION, MAX_KERNEL_FRAME_BYTES, MAX_REQUEST_BYTES,  # noqa: E402
                              Channel, FrameTooLarge, cap_error, cap_text, clean_mime_bundle, safe_str)
 from sandcell_workspace import (collect_files, decode_input_files, describe_write_error,  # noqa: E402
-                                empty_dir, file_listing, snapshot, space_exhausted, write_input_file,
-                                InputFileError)
+                                empty_dir, file_listing, kept_directory_state, restore_directory, snapshot,
+                                space_exhausted, write_input_file, InputFileError)
 
 WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
 # The sandbox user: the kernel and everything it starts run as this uid/gid.
@@ -665,6 +664,16 @@ class Driver:
         self.running = None
         self.execution_count = 0
         self._runs = 0
+        # The directories a job can write that outlive it (emptied after a fresh job, never
+        # removed: mount points), as they were before any job: see leave_nothing_behind.
+        self.kept_directories = {}
+        with sandbox_user():
+            for path in (WORKSPACE, "/tmp"):
+                try:
+                    self.kept_directories[path] = kept_directory_state(path)
+                except OSError as exc:
+                    self.kept_directories[path] = None  # never reusable: it cannot be checked
+                    self.channel.log("cannot read the state of %s: %r" % (path, exc))
 
     # -- frames ------------------------------------------------------------
 
@@ -741,10 +750,15 @@ class Driver:
         # (among `existing`), or one forked for it.  Once it has exited, nothing of the
         # job may be spared any more (see settle).
         spared_after = existing - set(children_of(self.kernel.pid)) if req["fresh"] else existing
+        if req["fresh"]:
+            # The count of a process forked for this job, whose interpreter ran no cell yet (a
+            # bash job, or an input error, reports it): never the last fresh job's.
+            self.execution_count = 0
         if not ok:
             self.send(req_id, self.done_frame("input_error", None, (False, False), 0.0, 0, False))
             if req["fresh"]:
-                self.settle(req_id, None, spared_after)
+                # No code ran: the process forked for the next job is spared, still unused.
+                self.settle(req_id, None, existing)
             return
 
         self.capture.begin(req_id, limits["stdout_limit"], limits["stderr_limit"])
@@ -797,12 +811,13 @@ class Driver:
             emptied = all([empty_dir(WORKSPACE), empty_dir("/tmp"),
                            empty_dir("/dev/shm") or not os.path.isdir("/dev/shm"),
                            empty_dir("/dev/mqueue") or not os.path.isdir("/dev/mqueue")])
-            # Their own modes too (the job owns them and may have changed them).
-            for path, mode in ((WORKSPACE, 0o700), ("/tmp", 0o1777)):
-                try:
-                    if stat.S_IMODE(os.stat(path).st_mode) != mode:
-                        os.chmod(path, mode)
-                except OSError:
+            # The directories themselves too: the job owns the workspace (and /tmp, as the
+            # worker mounts it), so it may have changed their mode, set extended attributes
+            # (data for a later job; a default ACL that makes every later file unreadable),
+            # inode flags or times.
+            for path, was in self.kept_directories.items():
+                if not restore_directory(path, was):
+                    self.channel.log("%s is not as it was before the first job" % path)
                     emptied = False
             ipc_clean = remove_sysv_ipc()
         alone = not other_processes(existing)

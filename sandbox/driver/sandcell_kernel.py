@@ -28,7 +28,10 @@ child_exit      {"id", "status": int}   after a fresh run: how the run's
                 reaches.
 
 pong            {"nonce", "settings"}   answer to ping: this process's
-                resource limits, nice value, CPU affinity and scheduling policy.
+                resource limits, nice value, CPU affinity, scheduling policy and
+                attributes, I/O priority, and the state of the open files it
+                shares with every fresh run (restored first, see
+                Kernel.restore_shared_files).
 standby         {"pid"}   after a pong to a ping with "standby": the process
                 forked for the next fresh run is ready to be handed it.
 
@@ -56,13 +59,17 @@ to its process group, SIGKILL after 2 s) and is ignored between cells.
 
 import contextlib
 import ctypes
+import fcntl
 import gc
 import importlib
 import io
 import base64
 import json
 import os
+import platform
 import signal
+import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -376,6 +383,9 @@ class Kernel:
         # (module, namespace, execution count).
         self.context = DEFAULT_CONTEXT
         self.contexts = {}
+        # The state of every open file this process holds, as it was when it became ready:
+        # a fresh run inherits them (see restore_shared_files).
+        self.shared_files = shared_file_states()
 
     def serve(self):
         while True:
@@ -387,7 +397,10 @@ class Kernel:
                 # The driver checks, after a fresh job, that this process still answers and
                 # that the pipe is in step: whatever the job wrote to it is read and dropped
                 # before this pong.
-                self.channel.send({"type": "pong", "nonce": req.get("nonce"), "settings": _own_settings()})
+                self.restore_shared_files()
+                settings = _own_settings()
+                settings["files"] = {str(fd): state for fd, state in shared_file_states(skip=self.standby_fd()).items()}
+                self.channel.send({"type": "pong", "nonce": req.get("nonce"), "settings": settings})
                 if req.get("standby") is True:
                     self.fork_standby()
                 continue
@@ -501,6 +514,36 @@ class Kernel:
             return None
         finally:
             os.close(go_w)
+
+    def standby_fd(self):
+        """The pipe the standby's request goes down (not shared with any job), if any."""
+        return None if self.standby is None else self.standby[1]
+
+    def restore_shared_files(self):
+        """Between fresh runs (every process of the last one gone): put the open files this
+        process shares with every fresh run back as they were when it became ready.
+
+        A forked job holds this process's open file descriptions -- /dev/null on fd 0, the
+        capture pipes on fds 1 and 2, the pipes to the driver, files a preloaded library
+        keeps open -- and what it sets on one stays set on it after the job is gone: status
+        flags (O_NONBLOCK, O_ASYNC, O_DIRECT, O_APPEND), the owner and signal of O_ASYNC, the
+        offset of a file, a pipe's size, and locks (flock, open-file-description locks). The
+        next job would inherit them: its output lost or cut (a non-blocking or packet-mode
+        pipe), a SIGINT at its first print, data left in lock ranges or an offset. Each is
+        reset here; the pong then reports the state, which the driver compares with the one
+        at ready (the sandbox is not reused if any differs)."""
+        for fd, was in self.shared_files.items():
+            for reset in (lambda: fcntl.flock(fd, fcntl.LOCK_UN),
+                          lambda: fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)),
+                          lambda: was["flags"] is not None and fcntl.fcntl(fd, fcntl.F_SETFL, was["flags"]),
+                          lambda: was["owner"] is not None and fcntl.fcntl(fd, fcntl.F_SETOWN, was["owner"]),
+                          lambda: was["signal"] is not None and fcntl.fcntl(fd, fcntl.F_SETSIG, was["signal"]),
+                          lambda: was.get("pipe_size") is not None and fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, was["pipe_size"]),
+                          lambda: was.get("offset") is not None and os.lseek(fd, was["offset"], os.SEEK_SET)):
+                try:
+                    reset()
+                except OSError:
+                    pass  # not applicable to this kind of file (then it was not changed either)
 
     def await_ack(self):
         """Block until the driver has forwarded the frame just sent."""
@@ -699,8 +742,9 @@ def warm_up_matplotlib(log):
 
 def _own_settings():
     """What a process of this uid can change about this process from outside
-    (prlimit, setpriority, sched_setaffinity, sched_setscheduler), read
-    in-process: every fresh job inherits it."""
+    (prlimit, setpriority, sched_setaffinity, sched_setscheduler, sched_setattr
+    -- a CFS slice, utilization clamps --, ioprio_set), read in-process: every
+    fresh job inherits it."""
     import resource
 
     limits = {}
@@ -713,12 +757,77 @@ def _own_settings():
     settings = {"rlimits": limits}
     for key, read in (("nice", lambda: os.getpriority(os.PRIO_PROCESS, 0)),
                       ("affinity", lambda: sorted(os.sched_getaffinity(0))),
-                      ("policy", lambda: os.sched_getscheduler(0))):
+                      ("policy", lambda: os.sched_getscheduler(0)),
+                      ("io_priority", _io_priority),
+                      ("sched_attr", _sched_attr)):
         try:
             settings[key] = read()
         except (OSError, AttributeError):
             settings[key] = None
     return settings
+
+
+# Numbers of the system calls Python has no function for, by machine.
+_SYSCALLS = {"x86_64": {"ioprio_get": 252, "sched_getattr": 315},
+             "aarch64": {"ioprio_get": 31, "sched_getattr": 275}}
+
+
+def _syscall(name, *args):
+    number = _SYSCALLS.get(platform.machine(), {}).get(name)
+    if number is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    result = libc.syscall(number, *args)
+    if result < 0:
+        raise OSError(ctypes.get_errno(), "%s failed" % name)
+    return result
+
+
+def _io_priority():
+    """ioprio_get(IOPRIO_WHO_PROCESS, this process)."""
+    return _syscall("ioprio_get", 1, 0)
+
+
+def _sched_attr():
+    """sched_getattr(this process): policy, flags, nice, priority, runtime (EEVDF's slice for
+    a normal task), deadline, period, utilization clamps."""
+    buf = ctypes.create_string_buffer(56)
+    if _syscall("sched_getattr", 0, buf, ctypes.c_uint(56), ctypes.c_uint(0)) is None:
+        return None
+    return list(struct.unpack("=IIQiIQQQII", buf.raw))
+
+
+def shared_file_states(skip=None):
+    """The open files of this process by fd (but `skip`), with what a process holding the same
+    open file description could change: which file it is, its status flags, the owner and
+    signal of O_ASYNC, a pipe's size, a seekable file's offset (None where the kernel, gVisor's
+    say, does not tell)."""
+    def read(f):
+        try:
+            return f()
+        except OSError:
+            return None
+
+    states = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd == skip:
+            continue
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue  # the directory listing's own fd, closed by now
+        state = {"file": [st.st_dev, st.st_ino], "flags": read(lambda: fcntl.fcntl(fd, fcntl.F_GETFL)),
+                 "owner": read(lambda: fcntl.fcntl(fd, fcntl.F_GETOWN)), "signal": read(lambda: fcntl.fcntl(fd, fcntl.F_GETSIG))}
+        if stat.S_ISFIFO(st.st_mode):
+            state["pipe_size"] = read(lambda: fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ))
+        if stat.S_ISREG(st.st_mode):
+            state["offset"] = read(lambda: os.lseek(fd, 0, os.SEEK_CUR))
+        states[fd] = state
+    return states
 
 
 def warm_up_shell(shell):

@@ -384,3 +384,93 @@ def empty_dir(root):
         return not os.listdir(root)
     except OSError:
         return False
+
+
+# FS_IOC_GETFLAGS / FS_IOC_SETFLAGS (linux/fs.h; the kernel reads and writes an int): the
+# inode flags chattr sets. The owner of a tmpfs directory may set some (nodump, noatime).
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS = 0x80086601, 0x40086602
+
+
+def directory_state(path, values_of=()):
+    """What the owner of a directory that outlives a job (the workspace, /tmp: mount points,
+    emptied but never removed) can set on the directory itself and a later job could read
+    back: its mode, its extended attributes (user.* data, POSIX ACLs: a default ACL would give
+    every file made in it later mode 0000) and its inode flags. The values of the attributes
+    named in `values_of` are read too (those it had before any job; a job's own are only
+    named, never read: they may hold hundreds of megabytes). Its times are not part of it:
+    restore_directory sets them to the present. Raises OSError when the attributes cannot be
+    listed (more names than listxattr returns at once, say)."""
+    try:
+        names = sorted(os.listxattr(path, follow_symlinks=False))
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        names = None  # a file system without them
+    values = {name: os.getxattr(path, name, follow_symlinks=False).hex() for name in values_of if name in (names or ())}
+    return {"mode": stat.S_IMODE(os.lstat(path).st_mode), "xattrs": names, "values": values, "flags": _inode_flags(path)}
+
+
+def kept_directory_state(path):
+    """directory_state before any job, with the values of the attributes it has then."""
+    names = directory_state(path)["xattrs"] or ()
+    return directory_state(path, values_of=names)
+
+
+def restore_directory(path, was):
+    """Put a directory's own state back as `was` (kept_directory_state, taken before any job;
+    None if it could not be read then): remove the extended attributes a job added and write
+    back those it changed, restore the mode and the inode flags, and set its times to now.
+    Returns whether it is as it was."""
+    if was is None:
+        return False
+    try:
+        now = directory_state(path, values_of=was["values"])
+    except OSError:
+        return False
+    for name in set(now["xattrs"] or ()) - set(was["xattrs"] or ()):
+        _ignore_oserror(lambda: os.removexattr(path, name, follow_symlinks=False))
+    for name, value in was["values"].items():
+        if now["values"].get(name) != value:
+            _ignore_oserror(lambda: os.setxattr(path, name, bytes.fromhex(value), follow_symlinks=False))
+    if now["mode"] != was["mode"]:
+        _ignore_oserror(lambda: os.chmod(path, was["mode"]))
+    if now["flags"] != was["flags"] and was["flags"] is not None:
+        _ignore_oserror(lambda: _set_inode_flags(path, was["flags"]))
+    # Times a job set (an mtime of its choosing is data too) say nothing once they are now.
+    _ignore_oserror(lambda: os.utime(path))
+    try:
+        return directory_state(path, values_of=was["values"]) == was
+    except OSError:
+        return False
+
+
+def _inode_flags(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        import fcntl
+
+        return int.from_bytes(fcntl.ioctl(fd, FS_IOC_GETFLAGS, bytes(8))[:4], "little")
+    except OSError:
+        return None  # not supported here (an older kernel, gVisor)
+    finally:
+        os.close(fd)
+
+
+def _set_inode_flags(path, flags):
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags.to_bytes(4, "little") + bytes(4))
+    finally:
+        os.close(fd)
+
+
+def _ignore_oserror(f):
+    try:
+        f()
+    except OSError:
+        pass

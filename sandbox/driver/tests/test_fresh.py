@@ -301,6 +301,127 @@ class TestFreshHostile(unittest.TestCase):
         self.assertEqual(stream_text(second, "stdout"), "'' 2 0 ['In', 'Out', 'exit', 'get_ipython', 'quit']\n")
         self.assertEqual(d["execution_count"], 1)
 
+    def test_an_input_error_keeps_the_process_forked_for_the_next_job(self):
+        # No code ran for the refused request: the process forked after the last job is still
+        # unused, and the next job runs in it (it was killed as a stray, and the next job
+        # paid for a fork of its own).
+        self.run_fresh("1")
+        standby = self.standby()
+        frames = self.driver.execute("1", fresh=True, files=[{"path": "../escape", "content_b64": ""}])
+        self.assertEqual(done(frames)["status"], "input_error")
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
+        frames, d = self.run_fresh("import os\nprint(os.getpid())")
+        self.assertEqual(stream_text(frames, "stdout"), "%d\n" % standby)
+
+    def test_a_fresh_job_reports_no_cell_number_of_the_job_before(self):
+        # A bash job (or an input error) reports the number of the last python cell of its
+        # own process: none ran, so 0, never the number the job before chose.
+        frames, d = self.run_fresh("get_ipython().execution_count = 3735928559")
+        self.assertEqual(d["status"], "ok")
+        frames = self.driver.execute("echo hi", fresh=True, language="bash")
+        self.assertEqual((stream_text(frames, "stdout"), done(frames)["execution_count"]), ("hi\n", 0))
+
+    def test_attributes_an_acl_and_times_a_job_sets_on_the_workspace_do_not_reach_the_next(self):
+        # The workspace outlives the job (a mount point, emptied): its owner, the job, can set
+        # extended attributes on it (data for the next job), a default ACL (every file made in
+        # it later, the next job's inputs too, would have mode 0000) and its times.
+        leave = (
+            "import os, struct\n"
+            "acl = struct.pack('<I', 2) + b''.join(struct.pack('<HHI', tag, 0, 0xffffffff) for tag in (1, 4, 0x20))\n"
+            "done = []\n"
+            "for name, value in (('user.left', b'from the last job'), ('system.posix_acl_default', acl)):\n"
+            "    try:\n"
+            "        os.setxattr('.', name, value)\n"
+            "        done.append(name)\n"
+            "    except OSError as e:\n"
+            "        done.append('%s: %s' % (name, e.strerror))\n"
+            "os.utime('.', (1000000000, 1000000000))\n"
+            "print(done)\n")
+        frames, d = self.run_fresh(leave)
+        left = stream_text(frames, "stdout")
+        # gVisor's tmpfs may refuse them; where it takes them, they must be gone after.
+        self.assertRegex(left, r"user\.left(: Operation not supported)?'")
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
+        find = (
+            "import os, stat\n"
+            "mtime = os.stat('.').st_mtime\n"
+            "open('made.txt', 'w').write('x')\n"
+            "print(os.listxattr('.'), open('input.txt').read(), oct(stat.S_IMODE(os.stat('made.txt').st_mode)),\n"
+            "      mtime > 1000000000)\n")
+        frames = self.driver.execute(find, fresh=True, files=[{"path": "input.txt", "content_b64": b64(b"in")}])
+        self.assertEqual(stream_text(frames, "stdout"), "[] in 0o644 True\n", frames)
+
+    def test_what_a_job_sets_on_the_files_it_shares_with_the_kernel_does_not_reach_the_next(self):
+        # A job's process holds the kernel's open file descriptions (fd 0, the capture pipes
+        # on fds 1 and 2): flags, a lock, the owner and signal of O_ASYNC, a pipe's size set
+        # on them would stay set for every later job -- its output cut or lost, a SIGINT at
+        # its first print, data in a lock's range.
+        leave = (
+            "import fcntl, os, signal, struct\n"
+            "done = []\n"
+            "def attempt(name, f):\n"
+            "    try:\n"
+            "        f()\n"
+            "        done.append(name)\n"
+            "    except OSError as e:\n"
+            "        done.append('%s: %s' % (name, e.strerror))\n"
+            "attempt('lock', lambda: fcntl.fcntl(0, fcntl.F_OFD_SETLK, struct.pack('hhqqi4x', fcntl.F_RDLCK, 0, 4242, 7, 0)))\n"
+            "attempt('size', lambda: fcntl.fcntl(2, fcntl.F_SETPIPE_SZ, 4096))\n"
+            "attempt('owner', lambda: fcntl.fcntl(2, fcntl.F_SETOWN, -os.getpgid(0)))\n"
+            "attempt('signal', lambda: fcntl.fcntl(2, fcntl.F_SETSIG, signal.SIGINT))\n"
+            "print(done, flush=True)\n"
+            "for fd in (1, 2):\n"
+            "    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK | os.O_ASYNC)\n")
+        frames, d = self.run_fresh(leave)
+        if stream_text(frames, "stdout") != "['lock', 'size', 'owner', 'signal']\n":
+            # A kernel that refuses some of it (gVisor has no open-file-description locks):
+            # what it took must be undone, or the sandbox not reused.
+            if not settled(frames)["reusable"]:
+                return
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
+        find = (
+            "import fcntl, os, struct, time\n"
+            "flags = [fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_NONBLOCK | os.O_ASYNC) for fd in (0, 1, 2)]\n"
+            "null = os.open('/dev/null', os.O_RDWR)\n"
+            "try:\n"
+            "    lock = struct.unpack('hhqqi4x', fcntl.fcntl(null, fcntl.F_OFD_GETLK, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 0, 0)))\n"
+            "    unlocked = lock[0] == fcntl.F_UNLCK\n"
+            "except OSError:\n"
+            "    unlocked = True  # no such locks here\n"
+            "print(flags, unlocked, fcntl.fcntl(2, fcntl.F_GETPIPE_SZ), fcntl.fcntl(2, fcntl.F_GETSIG), fcntl.fcntl(2, fcntl.F_GETOWN))\n"
+            "print('x' * 300000)\n"
+            "time.sleep(0.2)\n"
+            "print('still here')\n")
+        frames, d = self.run_fresh(find)
+        self.assertEqual(d["status"], "ok", frames)
+        lines = stream_text(frames, "stdout").split("\n")
+        self.assertEqual(lines[0], "[0, 0, 0] True 65536 0 0")
+        self.assertEqual((len(lines[1]), lines[2]), (300000, "still here"))
+
+    def test_changing_the_kernels_io_priority_or_time_slice_makes_the_sandbox_not_reusable(self):
+        # Same uid: ioprio_set and sched_setattr on the parent are allowed, and every later
+        # fork would inherit them (an idle I/O class, a long slice).
+        for name, code in (
+                ("ioprio", "import ctypes, os\n"
+                           "libc = ctypes.CDLL(None, use_errno=True)\n"
+                           "r = libc.syscall(251, 1, os.getppid(), 3 << 13)\n"
+                           "print('set' if r == 0 else 'refused %d' % ctypes.get_errno())\n"),
+                ("slice", "import ctypes, os, struct\n"
+                          "libc = ctypes.CDLL(None, use_errno=True)\n"
+                          "attr = ctypes.create_string_buffer(struct.pack('=IIQiIQQQII', 56, 0, 0, 0, 0, 30000000, 0, 0, 0, 0))\n"
+                          "r = libc.syscall(314, os.getppid(), attr, 0)\n"
+                          "print('set' if r == 0 else 'refused %d' % ctypes.get_errno())\n")):
+            with self.subTest(name):
+                driver = DriverProcess()
+                try:
+                    frames = driver.execute(code, fresh=True)
+                    said = stream_text(frames, "stdout")
+                    if said != "set\n":
+                        self.skipTest("%s: this kernel refuses it (%s)" % (name, said.strip()))
+                    self.assertFalse(settled(frames)["reusable"], frames[-2:])
+                finally:
+                    driver.close()
+
     def test_each_job_gets_its_own_random_numbers(self):
         code = "import numpy, random\nprint(numpy.random.randint(0, 2**31), random.randint(0, 2**31))"
         first, _ = self.run_fresh(code)
