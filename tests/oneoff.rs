@@ -108,6 +108,60 @@ async fn a_bash_job_leaves_neither_files_nor_processes_for_the_next() {
     assert_eq!(container(&leave).await == container(&find).await, !under_gvisor());
 }
 
+/// A hostile job that leaves state with no process behind it: on the directories that outlive
+/// it (extended attributes, a default ACL that would make every later file unreadable, a
+/// time), on the output pipe it shares with the kernel (non-blocking: a later job's large
+/// output would fail), and in the sandbox's network namespace (a loopback connection in
+/// TIME_WAIT, its ports the job's choice).
+const LEAVE_STATE: &str = r#"
+import fcntl, os, socket, struct
+acl = struct.pack('<I', 2) + b''.join(struct.pack('<HHI', tag, 0, 0xffffffff) for tag in (1, 4, 0x20))
+for d in ('.', '/tmp'):
+    for name, value in (('user.left', b'from the last job'), ('system.posix_acl_default', acl)):
+        try:
+            os.setxattr(d, name, value)
+        except OSError:
+            pass  # gVisor's tmpfs takes neither
+    os.utime(d, (1000000000, 1000000000))
+srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()
+cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()
+cli.close(); conn.close(); srv.close()
+fcntl.fcntl(1, fcntl.F_SETFL, fcntl.fcntl(1, fcntl.F_GETFL) | os.O_NONBLOCK)
+"#;
+
+/// The next job: what it finds of that state, then a large output.
+const FIND_STATE: &str = r#"
+import fcntl, json, os, stat
+def xattrs(d):
+    try:
+        return os.listxattr(d)
+    except OSError:
+        return []  # a file system without them
+times = [os.stat(d).st_mtime > 1000000000 for d in ('.', '/tmp')]
+open('/tmp/made', 'w').write('x')
+time_wait = [l for f in ('/proc/net/tcp', '/proc/net/tcp6') if os.path.exists(f) for l in open(f).readlines()[1:] if l.split()[3] == '06']
+print(json.dumps({'xattrs': xattrs('.') + xattrs('/tmp'), 'times_now': times,
+                  'tmp_file_mode': oct(stat.S_IMODE(os.stat('/tmp/made').st_mode)), 'time_wait': len(time_wait),
+                  'nonblocking': bool(fcntl.fcntl(1, fcntl.F_GETFL) & os.O_NONBLOCK)}, sort_keys=True))
+print('x' * 200000)
+"#;
+
+#[tokio::test]
+async fn a_tenants_next_one_off_job_finds_no_attribute_acl_pipe_flag_or_connection_the_last_left() {
+    let c = client().await;
+    let t = tenant();
+    let leave = python(&t, LEAVE_STATE);
+    let r = run(&c, &leave).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let find = python(&t, FIND_STATE);
+    let r = run(&c, &find).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let (found, rest) = r.execution.stdout.split_once('\n').expect("two lines");
+    assert_eq!(found, r#"{"nonblocking": false, "time_wait": 0, "times_now": [true, true], "tmp_file_mode": "0o644", "xattrs": []}"#);
+    assert_eq!(rest.trim_end().len(), 200_000, "the large output arrives whole");
+    assert_eq!(container(&leave).await == container(&find).await, !under_gvisor(), "one-off sandbox reuse as configured for the runtime");
+}
+
 #[tokio::test]
 async fn two_tenants_one_off_jobs_never_share_a_sandbox() {
     let c = client().await;

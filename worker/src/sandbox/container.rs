@@ -145,6 +145,7 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         oom_score_adj: Some(500),
         ulimits: Some(vec![ResourcesUlimits { name: Some("nofile".into()), soft: Some(1024), hard: Some(1024) }]),
         log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
+        sysctls: no_time_wait(spec),
         ..Default::default()
     };
     ContainerCreateBody {
@@ -164,6 +165,17 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         host_config: Some(host_config),
         ..Default::default()
     }
+}
+
+/// A sandbox without a network keeps no TCP connection in TIME_WAIT: the sandbox's network
+/// namespace outlives each one-off job it runs, and the connections a job closed on the
+/// loopback stayed listed in `/proc/net/tcp` for 60 s, their addresses and ports chosen by the
+/// job and readable by the next (red-teamed: a message passed that way). On the loopback
+/// TIME_WAIT guards against nothing. Only under runc: gVisor's network stack is its own, and
+/// one-off sandboxes are not reused there by default. A sandbox with a network keeps the
+/// default (TIME_WAIT protects its real connections).
+fn no_time_wait(spec: &SandboxSpec) -> Option<HashMap<String, String>> {
+    (spec.egress.is_none() && spec.runtime == "runc").then(|| HashMap::from([("net.ipv4.tcp_max_tw_buckets".to_string(), "0".to_string())]))
 }
 
 /// The environment the worker gives a sandbox: the modules to preload, and a granted tenant's
@@ -214,6 +226,19 @@ mod tests {
         assert_eq!(e("http://proxy/").proxy_name(), Some("proxy"));
         assert_eq!(e("http://10.0.0.2:8888").proxy_name(), None);
         assert_eq!(Egress { network: "n".into(), proxy: None }.proxy_name(), None);
+    }
+
+    #[test]
+    fn a_sandbox_without_a_network_under_runc_keeps_no_connection_in_time_wait() {
+        let sysctls = |s: &SandboxSpec| create_body(s).host_config.and_then(|h| h.sysctls);
+        let none = sysctls(&spec());
+        assert_eq!(none.as_ref().and_then(|m| m.get("net.ipv4.tcp_max_tw_buckets")).map(String::as_str), Some("0"));
+        let mut egress = spec();
+        egress.egress = Some(Egress { network: "sandcell-egress-a".into(), proxy: None });
+        assert_eq!(sysctls(&egress), None, "a real network keeps TIME_WAIT");
+        let mut gvisor = spec();
+        gvisor.runtime = "runsc".into();
+        assert_eq!(sysctls(&gvisor), None, "gVisor's network stack is its own");
     }
 
     #[test]
