@@ -295,8 +295,13 @@ def set_effective_ids(uid, gid):
 
 
 def other_processes(spared=(), children_of=None):
-    """PIDs of the live (non-zombie) processes in the container other than
-    the driver, PID 1 (tini), `spared` and the children of `children_of`."""
+    """PIDs of the live processes in the container other than the driver,
+    PID 1 (tini), `spared` and the children of `children_of`.  A zombie is
+    not alive -- unless it has threads: a process whose main thread left
+    with the exit system call (not exit_group) runs on in its other threads
+    while /proc/<pid>/stat says Z (red-teamed: such a process outlived its
+    job and read the next one's files and requests).  A SIGKILL to the pid
+    ends them all."""
     skip = {1, os.getpid(), *spared}
     pids = []
     for name in os.listdir("/proc"):
@@ -305,10 +310,10 @@ def other_processes(spared=(), children_of=None):
         try:
             with open("/proc/%s/stat" % name) as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            state, parent = fields[0], int(fields[1])
+            state, parent, threads = fields[0], int(fields[1]), int(fields[17])
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
-        if state not in ("Z", "X") and parent != children_of:  # zombies are not alive
+        if parent != children_of and (state not in ("Z", "X") or threads > 1):
             pids.append(int(name))
     return pids
 

@@ -743,8 +743,8 @@ def warm_up_matplotlib(log):
 def _own_settings():
     """What a process of this uid can change about this process from outside
     (prlimit, setpriority, sched_setaffinity, sched_setscheduler, sched_setattr
-    -- a CFS slice, utilization clamps --, ioprio_set), read in-process: every
-    fresh job inherits it."""
+    -- a CFS slice, utilization clamps --, ioprio_set, its session's autogroup
+    nice), read in-process: every fresh job inherits it."""
     import resource
 
     limits = {}
@@ -759,7 +759,8 @@ def _own_settings():
                       ("affinity", lambda: sorted(os.sched_getaffinity(0))),
                       ("policy", lambda: os.sched_getscheduler(0)),
                       ("io_priority", _io_priority),
-                      ("sched_attr", _sched_attr)):
+                      ("sched_attr", _sched_attr),
+                      ("autogroup", _autogroup)):
         try:
             settings[key] = read()
         except (OSError, AttributeError):
@@ -784,6 +785,16 @@ def _syscall(name, *args):
     if result < 0:
         raise OSError(ctypes.get_errno(), "%s failed" % name)
     return result
+
+
+def _autogroup():
+    """This process's autogroup and its nice ("/autogroup-N nice K"): a job of the session may
+    set it (after making itself dumpable), for every later job; None without autogroups."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _io_priority():

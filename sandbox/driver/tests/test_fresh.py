@@ -398,6 +398,32 @@ class TestFreshHostile(unittest.TestCase):
         self.assertEqual(lines[0], "[0, 0, 0] True 65536 0 0")
         self.assertEqual((len(lines[1]), lines[2]), (300000, "still here"))
 
+    def test_a_process_whose_main_thread_exited_while_its_threads_run_is_killed(self):
+        # Its main thread leaves with the exit system call (not exit_group): /proc/<pid>/stat
+        # says Z, the thread group runs on -- here, writing into the workspace every 20 ms.
+        leave = (
+            "import ctypes, os, threading, time\n"
+            "r, w = os.pipe()\n"
+            "if os.fork() == 0:\n"
+            "    def spy():\n"
+            "        while True:\n"
+            "            try:\n"
+            "                open('/home/user/spy-alive', 'w').close()\n"
+            "            except OSError:\n"
+            "                pass\n"
+            "            time.sleep(0.02)\n"
+            "    threading.Thread(target=spy).start()\n"
+            "    os.write(w, b'x')\n"
+            "    ctypes.CDLL(None).syscall(60, 0)\n"
+            "os.read(r, 1)\n"
+            "print('left')\n")
+        frames, d = self.run_fresh(leave)
+        self.assertEqual(stream_text(frames, "stdout"), "left\n")
+        self.assertEqual(d["processes_killed"], 1, frames)
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
+        frames, d = self.run_fresh("import os, time\ntime.sleep(0.3)\nprint(sorted(n for n in os.listdir('.') if n != '.local'))")
+        self.assertEqual(stream_text(frames, "stdout"), "[]\n")
+
     def test_changing_the_kernels_io_priority_or_time_slice_makes_the_sandbox_not_reusable(self):
         # Same uid: ioprio_set and sched_setattr on the parent are allowed, and every later
         # fork would inherit them (an idle I/O class, a long slice).

@@ -145,7 +145,7 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         oom_score_adj: Some(500),
         ulimits: Some(vec![ResourcesUlimits { name: Some("nofile".into()), soft: Some(1024), hard: Some(1024) }]),
         log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
-        sysctls: no_time_wait(spec),
+        sysctls: nothing_of_closed_connections(spec),
         ..Default::default()
     };
     ContainerCreateBody {
@@ -167,15 +167,17 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
     }
 }
 
-/// A sandbox without a network keeps no TCP connection in TIME_WAIT: the sandbox's network
-/// namespace outlives each one-off job it runs, and the connections a job closed on the
-/// loopback stayed listed in `/proc/net/tcp` for 60 s, their addresses and ports chosen by the
-/// job and readable by the next (red-teamed: a message passed that way). On the loopback
-/// TIME_WAIT guards against nothing. Only under runc: gVisor's network stack is its own, and
-/// one-off sandboxes are not reused there by default. A sandbox with a network keeps the
-/// default (TIME_WAIT protects its real connections).
-fn no_time_wait(spec: &SandboxSpec) -> Option<HashMap<String, String>> {
-    (spec.egress.is_none() && spec.runtime == "runc").then(|| HashMap::from([("net.ipv4.tcp_max_tw_buckets".to_string(), "0".to_string())]))
+/// A sandbox without a network keeps nothing of a closed TCP connection: the sandbox's network
+/// namespace outlives each one-off job it runs, and what it kept of the loopback connections a
+/// job closed was readable by the next, with addresses and ports of the job's choosing
+/// (red-teamed: messages passed both ways) — connections in TIME_WAIT, listed in
+/// `/proc/net/tcp` for 60 s, and the per-destination metrics the kernel saves at a close, kept
+/// for an hour and dumped to anyone over netlink. On the loopback neither serves anything. Only
+/// under runc: gVisor's network stack is its own, and one-off sandboxes are not reused there by
+/// default. A sandbox with a network keeps the defaults (they serve its real connections).
+fn nothing_of_closed_connections(spec: &SandboxSpec) -> Option<HashMap<String, String>> {
+    (spec.egress.is_none() && spec.runtime == "runc")
+        .then(|| HashMap::from([("net.ipv4.tcp_max_tw_buckets".to_string(), "0".to_string()), ("net.ipv4.tcp_no_metrics_save".to_string(), "1".to_string())]))
 }
 
 /// The environment the worker gives a sandbox: the modules to preload, and a granted tenant's
@@ -229,10 +231,11 @@ mod tests {
     }
 
     #[test]
-    fn a_sandbox_without_a_network_under_runc_keeps_no_connection_in_time_wait() {
+    fn a_sandbox_without_a_network_under_runc_keeps_nothing_of_closed_connections() {
         let sysctls = |s: &SandboxSpec| create_body(s).host_config.and_then(|h| h.sysctls);
         let none = sysctls(&spec());
         assert_eq!(none.as_ref().and_then(|m| m.get("net.ipv4.tcp_max_tw_buckets")).map(String::as_str), Some("0"));
+        assert_eq!(none.as_ref().and_then(|m| m.get("net.ipv4.tcp_no_metrics_save")).map(String::as_str), Some("1"));
         let mut egress = spec();
         egress.egress = Some(Egress { network: "sandcell-egress-a".into(), proxy: None });
         assert_eq!(sysctls(&egress), None, "a real network keeps TIME_WAIT");
