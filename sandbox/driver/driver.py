@@ -504,6 +504,29 @@ class KernelProcess:
             self.log(safe_str(exc))
             return None
 
+    def purge(self, timeout_s=5.0):
+        """After a fresh run (its process gone): have the kernel end every other
+        process of its uid at once (kill(-1, SIGKILL): no process forks past
+        it, so none can slip by as from a scan of /proc: a job's processes
+        that fork and exit in a loop did) and reap its children.  Returns
+        whether it said so in time; frames before its answer are dropped."""
+        nonce = secrets.token_hex(16)
+        try:
+            self.send({"type": "purge", "nonce": nonce})
+            deadline = time.monotonic() + timeout_s
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([self.channel.in_fd], [], [], remaining)[0]:
+                    self.log("the kernel did not purge within %ss" % timeout_s)
+                    return False
+                frame = self.recv()
+                if frame["type"] == "purged" and frame.get("nonce") == nonce:
+                    return True
+                self.log("dropped a kernel %s frame before its purge" % cap_text(frame["type"], 64))
+        except KernelGone as exc:
+            self.log(safe_str(exc))
+            return False
+
     def await_standby(self, timeout_s=5.0):
         """Before a request's processes are counted: wait for the standby frame
         the zygote sends once it has forked the next fresh run's process
@@ -793,18 +816,57 @@ class Driver:
             self.settle(req_id, run_id, spared_after)
 
     def settle(self, req_id, run_id, spared):
-        """After a fresh request's done: wait for its process to exit (run_id;
-        None when no cell ran), kill whatever of the job still runs (what that
-        process started after the first kill), drop what it printed on its
-        way out, clean up and say whether the sandbox may take the tenant's
-        next job (settled).  `spared`: the processes alive before the request
-        but the job's own."""
+        """After a fresh request's done: end its process (run_id; None when no
+        cell ran), have the kernel end every other process of the job at once
+        (purge), drop what it printed on its way out, clean up and say whether
+        the sandbox may take the tenant's next job (settled).  `spared`: the
+        processes alive before the request but the job's own."""
+        ended = True
         if run_id is not None:
-            self.await_child_exit(run_id)
+            ended = self.end_job_process(run_id) and self.kernel.purge() and self.await_alone(spared)
         kill_strays(spared)
         # Its last bytes are framed for no request (logged), never for the next job.
         self.capture.sync()
-        self.send(req_id, {"type": "settled", "reusable": self.leave_nothing_behind(spared)})
+        reusable = self.leave_nothing_behind(spared) and ended
+        self.send(req_id, {"type": "settled", "reusable": reusable})
+
+    def end_job_process(self, run_id, timeout_s=5.0):
+        """After a fresh run's cell_done: end the job's process (a child of the
+        kernel; its cell is over, and a job may keep it from exiting) and wait
+        for the zygote to report it gone.  Returns whether it did in time."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with sandbox_user():
+                for pid in children_of(self.kernel.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.channel.log("the job's process was not gone within %ss" % timeout_s)
+                return False
+            if not select.select([self.kernel.channel.in_fd], [], [], min(remaining, 0.05))[0]:
+                continue
+            frame = self.kernel.recv()
+            if frame["type"] == "log":
+                self.channel.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
+            elif frame["type"] == "child_exit" and frame.get("id") == run_id:
+                return True
+            else:
+                self.channel.log("dropped a kernel %s frame after the cell" % cap_text(frame["type"], 64))
+
+    def await_alone(self, spared, timeout_s=2.0):
+        """After the purge no process of the job can start another: wait for
+        those killed to be gone (their memory torn down).  Returns whether
+        they were in time."""
+        deadline = time.monotonic() + timeout_s
+        while other_processes(spared):
+            if time.monotonic() > deadline:
+                self.channel.log("processes of the job outlived the purge by %ss" % timeout_s)
+                return False
+            time.sleep(0.001)
+        return True
 
     def leave_nothing_behind(self, existing):
         """After a fresh request: empty every place a job can write (the
@@ -863,18 +925,6 @@ class Driver:
             raise
         finally:
             self.running = None
-
-    def await_child_exit(self, run_id):
-        """After a fresh run's cell_done: wait for the zygote to report its
-        child gone (so that nothing of the job runs on unseen)."""
-        while True:
-            frame = self.kernel.recv()
-            if frame["type"] == "log":
-                self.channel.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
-            elif frame["type"] == "child_exit" and frame.get("id") == run_id:
-                return
-            else:
-                self.channel.log("dropped a kernel %s frame after the cell" % cap_text(frame["type"], 64))
 
     def forward(self, req_id, run_id, language):
         """Forward the kernel's frames for run_id until its cell_done."""

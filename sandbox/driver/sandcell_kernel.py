@@ -50,6 +50,9 @@ run             {"id", "language": "python"|"bash", "code", "fresh": bool}
                 namespace -- never runs user code, so nothing one job does
                 to the interpreter (variables, modules, builtins,
                 environment, sys.path, threads) reaches the next.
+purge           {"nonce"}   after a fresh run (its process gone): end every
+                other process of this uid at once (kill(-1, SIGKILL)), reap,
+                and answer purged {"nonce"}.
 ack             {}  the rich output or error just sent was forwarded (the
                 kernel waits for it, so output it prints later cannot be
                 framed before that frame)
@@ -404,6 +407,10 @@ class Kernel:
                 if req.get("standby") is True:
                     self.fork_standby()
                 continue
+            if req.get("type") == "purge":
+                self.purge()
+                self.channel.send({"type": "purged", "nonce": req.get("nonce")})
+                continue
             if req.get("type") != "run":
                 continue  # an ack of a frame the code forged itself
             # The processes the driver killed after the last cell were children of this
@@ -514,6 +521,24 @@ class Kernel:
             return None
         finally:
             os.close(go_w)
+
+    def purge(self):
+        """After a fresh job (its own process gone): end every other process of
+        this uid -- whatever the job left, wherever it hides -- with one
+        kill(-1, SIGKILL). The kernel holds the task list while it signals, so
+        no process forks past it (a job's processes that fork and exit in a
+        loop slipped through the driver's scans of /proc), and a process with
+        the signal pending cannot fork. Only the sandbox's own processes share
+        this uid; this process is spared by kill(-1) itself, and a standby
+        would not be (there is none between a job and its cleanup)."""
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # nothing else of this uid
+        _reap_children()
+        if self.standby is not None:
+            os.close(self.standby[1])
+            self.standby = None
 
     def standby_fd(self):
         """The pipe the standby's request goes down (not shared with any job), if any."""
