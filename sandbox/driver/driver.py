@@ -823,7 +823,12 @@ class Driver:
         processes alive before the request but the job's own."""
         ended = True
         if run_id is not None:
-            ended = self.end_job_process(run_id) and self.kernel.purge() and self.await_alone(spared)
+            ended = self.end_job_process(run_id)
+            # Only with the kernel under a uid of its own (always in a sandbox: the driver is
+            # root there): started as the sandbox user on a developer's machine, the driver
+            # shares the kernel's uid, and kill(-1) would end it; the kill below must do.
+            if ISOLATED:
+                ended = ended and self.kernel.purge() and self.await_alone(spared)
         kill_strays(spared)
         # Its last bytes are framed for no request (logged), never for the next job.
         self.capture.sync()
