@@ -486,23 +486,11 @@ class KernelProcess:
         or the pipe's framing is broken (the kernel is then ended).
         standby: the kernel then forks the process for the next fresh run
         (see await_standby)."""
-        nonce = secrets.token_hex(16)
-        try:
-            self.send({"type": "ping", "nonce": nonce, "standby": standby})
-            deadline = time.monotonic() + timeout_s
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not select.select([self.channel.in_fd], [], [], remaining)[0]:
-                    self.log("the kernel did not answer a ping within %ss" % timeout_s)
-                    return None
-                frame = self.recv()
-                if frame["type"] == "pong" and frame.get("nonce") == nonce:
-                    self.standby_pending = standby
-                    return frame.get("settings")
-                self.log("dropped a kernel %s frame before its pong" % cap_text(frame["type"], 64))
-        except KernelGone as exc:
-            self.log(safe_str(exc))
+        pong = self.answer({"type": "ping", "standby": standby}, "pong", timeout_s)
+        if pong is None:
             return None
+        self.standby_pending = standby
+        return pong.get("settings")
 
     def purge(self, timeout_s=5.0):
         """After a fresh run (its process gone): have the kernel end every other
@@ -510,22 +498,29 @@ class KernelProcess:
         it, so none can slip by as from a scan of /proc: a job's processes
         that fork and exit in a loop did) and reap its children.  Returns
         whether it said so in time; frames before its answer are dropped."""
+        return self.answer({"type": "purge"}, "purged", timeout_s) is not None
+
+    def answer(self, request, answer, timeout_s):
+        """Send `request` with a fresh nonce and return the kernel's `answer`
+        frame carrying it, dropping whatever is in the pipe before it; None
+        when it does not come in time or the pipe's framing is broken (the
+        kernel is then ended)."""
         nonce = secrets.token_hex(16)
         try:
-            self.send({"type": "purge", "nonce": nonce})
+            self.send(dict(request, nonce=nonce))
             deadline = time.monotonic() + timeout_s
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not select.select([self.channel.in_fd], [], [], remaining)[0]:
-                    self.log("the kernel did not purge within %ss" % timeout_s)
-                    return False
+                    self.log("the kernel did not answer a %s within %ss" % (request["type"], timeout_s))
+                    return None
                 frame = self.recv()
-                if frame["type"] == "purged" and frame.get("nonce") == nonce:
-                    return True
-                self.log("dropped a kernel %s frame before its purge" % cap_text(frame["type"], 64))
+                if frame["type"] == answer and frame.get("nonce") == nonce:
+                    return frame
+                self.log("dropped a kernel %s frame before its %s" % (cap_text(frame["type"], 64), answer))
         except KernelGone as exc:
             self.log(safe_str(exc))
-            return False
+            return None
 
     def await_standby(self, timeout_s=5.0):
         """Before a request's processes are counted: wait for the standby frame
