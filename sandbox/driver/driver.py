@@ -199,7 +199,8 @@ STARTED_AT = time.monotonic()
 
 from sandcell_capture import Capture  # noqa: E402
 from sandcell_frames import (DRIVER_VERSION, MAX_KERNEL_FRAME_BYTES, MAX_REQUEST_BYTES,  # noqa: E402
-                             Channel, FrameTooLarge, cap_error, cap_text, clean_mime_bundle, safe_str)
+                             Channel, FrameTooLarge, cap_error, cap_text, clean_mime_bundle, frame_bytes,
+                             safe_str, write_all)
 from sandcell_workspace import (collect_files, decode_input_files, describe_write_error,  # noqa: E402
                                 empty_dir, file_listing, kept_directory_state, restore_directory, snapshot,
                                 space_exhausted, write_input_file, InputFileError)
@@ -454,21 +455,26 @@ class KernelProcess:
         self.log = log
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
+        # The control pipe: the requests whose answers vouch for a fresh job's cleanup (purge,
+        # ping) go down a pipe no process of a job holds (the kernel closes it in every process
+        # it forks). A job's process holds the request pipe: a process it left could read a
+        # purge from there and answer it itself (red-teamed by reading: the purge, then every
+        # check after it, would be decided by the job).
+        ctl_r, self.control_w = os.pipe()
         env = dict(os.environ)
         env["HOME"] = WORKSPACE
         rights = {}
         if ISOLATED:
             rights = {"user": SANDBOX_UID, "group": SANDBOX_GID, "extra_groups": []}
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", os.path.abspath(__file__), "--kernel", str(req_r), str(rep_w)],
+            [sys.executable, "-u", os.path.abspath(__file__), "--kernel", str(req_r), str(rep_w), str(ctl_r)],
             stdin=subprocess.DEVNULL, stdout=capture.kernel_fds["stdout"], stderr=capture.kernel_fds["stderr"],
-            pass_fds=(req_r, rep_w), env=env, cwd="/", **rights)
+            pass_fds=(req_r, rep_w, ctl_r), env=env, cwd="/", **rights)
         os.close(req_r)
         os.close(rep_w)
+        os.close(ctl_r)
         capture.kernel_started()
         self.pid = self.proc.pid
-        # A ping asked for a standby process whose frame has not been read yet.
-        self.standby_pending = False
         self.channel = Channel(rep_r, req_w, None, max_in=MAX_KERNEL_FRAME_BYTES, discard_oversize=False)
         self.channel.log = log
 
@@ -484,20 +490,21 @@ class KernelProcess:
         kernel's own resource limits, priority, scheduling policy and CPU
         affinity, read in-process), or None when it does not answer in time
         or the pipe's framing is broken (the kernel is then ended).
-        standby: the kernel then forks the process for the next fresh run
-        (see await_standby)."""
+        standby: the kernel first forks the process for the next fresh run
+        (it exists once the pong is read, so the next request counts it as
+        there before it)."""
         pong = self.answer({"type": "ping", "standby": standby}, "pong", timeout_s)
-        if pong is None:
-            return None
-        self.standby_pending = standby
-        return pong.get("settings")
+        return None if pong is None else pong.get("settings")
 
     def purge(self, timeout_s=5.0):
         """After a fresh run (its process gone): have the kernel end every other
         process of its uid at once (kill(-1, SIGKILL): no process forks past
         it, so none can slip by as from a scan of /proc: a job's processes
         that fork and exit in a loop did) and reap its children.  Returns
-        whether it said so in time; frames before its answer are dropped."""
+        whether it said so in time; frames before its answer are dropped.
+        Asked only now, not with the run: a job's process can read the
+        kernel's requests (and would forge the answer), and what the purge
+        ends would go uncounted in the job's processes_killed."""
         return self.answer({"type": "purge"}, "purged", timeout_s) is not None
 
     def answer(self, request, answer, timeout_s):
@@ -507,7 +514,10 @@ class KernelProcess:
         kernel is then ended)."""
         nonce = secrets.token_hex(16)
         try:
-            self.send(dict(request, nonce=nonce))
+            try:
+                write_all(self.control_w, frame_bytes(dict(request, nonce=nonce)))
+            except OSError as exc:
+                raise KernelGone("the kernel stopped reading its control pipe: %r" % (exc,))
             deadline = time.monotonic() + timeout_s
             while True:
                 remaining = deadline - time.monotonic()
@@ -517,32 +527,13 @@ class KernelProcess:
                 frame = self.recv()
                 if frame["type"] == answer and frame.get("nonce") == nonce:
                     return frame
-                self.log("dropped a kernel %s frame before its %s" % (cap_text(frame["type"], 64), answer))
+                if frame["type"] == "log":
+                    self.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
+                else:
+                    self.log("dropped a kernel %s frame before its %s" % (cap_text(frame["type"], 64), answer))
         except KernelGone as exc:
             self.log(safe_str(exc))
             return None
-
-    def await_standby(self, timeout_s=5.0):
-        """Before a request's processes are counted: wait for the standby frame
-        the zygote sends once it has forked the next fresh run's process
-        (asked for by the last ping), so that process is counted as there
-        before the request, not killed after it as one the job left."""
-        if not self.standby_pending:
-            return
-        self.standby_pending = False
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self.channel.in_fd], [], [], remaining)[0]:
-                self.log("the kernel sent no standby frame within %ss" % timeout_s)
-                return
-            frame = self.recv()
-            if frame["type"] == "standby":
-                return
-            if frame["type"] == "log":
-                self.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
-            else:
-                self.log("dropped a kernel %s frame before its standby frame" % cap_text(frame["type"], 64))
 
     def recv(self):
         """The next frame: a dict with a string "type".  Raises KernelGone
@@ -766,7 +757,6 @@ class Driver:
             os.makedirs(WORKSPACE, exist_ok=True)
             ok = self.write_inputs(req_id, req["files"])
             before = snapshot(WORKSPACE) if ok else None
-        self.kernel.await_standby()
         existing = set(other_processes())
         existing.add(self.kernel.pid)
         # A fresh job runs in a child of the kernel: the standby forked before the request
@@ -886,12 +876,16 @@ class Driver:
                 if not restore_directory(path, was):
                     self.channel.log("%s is not as it was before the first job" % path)
                     emptied = False
-            ipc_clean = remove_sysv_ipc()
         alone = not other_processes(existing)
         # The job ran under the zygote's uid: it could have set the zygote's resource limits,
         # priority or CPU affinity (inherited by every later job), or stopped it. The zygote
-        # must answer, as it was when it became ready.
+        # must answer, as it was when it became ready. It forks the next job's process first
+        # (the workspace and /tmp are empty by now): that is what the tenant's next job waits
+        # for.
         settings = self.kernel.ping(standby=True)
+        with sandbox_user():
+            # After the fork, off the next job's path (the standby uses none).
+            ipc_clean = remove_sysv_ipc()
         answers = settings is not None
         unchanged = answers and settings == self.kernel.settings_at_ready
         verdict = emptied and ipc_clean and alone and unchanged and answers
@@ -1078,9 +1072,9 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--kernel":
+    if len(sys.argv) == 5 and sys.argv[1] == "--kernel":
         import sandcell_kernel
 
-        sandcell_kernel.main(int(sys.argv[2]), int(sys.argv[3]))
+        sandcell_kernel.main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         main()

@@ -106,6 +106,8 @@ class Channel:
             self.owner = os.getpid()
             return
         for fd in (self.in_fd, self.out_fd):
+            if fd is None:
+                continue  # a channel that only reads (the kernel's control pipe)
             try:
                 os.close(fd)
             except OSError:
@@ -176,6 +178,12 @@ def encode(frame):
     # always valid UTF-8 for the Rust side.
     payload = _json_dumps(frame, ensure_ascii=False, separators=(",", ":"))
     return payload.encode("utf-8", "replace")
+
+
+def frame_bytes(frame):
+    """One frame as written: its length, then its JSON."""
+    payload = encode(frame)
+    return struct.pack(">I", len(payload)) + payload
 
 
 # --------------------------------------------------------------------------

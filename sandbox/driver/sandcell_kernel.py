@@ -1,8 +1,13 @@
 """The kernel: the process that runs user code, under the sandbox user.
 
-Started by the driver (driver.py --kernel REQ_FD REP_FD) as uid 1000 with no
-capabilities.  It reads run requests from REQ_FD and answers on REP_FD with
-frames: execute_result, display_data, error, log, and one cell_done per run.
+Started by the driver (driver.py --kernel REQ_FD REP_FD CTL_FD) as uid 1000
+with no capabilities.  It reads run requests from REQ_FD, ping and purge from
+CTL_FD, and answers on REP_FD with frames: execute_result, display_data,
+error, log, and one cell_done per run.  CTL_FD is closed in every process
+this one forks (a fresh job's included) before any code of a job runs: a
+process a job leaves holds REQ_FD and REP_FD, and could read a purge from
+the one and answer it on the other, but it never sees a nonce it could
+answer with.
 Its fds 1 and 2 are the driver's capture pipes; fd 0 is /dev/null.  Nothing
 here is trusted: user code runs in this process and may rewrite any of it.
 The driver checks every frame (type, id, fields, size) and decides itself
@@ -27,22 +32,28 @@ child_exit      {"id", "status": int}   after a fresh run: how the run's
                 -N for signal N).  Sent by the zygote, which user code never
                 reaches.
 
-pong            {"nonce", "settings"}   answer to ping: this process's
-                resource limits, nice value, CPU affinity, scheduling policy and
-                attributes, I/O priority, and the state of the open files it
-                shares with every fresh run (restored first, see
-                Kernel.restore_shared_files).
-standby         {"pid"}   after a pong to a ping with "standby": the process
-                forked for the next fresh run is ready to be handed it.
+pong            {"nonce", "settings", "standby": pid|null}   answer to ping:
+                this process's resource limits, nice value, CPU affinity,
+                scheduling policy and attributes, I/O priority, and the state
+                of the open files it shares with every fresh run (restored
+                first, see Kernel.restore_shared_files); standby: the process
+                forked for the next fresh run, when the ping asked for one.
 
-Driver -> kernel
-----------------
+Driver -> kernel, on the control pipe (CTL_FD)
+----------------------------------------------
 ping            {"nonce", "standby": bool}   answered with pong (between
                 runs); with standby (after a fresh run, once the driver has
-                cleaned up after it) the zygote then forks the process for
-                the next fresh run and says so with a standby frame: the fork
-                and the copy-on-write faults of the cell machinery's first
-                use are paid between jobs, not by the next job.
+                cleaned up after it) the zygote first forks the process for
+                the next fresh run, before it reads what the pong reports
+                (nothing of the job is left to change that in between): the
+                fork and the copy-on-write faults of the cell machinery's
+                first use are paid between jobs, not by the next job.
+purge           {"nonce"}   after a fresh run (its process gone): end every
+                other process of this uid at once (kill(-1, SIGKILL)), reap,
+                and answer purged {"nonce"}.
+
+Driver -> kernel, on the request pipe (REQ_FD)
+----------------------------------------------
 run             {"id", "language": "python"|"bash", "code", "fresh": bool}
                 fresh: run the cell in a child forked for it (a one-off
                 job), which exits after its cell_done: this process -- the
@@ -50,9 +61,6 @@ run             {"id", "language": "python"|"bash", "code", "fresh": bool}
                 namespace -- never runs user code, so nothing one job does
                 to the interpreter (variables, modules, builtins,
                 environment, sys.path, threads) reaches the next.
-purge           {"nonce"}   after a fresh run (its process gone): end every
-                other process of this uid at once (kill(-1, SIGKILL)), reap,
-                and answer purged {"nonce"}.
 ack             {}  the rich output or error just sent was forwarded (the
                 kernel waits for it, so output it prints later cannot be
                 framed before that frame)
@@ -70,6 +78,7 @@ import base64
 import json
 import os
 import platform
+import select
 import signal
 import stat
 import struct
@@ -371,8 +380,10 @@ def flush_figures(sink):
 
 
 class Kernel:
-    def __init__(self, channel, shell):
+    def __init__(self, channel, control, shell):
         self.channel = channel
+        # The control pipe's reader: ping and purge (see the module's docstring).
+        self.control = control
         self.shell = shell
         self._libc = _load_libc()
         # Private copies of the capture pipes, to point fds 1/2 back at them.
@@ -392,25 +403,18 @@ class Kernel:
 
     def serve(self):
         while True:
+            # Between requests only (a cell's acks are read where it waits for them).
+            readable = select.select([self.channel.in_fd, self.control.in_fd], [], [])[0]
+            if self.control.in_fd in readable:
+                payload = self.control.recv()
+                if payload is None:
+                    return
+                self.answer_control(json.loads(payload))
+                continue
             payload = self.channel.recv()
             if payload is None:
                 return
             req = json.loads(payload)  # built by the driver
-            if req.get("type") == "ping":
-                # The driver checks, after a fresh job, that this process still answers and
-                # that the pipe is in step: whatever the job wrote to it is read and dropped
-                # before this pong.
-                self.restore_shared_files()
-                settings = _own_settings()
-                settings["files"] = {str(fd): state for fd, state in shared_file_states(skip=self.standby_fd()).items()}
-                self.channel.send({"type": "pong", "nonce": req.get("nonce"), "settings": settings})
-                if req.get("standby") is True:
-                    self.fork_standby()
-                continue
-            if req.get("type") == "purge":
-                self.purge()
-                self.channel.send({"type": "purged", "nonce": req.get("nonce")})
-                continue
             if req.get("type") != "run":
                 continue  # an ack of a frame the code forged itself
             # The processes the driver killed after the last cell were children of this
@@ -420,6 +424,24 @@ class Kernel:
                 self.run_fresh(req)
             else:
                 self.run_cell(req)
+
+    def answer_control(self, req):
+        """A request of the control pipe: ping or purge (anything else is dropped)."""
+        kind = req.get("type")
+        if kind == "ping":
+            # The driver checks, after a fresh job, that this process still answers, as it was
+            # when it became ready.
+            self.restore_shared_files()
+            # The standby first: it is the next job's wait, and no process of the last job is
+            # left to change what is read below between the fork and the read (the driver
+            # asks only once the job's processes are gone); the standby inherits exactly it.
+            standby = self.fork_standby() if req.get("standby") is True else None
+            settings = _own_settings()
+            settings["files"] = {str(fd): state for fd, state in shared_file_states(skip=self.standby_fd()).items()}
+            self.channel.send({"type": "pong", "nonce": req.get("nonce"), "settings": settings, "standby": standby})
+        elif kind == "purge":
+            self.purge()
+            self.channel.send({"type": "purged", "nonce": req.get("nonce")})
 
     def run_cell(self, req):
         self.reassert()
@@ -474,11 +496,9 @@ class Kernel:
         """Fork the process for the next fresh run and have it take, before
         any job exists, the page faults a forked process pays on the cell
         machinery's first use; it then waits for its request on a pipe only
-        this process writes."""
+        this process writes.  Returns its pid."""
         if self.standby is not None:
-            # Still unused (the last request ran no cell): the driver waits for this frame.
-            self.channel.send({"type": "standby", "pid": self.standby[0]})
-            return
+            return self.standby[0]  # still unused: the last request ran no cell
         if not self.collapsed:
             # Once, before the first standby (so not on a job's path, and only in a sandbox
             # that forks): fork and a job's exit cost per page table entry of the zygote.
@@ -500,7 +520,7 @@ class Kernel:
             self.run_as_child(req, reseeded=True)
         os.close(go_r)
         self.standby = (pid, go_w)
-        self.channel.send({"type": "standby", "pid": pid})
+        return pid
 
     def hand_to_standby(self, req):
         """Give req to the standby; its pid, or None when there is none (or
@@ -963,8 +983,12 @@ def _load_libc():
         return None
 
 
-def main(req_fd, rep_fd):
+def main(req_fd, rep_fd, ctl_fd):
     channel = Channel(req_fd, rep_fd, None, max_in=MAX_REQUEST_BYTES, guard=GATE.protected)
+    # Read only here, and closed in every process forked from this one before any code of a
+    # job runs (the channel's at-fork handler): see the module's docstring.
+    os.set_inheritable(ctl_fd, False)
+    control = Channel(ctl_fd, None, None, max_in=MAX_REQUEST_BYTES)
 
     def log(message):
         try:
@@ -973,6 +997,7 @@ def main(req_fd, rep_fd):
             pass
 
     channel.log = log
+    control.log = log
     sys.stdin = open(0, "r", closefd=False)
     sys.stdout = open_std_stream(1)
     sys.stderr = open_std_stream(2)
@@ -1024,6 +1049,6 @@ def main(req_fd, rep_fd):
         except Exception as exc:
             log("cannot clear the dumpable flag: %r" % (exc,))
     channel.send({"type": "ready", "ipython": IPython.__version__, "preloaded": preloaded})
-    Kernel(channel, shell).serve()
+    Kernel(channel, control, shell).serve()
     # os._exit: don't wait for threads a job may have left running.
     os._exit(0)

@@ -491,6 +491,26 @@ class TestFreshHostile(unittest.TestCase):
             "print(last() - before < 10)\n")
         self.assertEqual(stream_text(frames, "stdout"), "True\n", "a hopper of the last job runs on")
 
+    def test_a_fresh_jobs_process_holds_no_end_of_the_pipe_its_cleanup_is_asked_on(self):
+        # The purge and the ping (whose answers vouch for the cleanup) come down the kernel's
+        # control pipe. A job's process holds the request pipe, and a process it leaves
+        # behind (forked with the raw system call, past every at-fork handler) could read a
+        # purge there and answer it itself: the kill that ends what the job left would never
+        # come. The control pipe is closed before any code of the job runs.
+        frames, d = self.run_fresh(
+            "import os, stat, sys\n"
+            "fd = int(sys.argv[4])\n"
+            "try:\n"
+            "    held = stat.S_ISFIFO(os.fstat(fd).st_mode)\n"
+            "except OSError:\n"
+            "    held = False\n"
+            "print(sys.argv[1], 'held' if held else 'closed')\n")
+        self.assertEqual(stream_text(frames, "stdout"), "--kernel closed\n", frames)
+        # The sandbox is still vouched for: the kernel read its ping on the control pipe.
+        self.assertTrue(settled(frames)["reusable"], frames[-2:])
+        frames, d = self.run_fresh("print('next')")
+        self.assertEqual(stream_text(frames, "stdout"), "next\n", frames)
+
     def test_changing_the_kernels_io_priority_or_time_slice_makes_the_sandbox_not_reusable(self):
         # Same uid: ioprio_set and sched_setattr on the parent are allowed, and every later
         # fork would inherit them (an idle I/O class, a long slice).
