@@ -457,9 +457,9 @@ class KernelProcess:
         rep_r, rep_w = os.pipe()
         # The control pipe: the requests whose answers vouch for a fresh job's cleanup (purge,
         # ping) go down a pipe no process of a job holds (the kernel closes it in every process
-        # it forks). A job's process holds the request pipe: a process it left could read a
-        # purge from there and answer it itself (red-teamed by reading: the purge, then every
-        # check after it, would be decided by the job).
+        # it forks). A job's process holds the request pipe: a process it left read a purge
+        # from there and answered it itself, the kill never came, and a cloning loop of the job
+        # saw the next one (red-teamed; test_fresh).
         ctl_r, self.control_w = os.pipe()
         env = dict(os.environ)
         env["HOME"] = WORKSPACE
