@@ -295,14 +295,26 @@ def set_effective_ids(uid, gid):
 # --------------------------------------------------------------------------
 
 
-def other_processes(spared=(), children_of=None):
+# Memory the sandbox must have free for the next job's process to be forked while the last job's
+# is still being torn down (the fork's page tables and the pages its warm-up copies: some 8 MiB
+# with numpy, pandas and matplotlib preloaded), with a margin; with less, the fork waits.
+STANDBY_HEADROOM = 64 << 20
+
+# The task flag of a thread that has begun to exit (include/linux/sched.h): it runs no code of
+# its own again, not even the rest of a system call.
+PF_EXITING = 0x4
+
+
+def other_processes(spared=(), children_of=None, exiting=False):
     """PIDs of the live processes in the container other than the driver,
-    PID 1 (tini), `spared` and the children of `children_of`.  A zombie is
-    not alive -- unless it has threads: a process whose main thread left
-    with the exit system call (not exit_group) runs on in its other threads
-    while /proc/<pid>/stat says Z (red-teamed: such a process outlived its
-    job and read the next one's files and requests).  A SIGKILL to the pid
-    ends them all."""
+    PID 1 (tini), `spared` and the children of `children_of`.  Alive means
+    able to run code: a zombie is not -- unless it has threads (a process
+    whose main thread left with the exit system call, not exit_group, runs
+    on in its other threads while /proc/<pid>/stat says Z; red-teamed: such
+    a process outlived its job and read the next one's files and requests;
+    a SIGKILL to the pid ends them all) --, nor is a process every thread
+    of which has begun to exit (killed: its memory may still be being torn
+    down), unless `exiting` (then only processes fully gone are not)."""
     skip = {1, os.getpid(), *spared}
     pids = []
     for name in os.listdir("/proc"):
@@ -311,12 +323,49 @@ def other_processes(spared=(), children_of=None):
         try:
             with open("/proc/%s/stat" % name) as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            state, parent, threads = fields[0], int(fields[1]), int(fields[17])
+            state, parent, flags, threads = fields[0], int(fields[1]), int(fields[6]), int(fields[17])
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
-        if parent != children_of and (state not in ("Z", "X") or threads > 1):
-            pids.append(int(name))
+        if parent == children_of or (state in ("Z", "X") and threads <= 1):
+            continue
+        if not exiting and flags & PF_EXITING and not _threads_running(name):
+            continue
+        pids.append(int(name))
     return pids
+
+
+def _threads_running(pid):
+    """Whether a thread of process `pid` has not begun to exit."""
+    try:
+        tids = os.listdir("/proc/%s/task" % pid)
+    except OSError:
+        return False  # gone
+    for tid in tids:
+        try:
+            with open("/proc/%s/task/%s/stat" % (pid, tid)) as f:
+                flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if not flags & PF_EXITING:
+            return True
+    return False
+
+
+def memory_headroom():
+    """Bytes the sandbox's memory cgroup may still charge (cgroup v2 or v1, as the container
+    sees its own), or None where neither can be read (gVisor)."""
+    for usage_file, limit_file in (("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.max"),
+                                   ("/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.limit_in_bytes")):
+        try:
+            with open(usage_file) as f:
+                usage = int(f.read())
+            with open(limit_file) as f:
+                limit = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        return 1 << 62 if limit == "max" else int(limit) - usage
+    return None
 
 
 def kill_strays(existing, rounds=100, children_of=None):
@@ -529,6 +578,8 @@ class KernelProcess:
                     return frame
                 if frame["type"] == "log":
                     self.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))
+                elif frame["type"] == "child_exit":
+                    pass  # a fresh run's process that exited before the purge came: expected
                 else:
                     self.log("dropped a kernel %s frame before its %s" % (cap_text(frame["type"], 64), answer))
         except KernelGone as exc:
@@ -808,12 +859,14 @@ class Driver:
         processes alive before the request but the job's own."""
         ended = True
         if run_id is not None:
-            ended = self.end_job_process(run_id)
             # Only with the kernel under a uid of its own (always in a sandbox: the driver is
             # root there): started as the sandbox user on a developer's machine, the driver
-            # shares the kernel's uid, and kill(-1) would end it; the kill below must do.
+            # shares the kernel's uid, and kill(-1) would end it; the kills below must do.
             if ISOLATED:
-                ended = ended and self.kernel.purge() and self.await_alone(spared)
+                # The purge ends the job's own process too (a job can keep it from exiting).
+                ended = self.kernel.purge() and self.await_alone(spared)
+            else:
+                ended = self.end_job_process(run_id)
         kill_strays(spared)
         # Its last bytes are framed for no request (logged), never for the next job.
         self.capture.sync()
@@ -846,16 +899,17 @@ class Driver:
             else:
                 self.channel.log("dropped a kernel %s frame after the cell" % cap_text(frame["type"], 64))
 
-    def await_alone(self, spared, timeout_s=2.0):
-        """After the purge no process of the job can start another: wait for
-        those killed to be gone (their memory torn down).  Returns whether
-        they were in time."""
+    def await_alone(self, spared, timeout_s=2.0, gone=False):
+        """After the purge no process of the job can start another: wait until
+        every one killed has begun to exit (it runs no code again; its memory
+        may still be being torn down), or, with `gone`, is gone.  Returns
+        whether they were in time."""
         deadline = time.monotonic() + timeout_s
-        while other_processes(spared):
+        while other_processes(spared, exiting=gone):
             if time.monotonic() > deadline:
                 self.channel.log("processes of the job outlived the purge by %ss" % timeout_s)
                 return False
-            time.sleep(0.001)
+            time.sleep(0.0005)
         return True
 
     def leave_nothing_behind(self, existing):
@@ -877,6 +931,13 @@ class Driver:
                     self.channel.log("%s is not as it was before the first job" % path)
                     emptied = False
         alone = not other_processes(existing)
+        # The next job's process is forked below while what the purge killed may still be being
+        # torn down, its memory still charged to the sandbox. Where that leaves too little for
+        # the fork and the first pages it copies (or the charge cannot be read), first wait until
+        # the job's processes are gone: the fork must not meet the sandbox's OOM killer.
+        headroom = memory_headroom()
+        if headroom is None or headroom < STANDBY_HEADROOM:
+            alone = alone and self.await_alone(existing, timeout_s=10.0, gone=True)
         # The job ran under the zygote's uid: it could have set the zygote's resource limits,
         # priority or CPU affinity (inherited by every later job), or stopped it. The zygote
         # must answer, as it was when it became ready. It forks the next job's process first

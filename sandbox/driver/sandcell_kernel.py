@@ -27,10 +27,11 @@ cell_done       {"id", "exit_code": int, "execution_count": int,
                 cell's number; errno: that of the exception a python cell
                 ended with, if any.
 
-child_exit      {"id", "status": int}   after a fresh run: how the run's
-                process ended (0 after its cell_done; else its exit status,
-                -N for signal N).  Sent by the zygote, which user code never
-                reaches.
+child_exit      {"id", "status": int|null}   after a fresh run: how the
+                run's process ended (0 after its cell_done; else its exit
+                status, -N for signal N); not sent once the driver purged
+                (the job is over then).  Sent by the zygote, which user code
+                never reaches.
 
 pong            {"nonce", "settings", "standby": pid|null}   answer to ping:
                 this process's resource limits, nice value, CPU affinity,
@@ -391,6 +392,8 @@ class Kernel:
         # The process forked for the next fresh run, and the pipe its request goes down:
         # (pid, write fd), or None.
         self.standby = None
+        # The pidfd of the fresh run's process being waited for, if any (see run_fresh).
+        self.exit_watch = None
         # Whether the zygote's memory was offered to huge pages (before its first standby).
         self.collapsed = False
         # The namespaces of a session's contexts other than the current one, by name:
@@ -437,7 +440,7 @@ class Kernel:
             # asks only once the job's processes are gone); the standby inherits exactly it.
             standby = self.fork_standby() if req.get("standby") is True else None
             settings = _own_settings()
-            settings["files"] = {str(fd): state for fd, state in shared_file_states(skip=self.standby_fd()).items()}
+            settings["files"] = {str(fd): state for fd, state in shared_file_states(skip=self.own_fds()).items()}
             self.channel.send({"type": "pong", "nonce": req.get("nonce"), "settings": settings, "standby": standby})
         elif kind == "purge":
             self.purge()
@@ -459,20 +462,46 @@ class Kernel:
 
     def run_fresh(self, req):
         """Run the cell in a child forked for it (the standby, when there is
-        one); this process waits, then says how the child ended.  The child
-        never returns here."""
+        one); this process waits, then says how the child ended (child_exit),
+        unless the driver purged meanwhile.  The child never returns here.
+
+        While it waits it answers the control pipe (never the request pipe:
+        the child reads its acks there): after the job's done the driver
+        purges and asks for the next job's standby while the job's process
+        may still be being torn down (its memory unmapped, milliseconds),
+        which then no longer delays that standby."""
         pid = self.hand_to_standby(req)
         if pid is None:
             pid = self.channel.fork_heir()
             if pid == 0:
                 self.run_as_child(req)
-        while True:
-            try:
-                _, wait_status = os.waitpid(pid, 0)
-                break
-            except InterruptedError:
-                continue
-        self.channel.send({"type": "child_exit", "id": req["id"], "status": os.waitstatus_to_exitcode(wait_status)})
+        exited = self.exit_watch = _exit_watch(pid)
+        purged = False
+        try:
+            while True:
+                try:
+                    reaped, wait_status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    reaped, wait_status = pid, None  # reaped by the purge
+                if reaped == pid:
+                    break
+                # Without a pidfd (gVisor) the child's exit is polled.
+                watched = [self.control.in_fd] if exited is None else [self.control.in_fd, exited]
+                readable = select.select(watched, [], [], None if exited is not None else 0.005)[0]
+                if self.control.in_fd in readable:
+                    payload = self.control.recv()
+                    if payload is None:
+                        os._exit(0)  # the driver is gone
+                    control = json.loads(payload)
+                    purged = purged or control.get("type") == "purge"
+                    self.answer_control(control)
+        finally:
+            self.exit_watch = None
+            if exited is not None:
+                os.close(exited)
+        if not purged:
+            status = None if wait_status is None else os.waitstatus_to_exitcode(wait_status)
+            self.channel.send({"type": "child_exit", "id": req["id"], "status": status})
 
     def run_as_child(self, req, reseeded=False):
         """A fresh run's process: run the cell, then exit (never returns).
@@ -560,9 +589,10 @@ class Kernel:
             os.close(self.standby[1])
             self.standby = None
 
-    def standby_fd(self):
-        """The pipe the standby's request goes down (not shared with any job), if any."""
-        return None if self.standby is None else self.standby[1]
+    def own_fds(self):
+        """The fds this process opened since it became ready that no job shares: the pipe the
+        standby's request goes down, the pidfd of a fresh run's process it waits for."""
+        return {fd for fd in (None if self.standby is None else self.standby[1], self.exit_watch) if fd is not None}
 
     def restore_shared_files(self):
         """Between fresh runs (every process of the last one gone): put the open files this
@@ -856,8 +886,8 @@ def _sched_attr():
     return list(struct.unpack("=IIQiIQQQII", buf.raw))
 
 
-def shared_file_states(skip=None):
-    """The open files of this process by fd (but `skip`), with what a process holding the same
+def shared_file_states(skip=()):
+    """The open files of this process by fd (but those in `skip`), with what a process holding the same
     open file description could change: which file it is, its status flags, the owner and
     signal of O_ASYNC, a pipe's size, a seekable file's offset (None where the kernel, gVisor's
     say, does not tell)."""
@@ -870,7 +900,7 @@ def shared_file_states(skip=None):
     states = {}
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
-        if fd == skip:
+        if fd in skip:
             continue
         try:
             st = os.fstat(fd)
@@ -964,6 +994,14 @@ def collapse_to_huge_pages(libc, log):
             refused += 1
     log("huge pages: %d regions collapsed, %d not, in %d ms"
         % (collapsed, refused, (time.monotonic() - started) * 1000))
+
+
+def _exit_watch(pid):
+    """A pidfd of child `pid`, readable once it has exited; None where there is none (gVisor)."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
 
 
 def _reap_children():

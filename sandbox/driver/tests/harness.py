@@ -185,6 +185,21 @@ def children_of(pid):
     return kids
 
 
+def running_children_of(pid):
+    """The pids of pid's child processes that can still run code: neither zombies nor killed
+    and exiting (a fresh job's process may still be being torn down once the job settled)."""
+    kids = []
+    for kid in children_of(pid):
+        try:
+            with open("/proc/%d/stat" % kid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and not int(fields[6]) & 0x4:  # PF_EXITING
+            kids.append(kid)
+    return kids
+
+
 def is_zombie(pid):
     try:
         with open("/proc/%d/stat" % pid) as f:

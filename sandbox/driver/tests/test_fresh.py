@@ -292,7 +292,7 @@ class TestFreshHostile(unittest.TestCase):
         self.assertEqual(len(kernels), 1, kernels)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            kids = children_of(kernels[0])
+            kids = running_children_of(kernels[0])
             if kids:
                 self.assertEqual(len(kids), 1, kids)
                 return kids[0]
