@@ -320,18 +320,35 @@ def other_processes(spared=(), children_of=None, exiting=False):
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in skip:
             continue
-        try:
-            with open("/proc/%s/stat" % name) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            state, parent, flags, threads = fields[0], int(fields[1]), int(fields[6]), int(fields[17])
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-        if parent == children_of or (state in ("Z", "X") and threads <= 1):
+        parent, state = _process_state(name)
+        if parent is None or parent == children_of or state == "gone":
             continue
-        if not exiting and flags & PF_EXITING and not _threads_running(name):
-            continue
-        pids.append(int(name))
+        if state == "alive" or exiting:
+            pids.append(int(name))
     return pids
+
+
+def exiting_processes():
+    """PIDs of the processes that have begun to exit and are not gone yet (their memory
+    may still be being torn down, their files not yet closed)."""
+    return [int(name) for name in os.listdir("/proc")
+            if name.isdigit() and _process_state(name)[1] == "exiting"]
+
+
+def _process_state(pid):
+    """(parent, "alive" | "exiting" | "gone") of process `pid` (a /proc entry's name), from
+    /proc; (None, "gone") once it has left /proc."""
+    try:
+        with open("/proc/%s/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        state, parent, flags, threads = fields[0], int(fields[1]), int(fields[6]), int(fields[17])
+    except (OSError, IndexError, ValueError):
+        return None, "gone"  # exited meanwhile
+    if state in ("Z", "X") and threads <= 1:
+        return parent, "gone"  # but for its exit status: its files are closed
+    if flags & PF_EXITING and not _threads_running(pid):
+        return parent, "exiting"
+    return parent, "alive"
 
 
 def _threads_running(pid):
@@ -808,6 +825,11 @@ class Driver:
             os.makedirs(WORKSPACE, exist_ok=True)
             ok = self.write_inputs(req_id, req["files"])
             before = snapshot(WORKSPACE) if ok else None
+        if req["fresh"] and not self.await_torn_down():
+            # The last job's processes are still exiting (their memory unmapped) after 10 s:
+            # the sandbox is not fit for another job (the worker destroys it).
+            self.protocol_error("processes of the last job are still exiting", req_id)
+            return
         existing = set(other_processes())
         existing.add(self.kernel.pid)
         # A fresh job runs in a child of the kernel: the standby forked before the request
@@ -908,6 +930,23 @@ class Driver:
         while other_processes(spared, exiting=gone):
             if time.monotonic() > deadline:
                 self.channel.log("processes of the job outlived the purge by %ss" % timeout_s)
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def await_torn_down(self, timeout_s=10.0):
+        """Before a fresh job's code may run: wait until no process that has begun to exit is
+        left. The last job's were let go once they could run no code (settle), so the next
+        job's process could be forked while their memory was still being unmapped; but once
+        a dying process's memory is gone, and until its files are closed, a process of the
+        same uid may open its /proc/<pid>/fd (the dumpable check needs the memory), so no code
+        of the next job runs before they are gone.  The zygote reaps its own child before it
+        reads the next run; this covers the others (what the job forked).  Returns whether
+        they were gone in time."""
+        deadline = time.monotonic() + timeout_s
+        while exiting_processes():
+            if time.monotonic() > deadline:
+                self.channel.log("processes of the last job were still exiting after %ss" % timeout_s)
                 return False
             time.sleep(0.0005)
         return True

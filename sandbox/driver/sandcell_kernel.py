@@ -538,6 +538,9 @@ class Kernel:
         if pid == 0:
             try:
                 os.close(go_w)
+                if self.exit_watch is not None:
+                    # The last job's process, still being torn down: nothing of it for this one.
+                    os.close(self.exit_watch)
                 warm_up_shell(self.shell)
                 # Its own random state now, off the job's path: this process serves one job.
                 _reseed_after_fork()

@@ -577,6 +577,31 @@ class TestFreshHostile(unittest.TestCase):
                 "print(last() - before < 10)\n")
             self.assertEqual(stream_text(frames, "stdout"), "True\n", "try %d: a process of the last job runs on" % attempt)
 
+    def test_no_code_of_the_next_job_runs_while_a_process_of_the_last_is_still_exiting(self):
+        # The next job's process may be forked while the last job's processes are still being
+        # torn down (they run no code), but none of its code runs before they are gone: once a
+        # dying process's memory is unmapped and until its files are closed, a process of the
+        # same uid may open its /proc/<pid>/fd. A process holding 400 MiB takes tens of
+        # milliseconds to tear down; the next job looks for any process still exiting.
+        if not _last_pid_moves():
+            self.skipTest("this kernel's /proc shows no task flags")  # gVisor: always 0
+        frames, d = self.run_fresh(
+            "import subprocess, time\n"
+            "subprocess.Popen(['python3', '-c', 'import time\\nb = b\"x\" * (400 << 20)\\nprint(\"full\", flush=True)\\ntime.sleep(300)'],\n"
+            "                 start_new_session=True, stdout=subprocess.PIPE).stdout.readline()\n"
+            "print('holding')\n")
+        self.assertEqual(stream_text(frames, "stdout"), "holding\n", frames)
+        self.assertEqual(d["processes_killed"], 1, frames)
+        frames, d = self.run_fresh(
+            "import os\n"
+            "def exiting(pid):\n"
+            "    try:\n"
+            "        return int(open('/proc/%s/stat' % pid).read().rsplit(')', 1)[1].split()[6]) & 4\n"
+            "    except OSError:\n"
+            "        return 0\n"
+            "print(sum(1 for p in os.listdir('/proc') if p.isdigit() and exiting(p)))\n")
+        self.assertEqual(stream_text(frames, "stdout"), "0\n", frames)
+
     def test_changing_the_kernels_io_priority_or_time_slice_makes_the_sandbox_not_reusable(self):
         # Same uid: ioprio_set and sched_setattr on the parent are allowed, and every later
         # fork would inherit them (an idle I/O class, a long slice).
