@@ -321,7 +321,7 @@ def other_processes(spared=(), children_of=None, exiting=False):
         if not name.isdigit() or int(name) in skip:
             continue
         parent, state = _process_state(name)
-        if parent is None or parent == children_of or state == "gone":
+        if state == "gone" or (parent is not None and parent == children_of):
             continue
         if state == "alive" or exiting:
             pids.append(int(name))
@@ -335,16 +335,40 @@ def exiting_processes():
             if name.isdigit() and _process_state(name)[1] == "exiting"]
 
 
+def _stat_fields(path):
+    """The fields of a /proc stat file after the process's name: read as bytes (a name may
+    hold any byte but NUL: decoded as text, "\\xff" failed and hid the process from every
+    scan). None once it is gone; raises ValueError when it is there but unreadable (callers
+    count such a process as alive)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except ProcessLookupError:
+        return None
+    except OSError as exc:
+        raise ValueError("%s: %r" % (path, exc))
+    if not data:
+        return None  # gone between the open and the read
+    fields = data.rsplit(b")", 1)[-1].split()
+    if len(fields) < 18:
+        raise ValueError("%s: %d fields" % (path, len(fields)))
+    return fields
+
+
 def _process_state(pid):
     """(parent, "alive" | "exiting" | "gone") of process `pid` (a /proc entry's name), from
-    /proc; (None, "gone") once it has left /proc."""
+    /proc; (None, "gone") once it has left /proc.  Fails closed: what cannot be read of a
+    process that is there is alive."""
     try:
-        with open("/proc/%s/stat" % pid) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = _stat_fields("/proc/%s/stat" % pid)
+        if fields is None:
+            return None, "gone"
         state, parent, flags, threads = fields[0], int(fields[1]), int(fields[6]), int(fields[17])
-    except (OSError, IndexError, ValueError):
-        return None, "gone"  # exited meanwhile
-    if state in ("Z", "X") and threads <= 1:
+    except ValueError:
+        return None, "alive"
+    if state in (b"Z", b"X") and threads <= 1:
         return parent, "gone"  # but for its exit status: its files are closed
     if flags & PF_EXITING and not _threads_running(pid):
         return parent, "exiting"
@@ -352,20 +376,37 @@ def _process_state(pid):
 
 
 def _threads_running(pid):
-    """Whether a thread of process `pid` has not begun to exit."""
+    """Whether a thread of process `pid` has not begun to exit.  Fails closed: a thread that
+    cannot be read, or a list of threads that changed while they were read (a thread that
+    cloned another and exited meanwhile), counts as running."""
     try:
-        tids = os.listdir("/proc/%s/task" % pid)
-    except OSError:
+        tids = sorted(os.listdir("/proc/%s/task" % pid))
+    except FileNotFoundError:
         return False  # gone
+    except OSError:
+        return True
     for tid in tids:
         try:
-            with open("/proc/%s/task/%s/stat" % (pid, tid)) as f:
-                flags = int(f.read().rsplit(")", 1)[1].split()[6])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        if not flags & PF_EXITING:
+            fields = _stat_fields("/proc/%s/task/%s/stat" % (pid, tid))
+        except ValueError:
             return True
-    return False
+        if fields is not None and not int(fields[6]) & PF_EXITING:
+            return True
+    try:
+        return sorted(os.listdir("/proc/%s/task" % pid)) != tids
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def _state(pid):
+    """The state letter of process `pid` (b"T": stopped), None once it is gone."""
+    try:
+        fields = _stat_fields("/proc/%s/stat" % pid)
+    except ValueError:
+        return None
+    return None if fields is None else fields[0]
 
 
 def memory_headroom():
@@ -385,18 +426,20 @@ def memory_headroom():
     return None
 
 
-def kill_strays(existing, rounds=100, children_of=None):
+def kill_strays(existing, rounds=100, children_of=None, exiting=False):
     """Kill every process a cell left behind; returns how many were killed.
     `existing`: the processes alive before the cell (the kernel; in the
     driver's tests also other drivers' processes), which are spared, as are
     the children of `children_of`.  Repeats while processes keep appearing
-    (a fork bomb forks between the scan and the kill), up to `rounds` scans.
+    (a fork bomb forks between the scan and the kill), up to `rounds` scans;
+    with `exiting`, also until those killed are gone (a SIGKILL more to a
+    dying process is harmless, and one wrongly seen as dying is not spared).
     Signals are sent as the sandbox user: the driver needs no CAP_KILL, and
     can kill nothing the code could not."""
     killed = set()
     with sandbox_user():
         for _ in range(rounds):
-            pids = other_processes(existing, children_of)
+            pids = other_processes(existing, children_of, exiting=exiting)
             if not pids:
                 break
             for pid in pids:
@@ -416,9 +459,9 @@ def children_of(pid):
 
 def _parent(pid):
     try:
-        with open("/proc/%d/stat" % pid) as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        fields = _stat_fields("/proc/%d/stat" % pid)
+        return None if fields is None else int(fields[1])
+    except ValueError:
         return None
 
 
@@ -821,16 +864,17 @@ class Driver:
 
     def execute(self, req):
         req_id, limits = req["id"], req["limits"]
+        if req["fresh"] and not self.await_torn_down():
+            # The sandbox is not fit for another job (the worker destroys it).
+            self.protocol_error("the last job's processes are not gone, or stopped the kernel", req_id)
+            return
         with sandbox_user():
             os.makedirs(WORKSPACE, exist_ok=True)
             ok = self.write_inputs(req_id, req["files"])
             before = snapshot(WORKSPACE) if ok else None
-        if req["fresh"] and not self.await_torn_down():
-            # The last job's processes are still exiting (their memory unmapped) after 10 s:
-            # the sandbox is not fit for another job (the worker destroys it).
-            self.protocol_error("processes of the last job are still exiting", req_id)
-            return
-        existing = set(other_processes())
+        # Dying ones too (what an earlier cell left may still be exiting): only what this
+        # request starts is killed and counted after it.
+        existing = set(other_processes(exiting=True))
         existing.add(self.kernel.pid)
         # A fresh job runs in a child of the kernel: the standby forked before the request
         # (among `existing`), or one forked for it.  Once it has exited, nothing of the
@@ -861,7 +905,7 @@ class Driver:
         # they are collected).  A fresh job's own process, a child of the kernel,
         # is spared here: its cell is over and it is exiting, which settle() waits
         # for after the result is sent, before it kills again.
-        killed = kill_strays(existing, children_of=self.kernel.pid if req["fresh"] else None)
+        killed = kill_strays(existing, children_of=self.kernel.pid if req["fresh"] else None, exiting=True)
         with sandbox_user():
             full = (space_exhausted(WORKSPACE) or space_exhausted("/tmp") or error_errno == errno.ENOSPC)
             after = snapshot(WORKSPACE)
@@ -934,21 +978,34 @@ class Driver:
             time.sleep(0.0005)
         return True
 
-    def await_torn_down(self, timeout_s=10.0):
-        """Before a fresh job's code may run: wait until no process that has begun to exit is
-        left. The last job's were let go once they could run no code (settle), so the next
-        job's process could be forked while their memory was still being unmapped; but once
-        a dying process's memory is gone, and until its files are closed, a process of the
-        same uid may open its /proc/<pid>/fd (the dumpable check needs the memory), so no code
-        of the next job runs before they are gone.  The zygote reaps its own child before it
-        reads the next run; this covers the others (what the job forked).  Returns whether
-        they were gone in time."""
+    def await_exited(self, timeout_s=10.0):
+        """Wait until no process that has begun to exit is left (their memory unmapped, their
+        files closed).  Returns whether none was left in time."""
         deadline = time.monotonic() + timeout_s
         while exiting_processes():
             if time.monotonic() > deadline:
                 self.channel.log("processes of the last job were still exiting after %ss" % timeout_s)
                 return False
             time.sleep(0.0005)
+        return True
+
+    def await_torn_down(self, timeout_s=10.0):
+        """Before a fresh job's inputs are written and its code runs: wait until no process
+        that has begun to exit is left, then check that none of the sandbox is stopped.
+        The last job's were let go once they could run no code (settle), so the next job's
+        process could be forked while their memory was still being unmapped; but until a
+        dying process's files are closed it still acts: once its memory is gone a process
+        of the same uid may open its /proc/<pid>/fd (the dumpable check needs the memory),
+        and closing a file sends the signals a job set on it (O_ASYNC, F_NOTIFY: a SIGSTOP
+        to the kernel, after the ping that vouched for it).  The zygote reaps its own child
+        before it reads the next run; this covers the others (what the job forked).  Returns
+        whether the sandbox is fit."""
+        if not self.await_exited(timeout_s):
+            return False
+        stopped = [pid for pid in other_processes() if _state(pid) in (b"T", b"t")]
+        if stopped:
+            self.channel.log("processes of the sandbox are stopped: %s" % stopped)
+            return False
         return True
 
     def leave_nothing_behind(self, existing):
@@ -984,8 +1041,12 @@ class Driver:
         # for.
         settings = self.kernel.ping(standby=True)
         with sandbox_user():
-            # After the fork, off the next job's path (the standby uses none).
+            # After the fork, off the next job's path (the standby uses none). A segment still
+            # attached by a process of the job that is exiting stays listed until it is gone.
             ipc_clean = remove_sysv_ipc()
+        if not ipc_clean and self.await_exited():
+            with sandbox_user():
+                ipc_clean = remove_sysv_ipc()
         answers = settings is not None
         unchanged = answers and settings == self.kernel.settings_at_ready
         verdict = emptied and ipc_clean and alone and unchanged and answers

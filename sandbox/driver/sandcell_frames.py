@@ -107,11 +107,13 @@ class Channel:
             return
         for fd in (self.in_fd, self.out_fd):
             if fd is None:
-                continue  # a channel that only reads (the kernel's control pipe)
+                continue  # a channel that only reads (the kernel's control pipe), or closed
             try:
                 os.close(fd)
             except OSError:
                 pass
+        # Closed once: a later fork of this process must not close what took the numbers.
+        self.in_fd = self.out_fd = None
 
     def send(self, frame):
         if os.getpid() != self.owner:

@@ -534,7 +534,15 @@ class Kernel:
             self.collapsed = True
             collapse_to_huge_pages(self._libc, self.channel.log)
         go_r, go_w = os.pipe()
-        pid = self.channel.fork_heir()
+        try:
+            pid = self.channel.fork_heir()
+        except OSError as exc:
+            # The sandbox's pids limit, say (what the last job left may still be exiting): the
+            # next run forks for itself.
+            os.close(go_r)
+            os.close(go_w)
+            self.channel.log("cannot fork the standby: %r" % (exc,))
+            return None
         if pid == 0:
             try:
                 os.close(go_w)

@@ -602,6 +602,21 @@ class TestFreshHostile(unittest.TestCase):
             "print(sum(1 for p in os.listdir('/proc') if p.isdigit() and exiting(p)))\n")
         self.assertEqual(stream_text(frames, "stdout"), "0\n", frames)
 
+    def test_a_job_cannot_open_the_kernels_request_pipe_for_writing(self):
+        # A job's process holds the read end of the kernel's request pipe; were it to reopen it
+        # through /proc/self/fd for writing, it could send the kernel a run request of its own
+        # (a cell run in the kernel itself, which forks every later job). The pipes are the
+        # driver's, made as root: the reopen is refused.
+        frames, d = self.run_fresh(
+            "import os, sys\n"
+            "for fd in (int(sys.argv[2]), int(sys.argv[3])):\n"
+            "    try:\n"
+            "        os.close(os.open('/proc/self/fd/%d' % fd, os.O_WRONLY))\n"
+            "        print('opened')\n"
+            "    except OSError as exc:\n"
+            "        print('refused', exc.errno)\n")
+        self.assertEqual(stream_text(frames, "stdout"), "refused 13\nrefused 13\n", frames)
+
     def test_changing_the_kernels_io_priority_or_time_slice_makes_the_sandbox_not_reusable(self):
         # Same uid: ioprio_set and sched_setattr on the parent are allowed, and every later
         # fork would inherit them (an idle I/O class, a long slice).

@@ -59,6 +59,21 @@ class TestStats(DriverTestCase):
         self.assertEqual(done(frames)["processes_killed"], 1)
         self.assertEqual(self.driver.stats()["children"], base)
 
+    def test_a_process_whose_name_is_not_text_is_killed_too(self):
+        # A process name may hold any byte but NUL; read from /proc/<pid>/stat as UTF-8 text,
+        # "\\xff" failed to decode and the process was skipped by every scan: it outlived its
+        # cell, uncounted.
+        base = self.driver.stats()["children"]
+        frames = self.run_ok(
+            "import ctypes, os, time\n"
+            "if os.fork() == 0:\n"
+            "    ctypes.CDLL(None).prctl(15, b'\\xff\\xfehidden', 0, 0, 0)\n"
+            "    time.sleep(300)\n"
+            "    os._exit(0)\n"
+            "time.sleep(0.3)")
+        self.assertEqual(done(frames)["processes_killed"], 1, frames)
+        self.assertEqual(self.driver.stats()["children"], base)
+
     def test_a_cell_that_leaves_nothing_running_kills_nothing(self):
         self.assertEqual(done(self.run_ok("1 + 1"))["processes_killed"], 0)
         self.assertFalse(done(self.run_ok("1 + 1"))["workspace_full"])
