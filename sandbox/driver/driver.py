@@ -426,6 +426,18 @@ def memory_headroom():
     return None
 
 
+def wait_until(done, timeout_s, interval_s=0.0005):
+    """Poll `done()` every `interval_s` until it is true or `timeout_s` has
+    passed; returns whether it came true.  For what no fd can signal (a
+    process's state in /proc); the driver's other waits select on a pipe."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
 def kill_strays(existing, rounds=100, children_of=None, exiting=False):
     """Kill every process a cell left behind; returns how many were killed.
     `existing`: the processes alive before the cell (the kernel; in the
@@ -970,24 +982,18 @@ class Driver:
         every one killed has begun to exit (it runs no code again; its memory
         may still be being torn down), or, with `gone`, is gone.  Returns
         whether they were in time."""
-        deadline = time.monotonic() + timeout_s
-        while other_processes(spared, exiting=gone):
-            if time.monotonic() > deadline:
-                self.channel.log("processes of the job outlived the purge by %ss" % timeout_s)
-                return False
-            time.sleep(0.0005)
-        return True
+        if wait_until(lambda: not other_processes(spared, exiting=gone), timeout_s):
+            return True
+        self.channel.log("processes of the job outlived the purge by %ss" % timeout_s)
+        return False
 
     def await_exited(self, timeout_s=10.0):
         """Wait until no process that has begun to exit is left (their memory unmapped, their
         files closed).  Returns whether none was left in time."""
-        deadline = time.monotonic() + timeout_s
-        while exiting_processes():
-            if time.monotonic() > deadline:
-                self.channel.log("processes of the last job were still exiting after %ss" % timeout_s)
-                return False
-            time.sleep(0.0005)
-        return True
+        if wait_until(lambda: not exiting_processes(), timeout_s):
+            return True
+        self.channel.log("processes of the last job were still exiting after %ss" % timeout_s)
+        return False
 
     def await_torn_down(self, timeout_s=10.0):
         """Before a fresh job's inputs are written and its code runs: wait until no process

@@ -20,6 +20,26 @@ from harness import *  # noqa: F401,F403 (the harness is these tests' vocabulary
 #         js loop (retry when refused); mov eax, 60 (exit); xor edi, edi; syscall (the parent ends)
 HOPPER_X86_64 = "b838000000bf1101000031f631d24d31d24d31c00f054885c074e578e3b83c00000031ff0f05"
 
+# Job code defining write_hopper(path): the hopper above as an executable at `path`.
+WRITE_HOPPER = (
+    "import os, struct\n"
+    "def write_hopper(path):\n"
+    "    code = bytes.fromhex(%r)\n"
+    "    head = b'\\x7fELF' + bytes([2, 1, 1, 0]) + bytes(8) + struct.pack('<HHIQQQIHHHHHH', 2, 0x3e, 1, 0x400078, 64, 0, 0, 64, 56, 1, 0, 0, 0)\n"
+    "    segment = struct.pack('<IIQQQQQQ', 1, 5, 0, 0x400000, 0x400000, 120 + len(code), 120 + len(code), 0x1000)\n"
+    "    with open(path, 'wb') as f:\n"
+    "        f.write(head + segment + code)\n"
+    "    os.chmod(path, 0o755)\n") % HOPPER_X86_64
+
+# Job code that prints whether fewer than 10 processes were created in the sandbox while it
+# waited 0.3 s (the last pid of /proc/loadavg): a hopper left running creates thousands.
+FEW_PROCESSES_CREATED = (
+    "import time\n"
+    "last = lambda: int(open('/proc/loadavg').read().split()[-1])\n"
+    "before = last()\n"
+    "time.sleep(0.3)\n"
+    "print(last() - before < 10)\n")
+
 # A hostile job: it tries to leave something behind everywhere it can.
 LEAVE_TRACES = r"""
 import builtins, ctypes, json, os, subprocess, sys, threading, time
@@ -462,19 +482,14 @@ class TestFreshHostile(unittest.TestCase):
         # after the job's process exited both missed it. One starts during the cell, one from
         # the job's own process after its done (os._exit patched), past the first kill. The
         # next job counts the processes created while it waits (the last pid of /proc/loadavg).
-        leave = (
-            "import os, struct, subprocess, time\n"
-            "code = bytes.fromhex(HOPPER)\n"
-            "head = b'\\x7fELF' + bytes([2, 1, 1, 0]) + bytes(8) + struct.pack('<HHIQQQIHHHHHH', 2, 0x3e, 1, 0x400078, 64, 0, 0, 64, 56, 1, 0, 0, 0)\n"
-            "segment = struct.pack('<IIQQQQQQ', 1, 5, 0, 0x400000, 0x400000, 120 + len(code), 120 + len(code), 0x1000)\n"
-            "with open('hopper', 'wb') as f:\n"
-            "    f.write(head + segment + code)\n"
-            "os.chmod('hopper', 0o755)\n"
+        leave = WRITE_HOPPER + (
+            "import subprocess, time\n"
+            "write_hopper('hopper')\n"
             "hop = lambda: subprocess.Popen(['./hopper'], start_new_session=True, stdin=subprocess.DEVNULL)\n"
             "hop()\n"
             "real_exit = os._exit\n"
             "os._exit = lambda status: (time.sleep(0.3), hop(), time.sleep(0.05), real_exit(status))\n"
-            "print('hopping')\n").replace("HOPPER", repr(HOPPER_X86_64))
+            "print('hopping')\n")
         if platform.machine() != "x86_64":
             self.skipTest("the hopper is x86-64 machine code")
         if not _last_pid_moves():
@@ -483,12 +498,7 @@ class TestFreshHostile(unittest.TestCase):
             self.skipTest("this kernel shows no last pid")
         frames, d = self.run_fresh(leave)
         self.assertEqual(stream_text(frames, "stdout"), "hopping\n")
-        frames, d = self.run_fresh(
-            "import time\n"
-            "last = lambda: int(open('/proc/loadavg').read().split()[-1])\n"
-            "before = last()\n"
-            "time.sleep(0.3)\n"
-            "print(last() - before < 10)\n")
+        frames, d = self.run_fresh(FEW_PROCESSES_CREATED)
         self.assertEqual(stream_text(frames, "stdout"), "True\n", "a hopper of the last job runs on")
 
     def test_a_fresh_jobs_process_holds_no_end_of_the_pipe_its_cleanup_is_asked_on(self):
@@ -519,14 +529,9 @@ class TestFreshHostile(unittest.TestCase):
         # after every scan for leftovers. Should a purge come down that pipe, it reads the
         # whole frame at once, answers it with its nonce and becomes a hopper (a cloning loop
         # no scan sees). The next job counts the processes created while it waits.
-        leave = (
-            "import ctypes, json, os, struct, sys, threading, time\n"
-            "code = bytes.fromhex(HOPPER)\n"
-            "head = b'\\x7fELF' + bytes([2, 1, 1, 0]) + bytes(8) + struct.pack('<HHIQQQIHHHHHH', 2, 0x3e, 1, 0x400078, 64, 0, 0, 64, 56, 1, 0, 0, 0)\n"
-            "segment = struct.pack('<IIQQQQQQ', 1, 5, 0, 0x400000, 0x400000, 120 + len(code), 120 + len(code), 0x1000)\n"
-            "with open('/tmp/hopper', 'wb') as f:\n"
-            "    f.write(head + segment + code)\n"
-            "os.chmod('/tmp/hopper', 0o755)\n"
+        leave = WRITE_HOPPER + (
+            "import ctypes, json, sys, threading, time\n"
+            "write_hopper('/tmp/hopper')\n"
             "req, rep = int(sys.argv[2]), int(sys.argv[3])\n"
             "libc = ctypes.PyDLL(None)\n"
             "def listen(before):\n"
@@ -554,7 +559,7 @@ class TestFreshHostile(unittest.TestCase):
             "        time.sleep(0.0005)\n"
             "threading.Thread(target=keep_listening, daemon=True).start()\n"
             "os._exit = lambda status: time.sleep(60)\n"
-            "print('listening')\n").replace("HOPPER", repr(HOPPER_X86_64))
+            "print('listening')\n")
         if platform.machine() != "x86_64":
             self.skipTest("the hopper is x86-64 machine code")
         if not _last_pid_moves():
@@ -569,12 +574,7 @@ class TestFreshHostile(unittest.TestCase):
                 self.driver.close()
                 self.driver = DriverProcess()
                 continue
-            frames, d = self.run_fresh(
-                "import time\n"
-                "last = lambda: int(open('/proc/loadavg').read().split()[-1])\n"
-                "before = last()\n"
-                "time.sleep(0.3)\n"
-                "print(last() - before < 10)\n")
+            frames, d = self.run_fresh(FEW_PROCESSES_CREATED)
             self.assertEqual(stream_text(frames, "stdout"), "True\n", "try %d: a process of the last job runs on" % attempt)
 
     def test_no_code_of_the_next_job_runs_while_a_process_of_the_last_is_still_exiting(self):
