@@ -100,12 +100,13 @@ run_pass() {
     echo "== [$runtime] scheduler and worker are up"
 
     echo "== [$runtime] driver tests inside $SANDCELL_SANDBOX_IMAGE"
-    # As the worker starts a sandbox: root with only CAP_SETUID/CAP_SETGID (the driver's), the
-    # workspace the sandbox user's alone, an init that reaps orphans and a bound on processes
+    # As the worker starts a sandbox: root with only CAP_SETUID/CAP_SETGID (the driver's), its
+    # seccomp profile, the workspace the sandbox user's alone, an init that reaps orphans and a bound on processes
     # (a test's cloning loop leaves an orphan per clone: unreaped, they once took every pid of
     # this machine, and a build running beside the tests failed to start threads).
     docker run --rm -i --init --pids-limit 4096 --runtime "$runtime" --network none --read-only --user 0:0 \
         --cap-drop ALL --cap-add SETUID --cap-add SETGID --security-opt no-new-privileges \
+        --security-opt "seccomp=$repo/worker/src/sandbox/seccomp.json" \
         --tmpfs /tmp:rw,exec,size=256m,mode=1777 --tmpfs /home/user:rw,exec,size=256m,uid=1000,gid=1000,mode=0700 \
         -v "$repo/sandbox/driver/tests:/tests:ro" \
         -e SANDCELL_DRIVER=/opt/sandcell/driver.py "$SANDCELL_SANDBOX_IMAGE" \

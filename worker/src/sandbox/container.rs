@@ -7,8 +7,8 @@
 //!   egress (`SANDCELL_EGRESS_TENANTS`), in which case the operator's network instead;
 //! - the driver as root holding only `CAP_SETUID` and `CAP_SETGID` (`cap_drop: ALL`), so that it
 //!   can run user code in a kernel process as uid/gid 1000 with no capabilities at all, which
-//!   can neither trace, signal nor read the driver; `no-new-privileges`; Docker's default
-//!   seccomp profile;
+//!   can neither trace, signal nor read the driver; `no-new-privileges`; a seccomp profile
+//!   that is Docker's default without `io_uring` ([`SECCOMP_PROFILE`]);
 //! - read-only root filesystem; writable, size-capped tmpfs at `/home/user` (the workspace)
 //!   and `/tmp`, both `nosuid,nodev`;
 //! - Docker's init (tini) as PID 1, so orphaned processes are reaped;
@@ -20,6 +20,19 @@ use std::collections::HashMap;
 use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, ResourcesUlimits};
 use sandcell_protocol::ExecutionLimits;
 
+/// The seccomp profile of every sandbox: Docker 20.10.24's default profile
+/// (`profiles/seccomp/default.json` in moby at `v20.10.24`, the engine `deploy/local/up.sh`
+/// installs) with `io_uring_setup`, `io_uring_enter` and `io_uring_register` taken out of its
+/// allow list, as Docker itself did from version 25 on. io_uring is a second way into most of
+/// the kernel's I/O paths, and the one most kernel exploits of recent years went through; no
+/// library the sandbox ships needs it. And a one-off sandbox is reused for the tenant's next
+/// job only once nothing of the last job can act (docs/security.md): a job's asynchronous I/O,
+/// which can still complete after the process that queued it is gone, would be one more thing
+/// to vouch for. Under runc the refused calls fail with `EPERM`, as every call the profile does
+/// not allow. gVisor applies no OCI seccomp profile unless runsc runs with `--oci-seccomp` (the
+/// local stack's does not): there the calls reach gVisor's own io_uring in its user-space
+/// kernel, never the host's, and one-off sandboxes are not reused by default.
+pub const SECCOMP_PROFILE: &str = include_str!("seccomp.json");
 /// The workspace inside every sandbox.
 pub const WORKSPACE: &str = "/home/user";
 /// Label naming the worker that owns a container (for the start-up sweep).
@@ -135,7 +148,8 @@ pub fn create_body(spec: &SandboxSpec) -> ContainerCreateBody {
         tmpfs: Some(tmpfs),
         cap_drop: Some(vec!["ALL".into()]),
         cap_add: Some(DRIVER_CAPS.iter().map(|c| c.to_string()).collect()),
-        security_opt: Some(vec!["no-new-privileges".into()]),
+        // Docker's API takes the profile itself, not a path (the CLI reads the file for it).
+        security_opt: Some(vec!["no-new-privileges".into(), format!("seccomp={SECCOMP_PROFILE}")]),
         privileged: Some(false),
         ipc_mode: Some("private".into()),
         runtime: Some(spec.runtime.clone()),
@@ -266,11 +280,32 @@ mod tests {
         assert_eq!(hc.readonly_rootfs, Some(true));
         assert_eq!(hc.cap_drop, Some(vec!["ALL".to_string()]));
         assert_eq!(hc.cap_add, Some(vec!["SETUID".to_string(), "SETGID".to_string()]), "the driver's two, nothing else");
-        assert_eq!(hc.security_opt, Some(vec!["no-new-privileges".to_string()]));
+        assert_eq!(hc.security_opt, Some(vec!["no-new-privileges".to_string(), format!("seccomp={SECCOMP_PROFILE}")]));
         assert_eq!(hc.memory, hc.memory_swap, "swap must be disabled");
         assert!(hc.binds.is_none() && hc.mounts.is_none() && hc.devices.is_none(), "no host path or device");
         assert_eq!(body.user.as_deref(), Some("0:0"));
         assert_eq!(body.network_disabled, Some(true));
+    }
+
+    #[test]
+    fn the_seccomp_profile_refuses_io_uring_and_allows_what_docker_allows() {
+        let profile: serde_json::Value = serde_json::from_str(SECCOMP_PROFILE).unwrap();
+        assert_eq!(profile["defaultAction"], "SCMP_ACT_ERRNO", "what is not listed is refused");
+        let allowed: Vec<&str> = profile["syscalls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|rule| rule["action"] == "SCMP_ACT_ALLOW")
+            .flat_map(|rule| rule["names"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()))
+            .collect();
+        for name in ["io_uring_setup", "io_uring_enter", "io_uring_register"] {
+            assert!(!allowed.contains(&name), "{name} is allowed");
+        }
+        // Docker's default list otherwise: what the interpreter, its libraries and the driver use.
+        for name in ["read", "write", "clone", "execve", "mmap", "madvise", "pidfd_open", "kill", "setresuid", "prlimit64", "shmget"] {
+            assert!(allowed.contains(&name), "{name} is refused");
+        }
+        assert!(allowed.len() > 300, "{} calls allowed", allowed.len());
     }
 
     #[test]
