@@ -670,7 +670,7 @@ class TestFreshPreloaded(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.diag = tempfile.TemporaryFile()
-        cls.driver = DriverProcess(env_extra={"SANDCELL_PRELOAD": "numpy"}, stderr=cls.diag)
+        cls.driver = DriverProcess(env_extra={"SANDCELL_PRELOAD": "numpy,matplotlib.pyplot"}, stderr=cls.diag)
 
     @classmethod
     def tearDownClass(cls):
@@ -687,6 +687,19 @@ class TestFreshPreloaded(unittest.TestCase):
         # The first job is forked anew, the next ones are standbys that reseeded while waiting.
         draws = [self.run_fresh("import numpy\nprint(numpy.random.randint(0, 2**62))") for _ in range(4)]
         self.assertEqual(len(set(draws)), 4, draws)
+
+    def test_figures_with_text_render_in_each_fresh_job(self):
+        # The kernel empties matplotlib's font cache after its warm-up (forget_fonts), as each
+        # forked process would at the fork: a job's figure loads its font for itself.
+        for _ in range(3):
+            frames = self.driver.execute(
+                "import matplotlib.pyplot as plt\nplt.bar([1, 2], [2, 1])\nplt.title('sales by region')\n"
+                "from matplotlib import font_manager\nplt.gcf().canvas.draw()\nprint(font_manager._get_font.cache_info().currsize)",
+                fresh=True)
+            self.assertEqual((done(frames)["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
+            self.assertEqual(stream_text(frames, "stdout"), "1\n", "the figure's text loaded a font")
+            images = [f["data"]["image/png"] for f in of_type(frames, "display_data") if "image/png" in f["data"]]
+            self.assertEqual(len(images), 1, json.dumps(frames)[:2000])
 
     def test_the_kernel_that_forks_jobs_is_backed_by_huge_pages_after_its_first_job(self):
         if not _huge_pages_expected():
