@@ -665,7 +665,8 @@ def _huge_pages_expected():
 
 
 class TestFreshPreloaded(unittest.TestCase):
-    """Fresh jobs forked from a kernel with numpy imported, as a one-off sandbox's kernel is."""
+    """Fresh jobs forked from a kernel with numpy and matplotlib imported, as a one-off sandbox's
+    kernel is (the worker's default also preloads pandas)."""
 
     @classmethod
     def setUpClass(cls):

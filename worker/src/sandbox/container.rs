@@ -28,10 +28,13 @@ use sandcell_protocol::ExecutionLimits;
 /// library the sandbox ships needs it. And a one-off sandbox is reused for the tenant's next
 /// job only once nothing of the last job can act (docs/security.md): a job's asynchronous I/O,
 /// which can still complete after the process that queued it is gone, would be one more thing
-/// to vouch for. Under runc the refused calls fail with `EPERM`, as every call the profile does
-/// not allow. gVisor applies no OCI seccomp profile unless runsc runs with `--oci-seccomp` (the
-/// local stack's does not): there the calls reach gVisor's own io_uring in its user-space
-/// kernel, never the host's, and one-off sandboxes are not reused by default.
+/// to vouch for. Under runc the refused calls fail with `EPERM` (the profile's default errno).
+/// gVisor applies no OCI seccomp profile unless runsc runs with `--oci-seccomp` (the local
+/// stack's does not): there the calls reach gVisor's own io_uring in its user-space kernel
+/// (the gVisor installed here, 20221219, implements it; later ones refuse it unless runsc runs
+/// with `--iouring`), never the host's, and one-off sandboxes are not reused by default. An
+/// engine newer than 20.10 applies this profile in place of its own default: refresh it from
+/// moby's `default.json` (minus io_uring) with the engine (docs/operations.md).
 pub const SECCOMP_PROFILE: &str = include_str!("seccomp.json");
 /// The workspace inside every sandbox.
 pub const WORKSPACE: &str = "/home/user";
