@@ -343,9 +343,7 @@ def _stat_fields(path):
     try:
         with open(path, "rb") as f:
             data = f.read()
-    except FileNotFoundError:
-        return None
-    except ProcessLookupError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     except OSError as exc:
         raise ValueError("%s: %r" % (path, exc))
@@ -379,12 +377,11 @@ def _threads_running(pid):
     """Whether a thread of process `pid` has not begun to exit.  Fails closed: a thread that
     cannot be read, or a list of threads that changed while they were read (a thread that
     cloned another and exited meanwhile), counts as running."""
-    try:
-        tids = sorted(os.listdir("/proc/%s/task" % pid))
-    except FileNotFoundError:
-        return False  # gone
-    except OSError:
+    tids = _thread_ids(pid)
+    if tids is None:
         return True
+    if not tids:
+        return False  # gone
     for tid in tids:
         try:
             fields = _stat_fields("/proc/%s/task/%s/stat" % (pid, tid))
@@ -392,12 +389,18 @@ def _threads_running(pid):
             return True
         if fields is not None and not int(fields[6]) & PF_EXITING:
             return True
+    again = _thread_ids(pid)
+    return again is None or (again != tids and again != [])  # [] again: gone meanwhile
+
+
+def _thread_ids(pid):
+    """The sorted thread ids of process `pid`: [] once it is gone, None when they cannot be read."""
     try:
-        return sorted(os.listdir("/proc/%s/task" % pid)) != tids
+        return sorted(os.listdir("/proc/%s/task" % pid))
     except FileNotFoundError:
-        return False
+        return []
     except OSError:
-        return True
+        return None
 
 
 def _state(pid):
