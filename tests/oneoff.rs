@@ -297,3 +297,23 @@ async fn a_tenants_next_one_off_job_waits_for_the_sandbox_settling_after_the_las
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("0")), "{r:?}");
     assert_eq!(container(&next).await, container(&litter).await, "the next job took another sandbox than the one settling");
 }
+
+#[tokio::test]
+async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
+    if under_gvisor() {
+        return; // no reuse there: no sandbox waits for the tenant
+    }
+    let c = client().await;
+    let t = tenant();
+    let first = python(&t, "1 + 1");
+    let r = run(&c, &first).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let waiting = container(&first).await;
+    // Gone while it waits for the tenant's next job (an operator, the host's OOM killer).
+    sh(&format!("docker kill {waiting} >/dev/null"));
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let next = python(&t, "2 + 2");
+    let r = run(&c, &next).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
+    assert_ne!(container(&next).await, waiting, "the job ran in another sandbox");
+}

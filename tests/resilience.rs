@@ -314,3 +314,24 @@ async fn a_worker_refuses_a_sandbox_image_whose_driver_speaks_another_protocol()
     let said = said.unwrap_or_else(|| panic!("the worker did not refuse the stale image with {expected:?}"));
     assert!(said.contains("build the image that matches the worker"), "{said}");
 }
+
+#[tokio::test]
+async fn warm_kernels_killed_while_they_wait_are_not_handed_jobs() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let ready = eventually(Duration::from_secs(120), || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 1.0) }).await;
+    assert!(ready.is_some(), "the warm pool did not fill");
+    let lost = || worker_metric("sandcell_idle_sandboxes_lost_total{pool=\"warm\"}");
+    let lost_before = lost().await.expect("the lost sandboxes' counter");
+    // Killed outside the worker while they wait (an operator, the host's OOM killer). Nothing
+    // else runs now (SERIAL): every pool container is idle, in the pool or bound to a tenant.
+    sh("docker ps -q --filter label=sandcell.pool=1 | xargs -r docker kill >/dev/null");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A one-off job and a new session of new tenants, each of which would take a warm kernel.
+    let r = run(&c, &python(&tenant(), "6 * 7")).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+    let r = run(&c, &open_session(&tenant(), "x = 6 * 7\nx", None)).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+    let found = lost().await.expect("the lost sandboxes' counter") - lost_before;
+    assert!(found >= 1.0, "the dead warm kernels were found out: {found}");
+}

@@ -132,16 +132,25 @@ impl BoundPool {
     }
 
     /// A sandbox bound to `tenant` of `shape`, if one waits (the one idle the shortest: its
-    /// caches are warmest). Counts a reuse.
+    /// caches are warmest). Counts a reuse. One whose driver died while it waited is passed
+    /// over and destroyed (in the background: the job goes on to another).
     pub fn take(&self, tenant: &str, shape: &ContainerShape) -> Option<Bound> {
         let mut waiting = self.waiting.lock().ok()?;
         // One past its bounds is left for the reaper, never handed out.
         let fresh_enough = |w: &Waiting| w.since.elapsed() < self.settings.max_idle && w.bound.born.elapsed() < self.settings.max_age;
-        let i = waiting.iter().rposition(|w| w.bound.tenant == tenant && w.bound.shape == *shape && fresh_enough(w))?;
-        let w = waiting.remove(i);
-        self.metrics.oneoff_idle.set(waiting.len() as i64);
-        self.metrics.oneoff_sandboxes.with_label_values(&["reused"]).inc();
-        Some(w.bound)
+        loop {
+            let i = waiting.iter().rposition(|w| w.bound.tenant == tenant && w.bound.shape == *shape && fresh_enough(w))?;
+            let mut w = waiting.remove(i);
+            self.metrics.oneoff_idle.set(waiting.len() as i64);
+            if !w.bound.kernel.is_gone() {
+                self.metrics.oneoff_sandboxes.with_label_values(&["reused"]).inc();
+                return Some(w.bound);
+            }
+            tracing::warn!(tenant, container = %w.bound.kernel.id(), "a one-off sandbox died while it waited for its tenant's next job");
+            self.metrics.idle_sandboxes_lost.with_label_values(&["oneoff"]).inc();
+            let pool = self.clone();
+            tokio::spawn(async move { pool.recycle(w.bound, "lost").await });
+        }
     }
 
     /// Resolves when a sandbox next goes back to wait, or a start or a settle ends (enable it

@@ -161,6 +161,12 @@ impl Kernel {
         self.sandbox.id()
     }
 
+    /// Whether its driver is known to be gone, without waiting ([`Sandbox::is_gone`]): asked
+    /// of a kernel that waited idle before it is handed a job.
+    pub fn is_gone(&mut self) -> bool {
+        self.sandbox.is_gone()
+    }
+
     /// Run `job`'s code (with `files` already resolved to inline content) under `limits`;
     /// `fresh`: in a process forked for it, leaving nothing behind (a one-off job). What each
     /// driver event adds to the outcome is published on `live` as it arrives.

@@ -42,8 +42,13 @@ pub struct Metrics {
     pub oneoff_idle: IntGauge,
     /// `sandcell_oneoff_recycled_total{why}`: one-off sandboxes destroyed: `jobs`, `age`, `idle`,
     /// `evicted` (too many idle), `dirty` (the job did not leave it clean: timeout, OOM, a
-    /// driver that could not vouch for it), `shutdown`.
+    /// driver that could not vouch for it), `lost` (died while it waited), `shutdown`.
     pub oneoff_recycled: IntCounterVec,
+    /// `sandcell_idle_sandboxes_lost_total{pool}`: sandboxes found dead when a job came for
+    /// them, after waiting idle in the warm pool (`warm`) or bound to a tenant (`oneoff`):
+    /// killed outside the worker (an operator, the engine, the host's OOM killer). The job went
+    /// on to another sandbox.
+    pub idle_sandboxes_lost: IntCounterVec,
     /// `sandcell_kernel_restarts_total`: session kernels replaced after dying or being killed.
     pub kernel_restarts: IntCounter,
     /// `sandcell_worker_ack_failures_total{disposition}`: settling a job's message failed (its
@@ -118,6 +123,11 @@ impl Metrics {
         registry.register(Box::new(oneoff_sandboxes.clone()))?;
         registry.register(Box::new(oneoff_idle.clone()))?;
         registry.register(Box::new(oneoff_recycled.clone()))?;
+        let idle_sandboxes_lost = IntCounterVec::new(
+            Opts::new("sandcell_idle_sandboxes_lost_total", "Sandboxes found dead when a job came for them, by the pool they waited in: warm, oneoff"),
+            &["pool"],
+        )?;
+        registry.register(Box::new(idle_sandboxes_lost.clone()))?;
         let events_published = IntCounter::new("sandcell_worker_events_published_total", "Live output events handed to the broker")?;
         let events_dropped = IntCounter::new("sandcell_worker_events_dropped_total", "Live output events dropped (buffer full or no broker)")?;
         registry.register(Box::new(events_published.clone()))?;
@@ -139,6 +149,9 @@ impl Metrics {
         for outcome in ["reused", "new"] {
             oneoff_sandboxes.with_label_values(&[outcome]);
         }
+        for pool in ["warm", "oneoff"] {
+            idle_sandboxes_lost.with_label_values(&[pool]);
+        }
         for disposition in ["ack", "requeue", "dead_letter"] {
             ack_failures.with_label_values(&[disposition]);
         }
@@ -154,6 +167,7 @@ impl Metrics {
             oneoff_sandboxes,
             oneoff_idle,
             oneoff_recycled,
+            idle_sandboxes_lost,
             registry,
             jobs,
             execution_seconds,

@@ -29,6 +29,24 @@ struct Inner {
     metrics: Metrics,
 }
 
+impl Inner {
+    /// The newest warm kernel whose driver is alive. One that died while it waited (killed
+    /// outside the worker) is passed over and destroyed in the background, and the pool refilled.
+    fn take_live(&self) -> Option<Kernel> {
+        loop {
+            let mut kernel = self.kernels.lock().ok()?.pop()?;
+            if !kernel.is_gone() {
+                return Some(kernel);
+            }
+            tracing::warn!(container = %kernel.id(), "a warm kernel died while it waited");
+            self.metrics.idle_sandboxes_lost.with_label_values(&["warm"]).inc();
+            self.metrics.pool_size.dec();
+            self.refill.notify_one();
+            tokio::spawn(kernel.destroy());
+        }
+    }
+}
+
 impl WarmPool {
     /// A pool of `target` kernels built from the operator's default limits.
     pub fn new(target: usize, settings: &KernelSettings, limits: sandcell_protocol::ExecutionLimits, worker_id: &str, metrics: Metrics) -> Self {
@@ -48,7 +66,7 @@ impl WarmPool {
     /// (it was started in the background). Counts a hit or a miss.
     pub fn take(&self, shape: &ContainerShape) -> Option<Kernel> {
         let inner = &self.inner;
-        let mut kernel = if *shape == inner.shape { inner.kernels.lock().ok().and_then(|mut k| k.pop()) } else { None };
+        let mut kernel = if *shape == inner.shape { inner.take_live() } else { None };
         let outcome = match (&kernel, *shape == inner.shape) {
             (Some(_), _) => "hit",
             (None, true) => "empty",
@@ -63,7 +81,8 @@ impl WarmPool {
         kernel
     }
 
-    /// Whether a job needing `shape` would find no warm kernel now (a look, not a take).
+    /// Whether a job needing `shape` would find no warm kernel now (a look, not a take; one
+    /// that died while it waited is found out by the take).
     pub fn is_empty_for(&self, shape: &ContainerShape) -> bool {
         *shape != self.inner.shape || self.len() == 0
     }

@@ -20,7 +20,7 @@ use anyhow::{anyhow, Context, Result};
 use bollard::container::LogOutput;
 use bollard::query_parameters::{AttachContainerOptions, InspectContainerOptions, KillContainerOptions, ListContainersOptions, RemoveContainerOptions};
 use bollard::Docker;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
@@ -215,6 +215,58 @@ impl Sandbox {
                 Heard::Attach(Some(Ok(_))) => {}
             }
         }
+    }
+
+    /// Whether the driver is known to be gone, learnt without waiting: for a sandbox that sat
+    /// idle (in the warm pool, or bound to a tenant) before it is handed a job. A container
+    /// killed meanwhile (by an operator, the engine's restart, the host's OOM killer) would
+    /// otherwise take the job and fail it for a reason not the job's. Whatever the driver sent
+    /// meanwhile is kept for [`Sandbox::next_event`], as if it had been waited for.
+    pub fn is_gone(&mut self) -> bool {
+        // Bounded: an idle driver has little to say; one that floods is not waited out here.
+        for _ in 0..64 {
+            // The attach stream first, in every state (as next_event reads it).
+            match self.output.next().now_or_never() {
+                None => {}
+                Some(Some(Ok(LogOutput::StdOut { message }))) if !matches!(self.link, Link::Socket(..) | Link::Closed) => {
+                    // The driver's frames (one that could not connect speaks here).
+                    self.link = Link::Attach;
+                    self.decoder.push(&message);
+                    continue;
+                }
+                Some(Some(Ok(LogOutput::StdOut { message } | LogOutput::StdErr { message }))) => {
+                    self.keep_diagnostics(&message);
+                    continue;
+                }
+                Some(Some(Ok(_))) => continue,
+                Some(None) if self.on_socket() => {
+                    // The container's stdio closed; the socket says whether the driver is gone.
+                    self.stdio_closed = true;
+                    self.output = Box::pin(futures::stream::pending());
+                }
+                Some(None | Some(Err(_))) => {
+                    // Ended for good: later polls see the end again, not a finished stream.
+                    self.output = Box::pin(futures::stream::empty());
+                    return true;
+                }
+            }
+            return match &mut self.link {
+                Link::Closed => true,
+                Link::Attach | Link::Pending(_) => false,
+                Link::Socket(read, _) => {
+                    let mut chunk = [0u8; 4096];
+                    match read.try_read(&mut chunk) {
+                        Ok(0) => true,
+                        Ok(n) => {
+                            self.decoder.push(&chunk[..n]);
+                            continue;
+                        }
+                        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+                    }
+                }
+            };
+        }
+        false
     }
 
     fn keep_diagnostics(&mut self, message: &[u8]) {
