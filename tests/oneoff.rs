@@ -309,11 +309,22 @@ async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
     let r = run(&c, &first).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     let waiting = container(&first).await;
+    // Waiting, not settling (a sandbox killed while it settles is never kept): a settle takes
+    // milliseconds. (The idle sandboxes' gauge would not tell: this binary's tests run at once.)
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let lost = || worker_metric("sandcell_idle_sandboxes_lost_total{pool=\"oneoff\"}");
+    let lost_before = lost().await.expect("the lost sandboxes' counter");
     // Gone while it waits for the tenant's next job (an operator, the host's OOM killer).
     sh(&format!("docker kill {waiting} >/dev/null"));
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let stopped = eventually(std::time::Duration::from_secs(30), || async {
+        (sh(&format!("docker inspect -f '{{{{.State.Running}}}}' {waiting}")).trim() == "false").then_some(())
+    })
+    .await;
+    assert!(stopped.is_some(), "the killed sandbox still runs");
     let next = python(&t, "2 + 2");
     let r = run(&c, &next).await;
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
     assert_ne!(container(&next).await, waiting, "the job ran in another sandbox");
+    // Found out at the take (other tests of this binary kill no sandbox).
+    assert!(lost().await.expect("the lost sandboxes' counter") > lost_before, "the dead sandbox was found out when the job came");
 }

@@ -315,18 +315,31 @@ async fn a_worker_refuses_a_sandbox_image_whose_driver_speaks_another_protocol()
     assert!(said.contains("build the image that matches the worker"), "{said}");
 }
 
+/// `docker kill` the containers matching `filter`, and wait until none of them runs any more.
+async fn kill_idle_containers(filter: &str) {
+    // One may be going away by itself meanwhile (a reaper): its kill may fail.
+    sh(&format!("docker ps -q --filter {filter} | xargs -r docker kill >/dev/null 2>&1 || true"));
+    let stopped = eventually(Duration::from_secs(30), || async {
+        let running = Command::new("docker").args(["ps", "-q", "--filter", filter]).output().ok()?;
+        running.stdout.iter().all(u8::is_ascii_whitespace).then_some(())
+    })
+    .await;
+    assert!(stopped.is_some(), "the containers of {filter} did not stop");
+}
+
 #[tokio::test]
 async fn warm_kernels_killed_while_they_wait_are_not_handed_jobs() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let ready = eventually(Duration::from_secs(120), || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 1.0) }).await;
+    // Full (the default SANDCELL_WARM_POOL, 2): no refill is in flight, whose container a kill
+    // now would miss.
+    let ready = eventually(Duration::from_secs(120), || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 2.0) }).await;
     assert!(ready.is_some(), "the warm pool did not fill");
     let lost = || worker_metric("sandcell_idle_sandboxes_lost_total{pool=\"warm\"}");
     let lost_before = lost().await.expect("the lost sandboxes' counter");
     // Killed outside the worker while they wait (an operator, the host's OOM killer). Nothing
     // else runs now (SERIAL): every pool container is idle, in the pool or bound to a tenant.
-    sh("docker ps -q --filter label=sandcell.pool=1 | xargs -r docker kill >/dev/null");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    kill_idle_containers("label=sandcell.pool=1").await;
     // A one-off job and a new session of new tenants, each of which would take a warm kernel.
     let r = run(&c, &python(&tenant(), "6 * 7")).await;
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
@@ -334,4 +347,42 @@ async fn warm_kernels_killed_while_they_wait_are_not_handed_jobs() {
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
     let found = lost().await.expect("the lost sandboxes' counter") - lost_before;
     assert!(found >= 1.0, "the dead warm kernels were found out: {found}");
+}
+
+#[tokio::test]
+async fn jobs_run_after_an_engine_restart_and_a_session_whose_kernel_went_is_told_so() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    // What a worker holds idle: a sandbox bound to a tenant, a session's kernel, the warm pool.
+    let bound = tenant();
+    let r = run(&c, &python(&bound, "1")).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let owner = tenant();
+    let r = run(&c, &open_session(&owner, "x = 5", Some(600))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let session = session_id(&r);
+    let ready = eventually(Duration::from_secs(120), || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 1.0) }).await;
+    assert!(ready.is_some(), "the warm pool did not fill");
+
+    // The engine restarts (an upgrade, a crash): it stops every container on its way down.
+    let lib = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/local/lib.sh");
+    sh(&format!(". {lib} && stop_dockerd && start_dockerd \"${{SANDCELL_LOG_DIR:-/var/log/sandcell}}/dockerd.log\""));
+
+    for t in [&bound, &tenant()] {
+        let r = run(&c, &python(t, "6 * 7")).await;
+        assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+    }
+    // The session's kernel is gone with its variables: its next job says so, and the session
+    // goes on in a new kernel.
+    let r = run(&c, &in_session(&owner, &session, "x")).await;
+    assert_eq!(
+        (r.status, r.reason.as_ref().map(|r| r.code), r.execution.kernel_restarted),
+        (JobStatus::InfrastructureError, Some(sandcell_protocol::ErrorCode::KernelRestarted), true),
+        "{r:?}"
+    );
+    let r = run(&c, &in_session(&owner, &session, "x = 7\nx * 6")).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+    let r = run(&c, &open_session(&tenant(), "6 * 7", None)).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+    both_healthy_again().await;
 }

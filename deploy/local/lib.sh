@@ -23,6 +23,19 @@ stop_pid() {
     return 1
 }
 
+# Start dockerd detached (its log appended to $1) and wait up to 60 s for it to answer.
+# --bridge=none: no docker0, sandboxes only get network mode none.
+# --iptables/--ip-forward=false: nothing to NAT without a bridge; leave host firewall and sysctls alone.
+start_dockerd() {
+    local log_file=$1 i
+    setsid nohup dockerd --bridge=none --iptables=false --ip-forward=false >>"$log_file" 2>&1 </dev/null &
+    for ((i = 0; i < 60; i++)); do
+        docker info >/dev/null 2>&1 && return 0
+        sleep 1
+    done
+    return 1
+}
+
 # Stop the dockerd this machine runs (it stops its containers first); 0 if none runs.
 stop_dockerd() {
     local pid=''

@@ -159,10 +159,7 @@ EOF
         stop_dockerd || die "dockerd did not stop"
     fi
     log "docker: starting dockerd (log: $LOG_DIR/dockerd.log)"
-    # --bridge=none: no docker0, sandboxes only get network mode none.
-    # --iptables/--ip-forward=false: nothing to NAT without a bridge; leave host firewall and sysctls alone.
-    spawn "$LOG_DIR/dockerd.log" "" dockerd --bridge=none --iptables=false --ip-forward=false
-    wait_for 60 "docker info (see $LOG_DIR/dockerd.log)" docker info
+    start_dockerd "$LOG_DIR/dockerd.log" || die "timed out after 60s waiting for docker info (see $LOG_DIR/dockerd.log)"
     log "docker: ready"
 }
 

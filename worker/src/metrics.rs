@@ -30,7 +30,8 @@ pub struct Metrics {
     /// `sandcell_worker_max_sessions`: sessions it may hold (`SANDCELL_WORKER_MAX_SESSIONS`):
     /// with `sessions`, the fleet's room for new sessions (alerts, dashboard).
     pub max_sessions: IntGauge,
-    /// `sandcell_warm_pool_size`: warm kernels ready now.
+    /// `sandcell_warm_pool_size`: warm kernels ready now (one killed meanwhile counts until a
+    /// take finds it dead).
     pub pool_size: IntGauge,
     /// `sandcell_warm_pool_takes_total{outcome}`: `hit`, `empty` (miss: pool empty) or `shape`
     /// (miss: the job needs limits or a network the pool's kernels do not have).
