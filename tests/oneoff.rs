@@ -325,6 +325,6 @@ async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
     let r = run(&c, &next).await;
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
     assert_ne!(container(&next).await, waiting, "the job ran in another sandbox");
-    // Found out at the take (other tests of this binary kill no sandbox).
+    // Found out, by the reaper's look or at the take (other tests of this binary kill none).
     assert!(lost().await.expect("the lost sandboxes' counter") > lost_before, "the dead sandbox was found out when the job came");
 }

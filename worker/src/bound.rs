@@ -132,25 +132,33 @@ impl BoundPool {
     }
 
     /// A sandbox bound to `tenant` of `shape`, if one waits (the one idle the shortest: its
-    /// caches are warmest). Counts a reuse. One whose driver died while it waited is passed
-    /// over and destroyed (in the background: the job goes on to another).
+    /// caches are warmest). Counts a reuse. Those found dead first (killed outside the worker
+    /// since the reaper last looked) are destroyed in the background, never handed out.
     pub fn take(&self, tenant: &str, shape: &ContainerShape) -> Option<Bound> {
         let mut waiting = self.waiting.lock().ok()?;
-        // One past its bounds is left for the reaper, never handed out.
-        let fresh_enough = |w: &Waiting| w.since.elapsed() < self.settings.max_idle && w.bound.born.elapsed() < self.settings.max_age;
-        loop {
-            let i = waiting.iter().rposition(|w| w.bound.tenant == tenant && w.bound.shape == *shape && fresh_enough(w))?;
-            let mut w = waiting.remove(i);
-            self.metrics.oneoff_idle.set(waiting.len() as i64);
-            if !w.bound.kernel.is_gone() {
-                self.metrics.oneoff_sandboxes.with_label_values(&["reused"]).inc();
-                return Some(w.bound);
-            }
-            tracing::warn!(tenant, container = %w.bound.kernel.id(), "a one-off sandbox died while it waited for its tenant's next job");
-            self.metrics.idle_sandboxes_lost.with_label_values(&["oneoff"]).inc();
+        for w in self.take_lost(&mut waiting) {
             let pool = self.clone();
             tokio::spawn(async move { pool.recycle(w.bound, "lost").await });
         }
+        self.metrics.oneoff_idle.set(waiting.len() as i64);
+        // One past its bounds is left for the reaper, never handed out.
+        let fresh_enough = |w: &Waiting| w.since.elapsed() < self.settings.max_idle && w.bound.born.elapsed() < self.settings.max_age;
+        let i = waiting.iter().rposition(|w| w.bound.tenant == tenant && w.bound.shape == *shape && fresh_enough(w))?;
+        let w = waiting.remove(i);
+        self.metrics.oneoff_idle.set(waiting.len() as i64);
+        self.metrics.oneoff_sandboxes.with_label_values(&["reused"]).inc();
+        Some(w.bound)
+    }
+
+    /// Take out of `waiting` the sandboxes whose driver died while they waited (killed outside
+    /// the worker: an operator, the engine, the host's OOM killer), asked without waiting.
+    fn take_lost(&self, waiting: &mut Vec<Waiting>) -> Vec<Waiting> {
+        let lost: Vec<Waiting> = waiting.extract_if(.., |w| w.bound.kernel.is_gone()).collect();
+        for w in &lost {
+            tracing::warn!(tenant = %w.bound.tenant, container = %w.bound.kernel.id(), "a one-off sandbox died while it waited for its tenant's next job");
+            self.metrics.idle_sandboxes_lost.with_label_values(&["oneoff"]).inc();
+        }
+        lost
     }
 
     /// Resolves when a sandbox next goes back to wait, or a start or a settle ends (enable it
@@ -239,7 +247,7 @@ impl BoundPool {
         }
     }
 
-    /// Destroy sandboxes idle or alive too long, forever (every second).
+    /// Destroy sandboxes idle or alive too long, and those found dead, forever (every second).
     pub async fn reap_forever(self) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -247,12 +255,14 @@ impl BoundPool {
             tick.tick().await;
             let expired: Vec<(Waiting, &'static str)> = match self.waiting.lock() {
                 Ok(mut waiting) => {
+                    let lost = self.take_lost(&mut waiting);
                     let (keep, expired): (Vec<Waiting>, Vec<Waiting>) = std::mem::take(&mut *waiting)
                         .into_iter()
                         .partition(|w| w.since.elapsed() < self.settings.max_idle && w.bound.born.elapsed() < self.settings.max_age);
                     *waiting = keep;
                     self.metrics.oneoff_idle.set(waiting.len() as i64);
-                    expired.into_iter().map(|w| if w.since.elapsed() >= self.settings.max_idle { (w, "idle") } else { (w, "age") }).collect()
+                    let expired = expired.into_iter().map(|w| if w.since.elapsed() >= self.settings.max_idle { (w, "idle") } else { (w, "age") });
+                    lost.into_iter().map(|w| (w, "lost")).chain(expired).collect()
                 }
                 Err(_) => return,
             };

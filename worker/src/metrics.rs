@@ -30,8 +30,8 @@ pub struct Metrics {
     /// `sandcell_worker_max_sessions`: sessions it may hold (`SANDCELL_WORKER_MAX_SESSIONS`):
     /// with `sessions`, the fleet's room for new sessions (alerts, dashboard).
     pub max_sessions: IntGauge,
-    /// `sandcell_warm_pool_size`: warm kernels ready now (one killed meanwhile counts until a
-    /// take finds it dead).
+    /// `sandcell_warm_pool_size`: warm kernels ready now (one killed meanwhile counts until it
+    /// is found dead, within a second).
     pub pool_size: IntGauge,
     /// `sandcell_warm_pool_takes_total{outcome}`: `hit`, `empty` (miss: pool empty) or `shape`
     /// (miss: the job needs limits or a network the pool's kernels do not have).
@@ -45,10 +45,9 @@ pub struct Metrics {
     /// `evicted` (too many idle), `dirty` (the job did not leave it clean: timeout, OOM, a
     /// driver that could not vouch for it), `lost` (died while it waited), `shutdown`.
     pub oneoff_recycled: IntCounterVec,
-    /// `sandcell_idle_sandboxes_lost_total{pool}`: sandboxes found dead when a job came for
-    /// them, after waiting idle in the warm pool (`warm`) or bound to a tenant (`oneoff`):
-    /// killed outside the worker (an operator, the engine, the host's OOM killer). The job went
-    /// on to another sandbox.
+    /// `sandcell_idle_sandboxes_lost_total{pool}`: sandboxes found dead while they waited idle in
+    /// the warm pool (`warm`) or bound to a tenant (`oneoff`): killed outside the worker (an
+    /// operator, the engine, the host's OOM killer). Destroyed, never handed a job.
     pub idle_sandboxes_lost: IntCounterVec,
     /// `sandcell_kernel_restarts_total`: session kernels replaced after dying or being killed.
     pub kernel_restarts: IntCounter,
@@ -125,7 +124,7 @@ impl Metrics {
         registry.register(Box::new(oneoff_idle.clone()))?;
         registry.register(Box::new(oneoff_recycled.clone()))?;
         let idle_sandboxes_lost = IntCounterVec::new(
-            Opts::new("sandcell_idle_sandboxes_lost_total", "Sandboxes found dead when a job came for them, by the pool they waited in: warm, oneoff"),
+            Opts::new("sandcell_idle_sandboxes_lost_total", "Sandboxes found dead while they waited idle, by the pool they waited in: warm, oneoff"),
             &["pool"],
         )?;
         registry.register(Box::new(idle_sandboxes_lost.clone()))?;

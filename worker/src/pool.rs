@@ -30,14 +30,14 @@ struct Inner {
 }
 
 impl Inner {
-    /// The newest warm kernel whose driver is alive. One that died while it waited (killed
-    /// outside the worker) is passed over and destroyed in the background, and the pool refilled.
-    fn take_live(&self) -> Option<Kernel> {
-        loop {
-            let mut kernel = self.kernels.lock().ok()?.pop()?;
-            if !kernel.is_gone() {
-                return Some(kernel);
-            }
+    /// Destroy, in the background, every warm kernel whose driver died while it waited (killed
+    /// outside the worker), and have the pool refilled.
+    fn drop_dead(&self) {
+        let dead: Vec<Kernel> = match self.kernels.lock() {
+            Ok(mut kernels) => kernels.extract_if(.., |k| k.is_gone()).collect(),
+            Err(_) => return,
+        };
+        for kernel in dead {
             tracing::warn!(container = %kernel.id(), "a warm kernel died while it waited");
             self.metrics.idle_sandboxes_lost.with_label_values(&["warm"]).inc();
             self.metrics.pool_size.dec();
@@ -46,6 +46,10 @@ impl Inner {
         }
     }
 }
+
+/// How often the refill looks for warm kernels that died while they waited (without waiting on
+/// any: a look costs a non-blocking read per kernel).
+const LIVENESS_EVERY: Duration = Duration::from_secs(1);
 
 impl WarmPool {
     /// A pool of `target` kernels built from the operator's default limits.
@@ -66,7 +70,12 @@ impl WarmPool {
     /// (it was started in the background). Counts a hit or a miss.
     pub fn take(&self, shape: &ContainerShape) -> Option<Kernel> {
         let inner = &self.inner;
-        let mut kernel = if *shape == inner.shape { inner.take_live() } else { None };
+        let mut kernel = if *shape == inner.shape {
+            inner.drop_dead();
+            inner.kernels.lock().ok().and_then(|mut k| k.pop())
+        } else {
+            None
+        };
         let outcome = match (&kernel, *shape == inner.shape) {
             (Some(_), _) => "hit",
             (None, true) => "empty",
@@ -82,7 +91,7 @@ impl WarmPool {
     }
 
     /// Whether a job needing `shape` would find no warm kernel now (a look, not a take; one
-    /// that died while it waited is found out by the take).
+    /// that died in the last second is found out by the take).
     pub fn is_empty_for(&self, shape: &ContainerShape) -> bool {
         *shape != self.inner.shape || self.len() == 0
     }
@@ -92,7 +101,8 @@ impl WarmPool {
         self.inner.kernels.lock().map(|k| k.len()).unwrap_or(0)
     }
 
-    /// Keep the pool full, forever. Start failures are logged and retried with a backoff.
+    /// Keep the pool full, forever, replacing kernels found dead. Start failures are logged and
+    /// retried with a backoff.
     pub async fn refill_forever(self, docker: Docker, settings: KernelSettings) {
         let inner = &self.inner;
         let mut backoff = Duration::from_millis(500);
@@ -117,7 +127,11 @@ impl WarmPool {
                     }
                 }
             }
-            inner.refill.notified().await;
+            // A take wakes the refill; so does a kernel found dead meanwhile.
+            tokio::select! {
+                () = inner.refill.notified() => {}
+                () = tokio::time::sleep(LIVENESS_EVERY) => inner.drop_dead(),
+            }
         }
     }
 
