@@ -328,3 +328,31 @@ async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
     // Found out, by the reaper's look or at the take (other tests of this binary kill none).
     assert!(lost().await.expect("the lost sandboxes' counter") > lost_before, "the dead sandbox was found out when the job came");
 }
+
+#[tokio::test]
+async fn a_tenants_sandbox_whose_kernel_was_killed_while_it_waits_is_not_handed_the_next_job() {
+    if under_gvisor() {
+        return; // no reuse there: no sandbox waits for the tenant
+    }
+    let c = client().await;
+    let t = tenant();
+    let first = python(&t, "1 + 1");
+    let r = run(&c, &first).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let waiting = container(&first).await;
+    // Waiting, not settling.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    // The host's OOM killer picks the largest process, the kernel that forks each job's
+    // process; the driver and the container live on.
+    kill_kernel_of(&waiting);
+    // The driver ends when its kernel does, and the sandbox with it.
+    let stopped = eventually(std::time::Duration::from_secs(30), || async {
+        (sh(&format!("docker inspect -f '{{{{.State.Running}}}}' {waiting} 2>/dev/null || true")).trim() != "true").then_some(())
+    })
+    .await;
+    assert!(stopped.is_some(), "the sandbox whose kernel was killed still runs");
+    let next = python(&t, "2 + 2");
+    let r = run(&c, &next).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
+    assert_ne!(container(&next).await, waiting, "the job ran in another sandbox");
+}

@@ -24,7 +24,9 @@ the kernel under its own uid and says so in ready ("kernel_isolated": false).
 When the kernel exits (exit() does not: it only ends a cell), the driver
 exits with status 1 after the frames already produced; when a fresh job's
 process ends before its cell does, the driver exits with that process's
-status (128+N for signal N).
+status (128+N for signal N); when the kernel dies between requests (killed
+from outside, while the sandbox waits), the driver exits at once, with the
+kernel's status (128+N for signal N), without waiting for a request.
 
 Framing (both directions)
 -------------------------
@@ -571,6 +573,13 @@ class KernelGone(Exception):
         self.exit_status = exit_status
 
 
+def exit_status_as(status):
+    """The driver's exit status for a process of the kernel that ended with `status` (as
+    subprocess and the kernel report it: -N for signal N): the same, as a shell says it
+    (128+N), so the worker reads from the container what it would from that process."""
+    return min(128 - status if status is not None and status < 0 else (status or 1), 255)
+
+
 class KernelProcess:
     """The kernel child: started as the sandbox user, spoken to over two
     pipes; its fds 1/2 are the capture pipes."""
@@ -601,6 +610,13 @@ class KernelProcess:
         self.pid = self.proc.pid
         self.channel = Channel(rep_r, req_w, None, max_in=MAX_KERNEL_FRAME_BYTES, discard_oversize=False)
         self.channel.log = log
+        # Readable once the kernel has exited: how the driver learns of it between requests
+        # without polling (None where the runtime has no pidfd_open: it polls then).
+        try:
+            self.exit_fd = os.pidfd_open(self.pid)
+        except (OSError, AttributeError) as exc:
+            self.exit_fd = None
+            log("no pidfd for the kernel (%r): its exit is polled for between requests" % (exc,))
 
     def send(self, frame):
         try:
@@ -841,8 +857,26 @@ class Driver:
 
     # -- loop --------------------------------------------------------------
 
+    def await_request(self):
+        """Wait until the worker sends something.  A kernel that dies meanwhile (killed from
+        outside the sandbox: the host's OOM killer, an operator) ends the driver at once, so
+        the worker finds the sandbox gone while it waits idle, in its warm pool or bound to a
+        tenant, instead of handing it a job that would fail for a reason not the job's."""
+        watched = [self.channel.in_fd] + ([self.kernel.exit_fd] if self.kernel.exit_fd is not None else [])
+        poll_s = None if self.kernel.exit_fd is not None else KERNEL_POLL_S
+        while True:
+            readable = select.select(watched, [], [], poll_s)[0]
+            if self.channel.in_fd in readable:
+                return
+            # The pidfd is readable once the kernel has exited: it is reaped at once.
+            status = self.kernel.proc.wait() if readable else self.kernel.proc.poll()
+            if status is not None:
+                raise KernelGone("the kernel exited with status %s while the sandbox waited for a job" % status,
+                                 exit_status=exit_status_as(status))
+
     def serve(self):
         while True:
+            self.await_request()
             try:
                 payload = self.channel.recv()
             except ValueError as exc:
@@ -1114,9 +1148,8 @@ class Driver:
                 status = _int(frame.get("status"))
                 # The driver exits as the job's process did (128+N for signal N), so the
                 # worker reads from the container what it would from a kernel's death.
-                exit_status = 128 - status if status is not None and status < 0 else (status or 1)
                 raise KernelGone("the job's process exited with status %s before its cell ended" % status,
-                                 exit_status=min(exit_status, 255))
+                                 exit_status=exit_status_as(status))
             output = checked_output(frame)
             if output is None:
                 self.channel.log("dropped a kernel frame of type %r" % cap_text(kind, 64))

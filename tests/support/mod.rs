@@ -238,6 +238,29 @@ pub fn sh(cmd: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// SIGKILL the kernel of sandbox `container`, as the host's OOM killer would (it picks the
+/// largest process: the kernel, with the libraries imported), leaving its driver and the
+/// container alive. The kernel is the `--kernel` process whose parent is not one; its own
+/// children (a fresh job's next process) are left behind, as by the OOM killer. Done from
+/// inside, as the sandbox user (under gVisor the host does not see the sandbox's processes).
+pub fn kill_kernel_of(container: &str) {
+    const KILL_KERNEL: &str = r#"
+import os, signal
+parents = {}
+for p in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        if b'--kernel' in open('/proc/%s/cmdline' % p, 'rb').read().split(b'\0'):
+            parents[int(p)] = int(open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[1])
+    except OSError:
+        pass
+kernels = [p for p, parent in parents.items() if parent not in parents]
+assert len(kernels) == 1, parents
+os.kill(kernels[0], signal.SIGKILL)
+"#;
+    let out = std::process::Command::new("docker").args(["exec", "-u", "1000", container, "python3", "-c", KILL_KERNEL]).output().expect("docker exec");
+    assert!(out.status.success(), "killing the kernel of {container}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// SIGKILL one of the instances `deploy/local/test.sh` started (`scheduler`, `worker`, or in a
 /// fleet `scheduler-2`, `worker-3`, …) and start it again, as a supervisor would, with `env`
 /// added to the test's environment. The pid file in `$SANDCELL_RUN_DIR` follows, so test.sh

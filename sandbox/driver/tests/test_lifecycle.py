@@ -35,6 +35,34 @@ class TestLifecycle(unittest.TestCase):
             driver.close()
 
 
+class TestKernelGoneBetweenRequests(unittest.TestCase):
+    """A kernel killed while the driver waits for a request (the host's OOM killer, an
+    operator): the driver ends at once, so the worker finds the sandbox gone before it hands
+    it a job, instead of the job failing on a dead kernel."""
+
+    def kernel_killed_while_idle_ends_the_driver(self, first_request):
+        driver = DriverProcess()
+        try:
+            frames = driver.execute(first_request["code"], **first_request.get("fields", {}))
+            self.assertEqual(done(frames)["status"], "ok", frames)
+            kernels = children_of(driver.proc.pid)
+            self.assertEqual(len(kernels), 1, kernels)
+            time.sleep(0.2)  # idle: waiting for the next request
+            os.kill(kernels[0], signal.SIGKILL)
+            # No request is sent: the driver ends by itself, saying the kernel was killed.
+            self.assertEqual(driver.proc.wait(5), 128 + signal.SIGKILL)
+        finally:
+            driver.close()
+
+    def test_a_session_kernel_killed_between_cells_ends_the_driver_at_once(self):
+        self.kernel_killed_while_idle_ends_the_driver({"code": "x = 1"})
+
+    def test_a_zygote_killed_between_fresh_jobs_ends_the_driver_at_once(self):
+        # After a fresh job the zygote has forked the next job's process: killed alone, the
+        # zygote leaves it behind, and the driver must not wait for it.
+        self.kernel_killed_while_idle_ends_the_driver({"code": "1", "fields": {"fresh": True}})
+
+
 class TestPreload(unittest.TestCase):
     def test_preloaded_modules_are_imported_not_bound(self):
         # A workspace module that kills its importer: preloading must survive it.
