@@ -6,6 +6,7 @@
 
 use std::collections::HashSet;
 
+use sandcell_client::Client;
 use sandcell_protocol::{JobStatus, LimitHit, Submission};
 use sandcell_tests::*;
 
@@ -298,6 +299,28 @@ async fn a_tenants_next_one_off_job_waits_for_the_sandbox_settling_after_the_las
     assert_eq!(container(&next).await, container(&litter).await, "the next job took another sandbox than the one settling");
 }
 
+/// The sandbox that ran a first job of `tenant` and now waits, bound to it, for the tenant's
+/// next one-off job: waiting, not settling (a sandbox that dies while it settles is never kept;
+/// a settle takes milliseconds). The idle sandboxes' gauge would not tell when: this binary's
+/// tests run at once.
+async fn a_waiting_one_off_sandbox(c: &Client, tenant: &str) -> String {
+    let first = python(tenant, "1 + 1");
+    let r = run(c, &first).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    let waiting = container(&first).await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    waiting
+}
+
+/// Whether `container` stops running (or is removed) within 30 s.
+async fn stopped(container: &str) -> bool {
+    eventually(std::time::Duration::from_secs(30), || async {
+        (sh(&format!("docker inspect -f '{{{{.State.Running}}}}' {container} 2>/dev/null || true")).trim() != "true").then_some(())
+    })
+    .await
+    .is_some()
+}
+
 #[tokio::test]
 async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
     if under_gvisor() {
@@ -305,22 +328,12 @@ async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
     }
     let c = client().await;
     let t = tenant();
-    let first = python(&t, "1 + 1");
-    let r = run(&c, &first).await;
-    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let waiting = container(&first).await;
-    // Waiting, not settling (a sandbox killed while it settles is never kept): a settle takes
-    // milliseconds. (The idle sandboxes' gauge would not tell: this binary's tests run at once.)
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let waiting = a_waiting_one_off_sandbox(&c, &t).await;
     let lost = || worker_metric("sandcell_idle_sandboxes_lost_total{pool=\"oneoff\"}");
     let lost_before = lost().await.expect("the lost sandboxes' counter");
     // Gone while it waits for the tenant's next job (an operator, the host's OOM killer).
     sh(&format!("docker kill {waiting} >/dev/null"));
-    let stopped = eventually(std::time::Duration::from_secs(30), || async {
-        (sh(&format!("docker inspect -f '{{{{.State.Running}}}}' {waiting}")).trim() == "false").then_some(())
-    })
-    .await;
-    assert!(stopped.is_some(), "the killed sandbox still runs");
+    assert!(stopped(&waiting).await, "the killed sandbox still runs");
     let next = python(&t, "2 + 2");
     let r = run(&c, &next).await;
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
@@ -336,21 +349,12 @@ async fn a_tenants_sandbox_whose_kernel_was_killed_while_it_waits_is_not_handed_
     }
     let c = client().await;
     let t = tenant();
-    let first = python(&t, "1 + 1");
-    let r = run(&c, &first).await;
-    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    let waiting = container(&first).await;
-    // Waiting, not settling.
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let waiting = a_waiting_one_off_sandbox(&c, &t).await;
     // The host's OOM killer picks the largest process, the kernel that forks each job's
     // process; the driver and the container live on.
     kill_kernel_of(&waiting);
     // The driver ends when its kernel does, and the sandbox with it.
-    let stopped = eventually(std::time::Duration::from_secs(30), || async {
-        (sh(&format!("docker inspect -f '{{{{.State.Running}}}}' {waiting} 2>/dev/null || true")).trim() != "true").then_some(())
-    })
-    .await;
-    assert!(stopped.is_some(), "the sandbox whose kernel was killed still runs");
+    assert!(stopped(&waiting).await, "the sandbox whose kernel was killed still runs");
     let next = python(&t, "2 + 2");
     let r = run(&c, &next).await;
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
