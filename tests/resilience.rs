@@ -327,22 +327,30 @@ async fn kill_idle_containers(filter: &str) {
     assert!(stopped.is_some(), "the containers of {filter} did not stop");
 }
 
+/// The warm sandboxes found dead while they waited, as the worker counts them.
+async fn warm_lost() -> Option<f64> {
+    worker_metric("sandcell_idle_sandboxes_lost_total{pool=\"warm\"}").await
+}
+
+/// Waits until the warm pool is full (the default SANDCELL_WARM_POOL, 2), so that no refill is
+/// in flight whose container a kill now would miss, and returns the lost count at that moment.
+async fn full_warm_pool_lost_count() -> f64 {
+    let ready = eventually(Duration::from_secs(120), || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 2.0) }).await;
+    assert!(ready.is_some(), "the warm pool did not fill");
+    warm_lost().await.expect("the lost sandboxes' counter")
+}
+
 #[tokio::test]
 async fn warm_kernels_killed_while_they_wait_are_not_handed_jobs() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    // Full (the default SANDCELL_WARM_POOL, 2): no refill is in flight, whose container a kill
-    // now would miss.
-    let ready = eventually(Duration::from_secs(120), || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 2.0) }).await;
-    assert!(ready.is_some(), "the warm pool did not fill");
-    let lost = || worker_metric("sandcell_idle_sandboxes_lost_total{pool=\"warm\"}");
-    let lost_before = lost().await.expect("the lost sandboxes' counter");
+    let lost_before = full_warm_pool_lost_count().await;
     // Killed outside the worker while they wait (an operator, the host's OOM killer). Nothing
     // else runs now (SERIAL): every pool container is idle, in the pool or bound to a tenant.
     kill_idle_containers("label=sandcell.pool=1").await;
     // Found out without a job asking (the pool looks every second), and replaced. (Under
     // gVisor a sandbox's teardown took up to 6 s beside the first one's replacement.)
-    let found = eventually(Duration::from_secs(30), || async { lost().await.filter(|n| *n - lost_before >= 2.0) }).await;
+    let found = eventually(Duration::from_secs(30), || async { warm_lost().await.filter(|n| *n - lost_before >= 2.0) }).await;
     assert!(found.is_some(), "the two dead warm kernels were not found out by the pool itself");
     // A one-off job and a new session of new tenants, each of which would take a warm kernel.
     let r = run(&c, &python(&tenant(), "6 * 7")).await;
@@ -355,10 +363,7 @@ async fn warm_kernels_killed_while_they_wait_are_not_handed_jobs() {
 async fn warm_kernels_whose_interpreter_was_killed_while_they_wait_are_not_handed_sessions() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let ready = eventually(Duration::from_secs(120), || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 2.0) }).await;
-    assert!(ready.is_some(), "the warm pool did not fill");
-    let lost = || worker_metric("sandcell_idle_sandboxes_lost_total{pool=\"warm\"}");
-    let lost_before = lost().await.expect("the lost sandboxes' counter");
+    let lost_before = full_warm_pool_lost_count().await;
     // Only the kernel process of each (the host's OOM killer): the containers live on until
     // their drivers see it. Nothing else runs now (SERIAL): every pool container is idle.
     let idle =
@@ -368,7 +373,7 @@ async fn warm_kernels_whose_interpreter_was_killed_while_they_wait_are_not_hande
     }
     // Within a second here; under gVisor (its driver polls for the kernel's exit) the first
     // one's replacement starts beside the second's teardown, which then took up to 7 s.
-    let found = eventually(Duration::from_secs(30), || async { lost().await.filter(|n| *n - lost_before >= 2.0) }).await;
+    let found = eventually(Duration::from_secs(30), || async { warm_lost().await.filter(|n| *n - lost_before >= 2.0) }).await;
     assert!(found.is_some(), "the warm kernels without an interpreter were not found out by the pool itself");
     // A new session's first cell runs in a kernel of its own, not one restarted under it.
     let r = run(&c, &open_session(&tenant(), "x = 6 * 7\nx", None)).await;
