@@ -2,9 +2,10 @@
 # build-image.sh: build the sandcell sandbox image without any container registry.
 #
 #   1. base layer  sandcell-sandbox-base:<basehash>
-#      debootstrap --variant=minbase bookworm, then Debian packages from
+#      debootstrap --variant=minbase trixie (SANDBOX_SUITE), then Debian packages from
 #      sandbox/image/packages.txt, user `user` (1000:1000), then `docker import`.
-#      basehash = sha256(packages.txt + BASE_RECIPE_VERSION + STUB_PACKAGES), first 12 hex.
+#      basehash = sha256(packages.txt + BASE_RECIPE_VERSION + STUB_PACKAGES + SANDBOX_SUITE),
+#      first 12 hex.
 #   2. top layer   sandcell-sandbox:<version>
 #      `docker build` (legacy builder, no pull) of sandbox/image/Dockerfile with
 #      sandbox/driver/*.py copied to /opt/sandcell/.
@@ -16,15 +17,22 @@
 #   --print-tag only computes and prints the tag (builds nothing).
 #
 # Environment (defaults):
-#   SANDCELL_DEBIAN_MIRROR  bookworm mirror (first bookworm URI in /etc/apt/sources*,
-#                           else http://deb.debian.org/debian)
+#   SANDCELL_DEBIAN_MIRROR  Debian archive to debootstrap from (default: this machine's apt
+#                           source for the suite, else the one for the machine's own suite:
+#                           a Debian archive carries every suite)
 #   SANDCELL_BUILD_DIR      scratch dir for the rootfs (/var/tmp/sandcell-image-build)
 #   SANDCELL_LOG_DIR        where the debootstrap/apt log goes (/var/log/sandcell)
 set -euo pipefail
 
 # Bump when the base-building steps below change, to force a new base layer.
-BASE_RECIPE_VERSION=2
+BASE_RECIPE_VERSION=3
+# The engine image's suite (deploy/images/build.sh): that of the hosts it is built for.
 SUITE=bookworm
+# The sandbox's suite: Debian 13, for its Python 3.13. From 3.12 on, CPython leaves the
+# reference counts of immortal objects unwritten, and the kernel makes the zygote's objects
+# immortal before it forks jobs (sandcell_kernel.immortalize): a fresh job's process then
+# no longer copies every page holding an object it only reads (ARCHITECTURE.md, one-off jobs).
+SANDBOX_SUITE=trixie
 # Debian's python3-scipy hard-depends on python3-pythran, a build-time compiler
 # that drags gcc, g++, boost and BLAS headers (~530 MB) into the image. scipy
 # never imports it at run time, so an empty stand-in package satisfies apt.
@@ -49,6 +57,7 @@ base_hash() {
         cat "$PACKAGES_FILE"
         echo "BASE_RECIPE_VERSION=$BASE_RECIPE_VERSION"
         echo "STUB_PACKAGES=$STUB_PACKAGES"
+        echo "SANDBOX_SUITE=$SANDBOX_SUITE"
     } | sha12
 }
 
@@ -87,6 +96,25 @@ mirror_for_suite() {
     echo "$m"
 }
 
+# This machine's own Debian suite (its /etc/os-release), e.g. bookworm.
+host_suite() {
+    (. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
+}
+
+# The archive URI for suite $1: this machine's source for it, else its source for the suite
+# of the same kind (main or -security) of the machine's own release. A Debian archive
+# carries every suite, so the host's configured archive serves another release too.
+archive_for_suite() {
+    local suite=$1 m host kind=""
+    m=$(mirror_for_suite "$suite")
+    if [ -z "$m" ]; then
+        host=$(host_suite)
+        case $suite in *-security) kind=-security ;; esac
+        [ -n "$host" ] && m=$(mirror_for_suite "$host$kind")
+    fi
+    echo "$m"
+}
+
 # Run a command inside the rootfs with a clean environment (the host's PATH and
 # Python variables must not leak into package scripts).
 in_root() {
@@ -114,15 +142,16 @@ cleanup_mounts() {
     if [ -n "${ROOT:-}" ] && mountpoint -q "$ROOT/proc"; then umount "$ROOT/proc" || true; fi
 }
 
-# A Debian $SUITE root filesystem in directory $1 (set as ROOT), from this machine's own apt
-# sources, ready for in_root: /proc mounted, docs excluded, no service may start. Used for the
-# sandbox's base and for the worker pod's engine image (deploy/images/build.sh).
+# A Debian root filesystem of suite $2 (default $SUITE) in directory $1 (set as ROOT), from
+# this machine's own apt sources, ready for in_root: /proc mounted, docs excluded, no service
+# may start. Used for the sandbox's base and for the worker pod's engine image
+# (deploy/images/build.sh).
 debian_rootfs() {
-    local mirror security
+    local mirror security suite=${2:-$SUITE}
     # Package sources are the machine's own (its apt configuration), never a host named here.
-    mirror=${SANDCELL_DEBIAN_MIRROR:-$(mirror_for_suite "$SUITE")}
-    [ -n "$mirror" ] || die "no apt source for $SUITE in this machine's configuration; set SANDCELL_DEBIAN_MIRROR"
-    security=$(mirror_for_suite "$SUITE-security")
+    mirror=${SANDCELL_DEBIAN_MIRROR:-$(archive_for_suite "$suite")}
+    [ -n "$mirror" ] || die "no Debian archive in this machine's apt configuration; set SANDCELL_DEBIAN_MIRROR"
+    security=$(archive_for_suite "$suite-security")
     command -v debootstrap >/dev/null || die "debootstrap is not installed (apt-get install debootstrap)"
 
     ROOT=$1
@@ -132,17 +161,17 @@ debian_rootfs() {
     rm -rf "$ROOT"
     mkdir -p "$ROOT" "$LOG_DIR"
     BUILD_LOG=$LOG_DIR/image-build.log
-    log "debootstrap $SUITE from $mirror into $ROOT (log: $BUILD_LOG)"
-    debootstrap --variant=minbase "$SUITE" "$ROOT" "$mirror" >>"$BUILD_LOG" 2>&1 \
+    log "debootstrap $suite from $mirror into $ROOT (log: $BUILD_LOG)"
+    debootstrap --variant=minbase "$suite" "$ROOT" "$mirror" >>"$BUILD_LOG" 2>&1 \
         || die "debootstrap failed, see $BUILD_LOG"
 
     # Updates and security fixes, from the same mirrors the host uses.
     {
-        echo "deb $mirror $SUITE main"
-        echo "deb $mirror $SUITE-updates main"
-        if [ -n "$security" ]; then echo "deb $security $SUITE-security main"; fi
+        echo "deb $mirror $suite main"
+        echo "deb $mirror $suite-updates main"
+        if [ -n "$security" ]; then echo "deb $security $suite-security main"; fi
     } >"$ROOT/etc/apt/sources.list"
-    [ -n "$security" ] || log "no $SUITE-security source in this machine's apt configuration: the image gets no security updates"
+    [ -n "$security" ] || log "no $suite-security source in this machine's apt configuration: the image gets no security updates"
     # Keep docs and man pages out of the image (they are never read in a container).
     cat >"$ROOT/etc/dpkg/dpkg.cfg.d/01-sandcell-nodoc" <<'EOF'
 path-exclude /usr/share/doc/*
@@ -193,7 +222,7 @@ import_rootfs() {
 
 build_base() {
     local tag=$1
-    debian_rootfs "$BUILD_DIR/rootfs"
+    debian_rootfs "$BUILD_DIR/rootfs" "$SANDBOX_SUITE"
 
     local pkgs
     pkgs=$(grep -Ev '^[[:space:]]*(#|$)' "$PACKAGES_FILE" | tr '\n' ' ')
@@ -209,7 +238,7 @@ build_base() {
         'import IPython, numpy, pandas, scipy.optimize, matplotlib.pyplot, reportlab, openpyxl' \
         >>"$BUILD_LOG" 2>&1 || die "import smoke test failed, see $BUILD_LOG"
 
-    import_rootfs "$tag" "sandcell base $SUITE recipe $BASE_RECIPE_VERSION"
+    import_rootfs "$tag" "sandcell base $SANDBOX_SUITE recipe $BASE_RECIPE_VERSION"
 }
 
 build_top() {

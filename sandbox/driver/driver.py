@@ -40,7 +40,7 @@ Driver diagnostics go to a private duplicate of the original stderr.
 
 Driver -> worker
 ----------------
-ready           {"driver_version": 5, "python": "3.11.2", "ipython": "8.5.0",
+ready           {"driver_version": 5, "python": "3.13.5", "ipython": "8.35.0",
                  "preloaded": [module names], "startup_ms": float,
                  "kernel_isolated": bool}
                 sent once, before the first request is read.  preloaded:
