@@ -531,8 +531,10 @@ class Kernel:
             return self.standby[0]  # still unused: the last request ran no cell
         if not self.collapsed:
             # Once, before the first standby (so not on a job's path, and only in a sandbox
-            # that forks): fork and a job's exit cost per page table entry of the zygote.
+            # that forks): a job's process then writes fewer of the zygote's pages (each it
+            # writes is copied), and fork and a job's exit cost per page table entry of it.
             self.collapsed = True
+            immortalize(self.channel.log)
             collapse_to_huge_pages(self._libc, self.channel.log)
         go_r, go_w = os.pipe()
         try:
@@ -986,6 +988,50 @@ def _reseed_after_fork():
             numpy.random.seed()
         except Exception:
             pass
+
+
+# The reference count that marks an object immortal in CPython 3.12 and 3.13 (64-bit builds
+# with the GIL): _Py_IMMORTAL_REFCNT, UINT_MAX; an object is immortal when the low 32 bits of
+# its count, read as a signed integer, are negative. Python 3.14 changed the representation.
+IMMORTAL_REFCNT = 0xFFFFFFFF
+
+
+def immortalize(log):
+    """Make every object the zygote holds now immortal, so that a forked job's process that
+    only reads one no longer writes to it. CPython counts the references to an object in the
+    object itself: reading a module's function, a type, a name, writes their counts, and each
+    page so written is copied into the job's process (copy on write). From 3.12 on an immortal
+    object's count is never written (PEP 683); CPython makes only its static objects immortal,
+    this makes the zygote's whole heap so: what the modules preloaded, the shell and the
+    warm-up created. They are never freed, which changes nothing in a zygote, whose objects
+    live as long as it does (and are frozen for the collector already); objects created after
+    this are as before. Best effort: other versions or builds are left as they are.
+    Measured in the sandbox image (Python 3.13) on a 2-core VM: a fresh `1+1` job's page faults
+    948 -> 598, its process's CPU 7.4 -> 5.6 ms (docs/benchmarks/speed-check.md, round 13)."""
+    free_threaded = not getattr(sys, "_is_gil_enabled", lambda: True)()
+    if sys.version_info[:2] not in ((3, 12), (3, 13)) or free_threaded \
+            or ctypes.sizeof(ctypes.c_ssize_t) != 8 or sys.byteorder != "little":
+        return
+    started = time.monotonic()
+    count = ctypes.c_int32.from_address
+    whole = ctypes.c_ssize_t.from_address
+    referents = gc.get_referents
+    # The frozen generation is not listed by get_objects: thaw, walk, freeze again.
+    gc.unfreeze()
+    marked = 0
+    todo = gc.get_objects()
+    while todo:
+        found = []
+        for obj in todo:
+            address = id(obj)
+            if count(address).value < 0:
+                continue  # immortal already (or marked here: each object is walked once)
+            whole(address).value = IMMORTAL_REFCNT
+            marked += 1
+            found += referents(obj)
+        todo = found
+    gc.freeze()
+    log("immortal: %d objects in %d ms" % (marked, (time.monotonic() - started) * 1000))
 
 
 # madvise(2) advice: MADV_HUGEPAGE (14), MADV_COLLAPSE (25, Linux 6.1).

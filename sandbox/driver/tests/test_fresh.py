@@ -9,6 +9,7 @@ import os
 import re
 import tempfile
 import signal
+import sys
 import time
 import unittest
 
@@ -213,6 +214,16 @@ class TestSessionCells(DriverTestCase):
         self.run_ok("kept = 41", fresh=False)
         frames = self.run_ok("kept + 1")
         self.assertEqual(of_type(frames, "execute_result")[0]["data"]["text/plain"], "42")
+
+
+    def test_a_sessions_kernel_keeps_its_objects_mortal(self):
+        # Only a kernel that forks jobs makes its objects immortal (sandcell_kernel.immortalize):
+        # a session's kernel frees what its cells drop, preloaded objects included.
+        frames = self.run_ok("import sys, json\nprint(sys.getrefcount(json.dumps) < 2**31)", fresh=False)
+        self.assertEqual(stream_text(frames, "stdout"), "True\n")
+
+
+IMMORTALS = sys.version_info[:2] in ((3, 12), (3, 13))
 
 
 class TestFreshProcessDeath(unittest.TestCase):
@@ -702,6 +713,31 @@ class TestFreshPreloaded(unittest.TestCase):
             self.assertEqual(stream_text(frames, "stdout"), "1\n", "the figure's text loaded a font")
             images = [f["data"]["image/png"] for f in of_type(frames, "display_data") if "image/png" in f["data"]]
             self.assertEqual(len(images), 1, json.dumps(frames)[:2000])
+
+    @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
+    def test_jobs_after_the_first_find_the_kernels_objects_immortal_and_their_own_not(self):
+        # Before its first standby the kernel makes every object it holds immortal: a job that
+        # reads a preloaded module's objects no longer writes (and so copies) their pages.
+        probe = ("import sys, json, numpy, matplotlib.pyplot as plt\n"
+                 "mine = object()\n"
+                 "print([sys.getrefcount(o) >= 2**32 - 1 for o in (numpy, numpy.add, json.dumps, plt.plot, mine)])")
+        self.run_fresh("1")
+        self.assertEqual(self.run_fresh(probe), "[True, True, True, True, False]\n")
+        self.assertEqual(self.run_fresh(probe), "[True, True, True, True, False]\n")
+        self.diag.seek(0)
+        said = re.findall(r"immortal: (\d+) objects", self.diag.read().decode("utf-8", "replace"))
+        self.assertEqual(len(said), 1, "made immortal once, before the first standby")
+        self.assertGreater(int(said[0]), 100000)
+
+    @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
+    def test_a_job_that_drops_every_module_leaves_the_next_its_libraries(self):
+        # Immortal objects are never freed: a job that lets go of them frees nothing of the
+        # kernel's, and changes nothing the next job finds.
+        self.run_fresh("1")
+        # However that job itself ends (its own machinery may need a module it dropped).
+        self.driver.execute("import sys, gc\nfor name in list(sys.modules):\n    del sys.modules[name]\n"
+                            "gc.collect()\nprint('dropped')", fresh=True)
+        self.assertEqual(self.run_fresh("import numpy, json\nprint(int(numpy.add(2, 3)), json.dumps([1]))"), "5 [1]\n")
 
     def test_the_kernel_that_forks_jobs_is_backed_by_huge_pages_after_its_first_job(self):
         if not _huge_pages_expected():
