@@ -784,6 +784,29 @@ def _killpg(pgid, sig):
 
 
 
+# matplotlib's font list as the image's build left it (sandbox/build-image.sh MPL_FONT_CACHE).
+MPL_FONT_CACHE = "/usr/local/share/sandcell/matplotlib"
+
+
+def seed_font_cache(log):
+    """Copy the image's prebuilt font list into this sandbox's MPLCONFIGDIR (a fresh tmpfs),
+    where matplotlib looks for it: else its first import scans every font file of the image.
+    Best effort: without it matplotlib builds the list itself, as before."""
+    target = os.environ.get("MPLCONFIGDIR")
+    try:
+        names = [n for n in os.listdir(MPL_FONT_CACHE) if n.startswith("fontlist-") and n.endswith(".json")]
+        if not target or not names:
+            return
+        os.makedirs(target, exist_ok=True)
+        for name in names:
+            if not os.path.exists(os.path.join(target, name)):
+                with open(os.path.join(MPL_FONT_CACHE, name), "rb") as src, \
+                        open(os.path.join(target, name), "xb") as dst:
+                    dst.write(src.read())
+    except OSError as exc:
+        log("no prebuilt font list: %r" % (exc,))
+
+
 def preload(spec, log):
     """Import the comma-separated modules in spec (SANDCELL_PRELOAD) into
     sys.modules, binding no names in the user namespace; return the names
@@ -1144,6 +1167,7 @@ def main(req_fd, rep_fd, ctl_fd):
     # cell, so the "non-GUI backend" warning is just noise.
     warnings.filterwarnings("ignore", message=".*non-GUI backend.*")
     warnings.filterwarnings("ignore", message=".*is non-interactive, and thus cannot be shown.*")
+    seed_font_cache(log)
     shell = create_shell()
     import IPython
 

@@ -94,5 +94,27 @@ class TestPreload(unittest.TestCase):
             self.assertIn("preload of %r failed" % name, log)
 
 
+PREBUILT_FONT_LIST = "/usr/local/share/sandcell/matplotlib"
+
+
+class TestFontList(unittest.TestCase):
+    @unittest.skipUnless(os.path.isdir(PREBUILT_FONT_LIST), "not in the sandbox image")
+    def test_a_kernel_starts_with_the_images_font_list_in_its_matplotlib_directory(self):
+        # The image's build leaves matplotlib's font list; each kernel copies it into its own
+        # (empty) MPLCONFIGDIR, so that its first matplotlib import does not scan every font.
+        # Nothing here imports matplotlib: the kernel itself put the list there.
+        config = "/tmp/sandcell-test-mpl-%d" % os.getpid()
+        driver = DriverProcess({"SANDCELL_PRELOAD": "", "MPLCONFIGDIR": config})
+        try:
+            frames = driver.execute("import sys, os\nprint('matplotlib' in sys.modules, sorted(os.listdir(%r)))" % config)
+        finally:
+            driver.close()
+        listed = sorted(n for n in os.listdir(PREBUILT_FONT_LIST) if n.startswith("fontlist-"))
+        self.assertEqual(len(listed), 1, listed)
+        self.assertEqual(stream_text(frames, "stdout"), "False %r\n" % listed)
+        with open(os.path.join(config, listed[0]), "rb") as copied, open(os.path.join(PREBUILT_FONT_LIST, listed[0]), "rb") as built:
+            self.assertEqual(copied.read(), built.read())
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
