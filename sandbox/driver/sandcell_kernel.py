@@ -1039,21 +1039,31 @@ def immortalize(log):
     count = ctypes.c_int32.from_address
     whole = ctypes.c_ssize_t.from_address
     referents = gc.get_referents
-    # The frozen generation is not listed by get_objects: thaw, walk, freeze again.
+    # The frozen generation is not listed by get_objects: thaw, walk, freeze again; no
+    # collection meanwhile (it would visit every thawed object for nothing).
+    collecting = gc.isenabled()
+    gc.disable()
     gc.unfreeze()
     marked = 0
-    todo = gc.get_objects()
-    while todo:
-        found = []
-        for obj in todo:
-            address = id(obj)
-            if count(address).value < 0:
-                continue  # immortal already (or marked here: each object is walked once)
-            whole(address).value = IMMORTAL_REFCNT
-            marked += 1
-            found += referents(obj)
-        todo = found
-    gc.freeze()
+    try:
+        todo = gc.get_objects()
+        while todo:
+            found = []
+            for obj in todo:
+                address = id(obj)
+                if count(address).value < 0:
+                    continue  # immortal already (or marked here: each object is walked once)
+                whole(address).value = IMMORTAL_REFCNT
+                marked += 1
+                found += referents(obj)
+            todo = found
+    except Exception as exc:  # MemoryError, say: what is marked stays so, the rest is as before
+        log("immortal: stopped after %d objects: %r" % (marked, exc))
+        return
+    finally:
+        gc.freeze()
+        if collecting:
+            gc.enable()
     log("immortal: %d objects in %d ms" % (marked, (time.monotonic() - started) * 1000))
 
 
