@@ -1109,8 +1109,15 @@ class Driver:
         run_id = "run-%d-%s" % (self._runs, secrets.token_hex(8))
         self.running = run_id
         try:
-            self.kernel.send({"type": "run", "id": run_id, "language": language, "code": code, "fresh": fresh,
-                              "env": env or {}, "context": context})
+            body = {"id": run_id, "language": language, "code": code, "env": env or {}, "context": context}
+            if fresh:
+                # The zygote reads only the first frame and the job's own process the second:
+                # the code and environment never enter the zygote, whose memory the next job's
+                # process starts from (sandcell_kernel's docstring).
+                self.kernel.send({"type": "run", "id": run_id, "fresh": True})
+                self.kernel.send(dict(body, type="run_body"))
+            else:
+                self.kernel.send(dict(body, type="run", fresh=False))
             exit_code, error_errno = self.forward(req_id, run_id, language)
             return run_id, exit_code, error_errno
         except KernelGone as exc:

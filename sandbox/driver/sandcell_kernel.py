@@ -55,13 +55,20 @@ purge           {"nonce"}   after a fresh run (its process gone): end every
 
 Driver -> kernel, on the request pipe (REQ_FD)
 ----------------------------------------------
-run             {"id", "language": "python"|"bash", "code", "fresh": bool}
-                fresh: run the cell in a child forked for it (a one-off
-                job), which exits after its cell_done: this process -- the
-                zygote, with its pre-imported modules and a pristine
+run             {"id", "language": "python"|"bash", "code", "env",
+                 "context", "fresh": false}   a session's cell, run here.
+run             {"id", "fresh": true}, then at once
+run_body        {"id", "language", "code", "env", "context"}
+                a fresh run: the cell runs in a child forked for it (a
+                one-off job), which exits after its cell_done: this process
+                -- the zygote, with its pre-imported modules and a pristine
                 namespace -- never runs user code, so nothing one job does
                 to the interpreter (variables, modules, builtins,
-                environment, sys.path, threads) reaches the next.
+                environment, sys.path, threads) reaches the next.  The
+                zygote reads only the first frame; the child reads the body
+                itself, from the request pipe: the job's code and
+                environment never enter the memory of the zygote, which the
+                next job's process is forked from.
 ack             {}  the rich output or error just sent was forwarded (the
                 kernel waits for it, so output it prints later cannot be
                 framed before that frame)
@@ -424,8 +431,9 @@ class Kernel:
             # The processes the driver killed after the last cell were children of this
             # process: reap them (as a notebook's kernel would never need to).
             _reap_children()
-            if req.get("fresh"):
-                self.run_fresh(req)
+            if req.get("fresh") is True:
+                # Only the run's id: its code and environment are for its own process to read.
+                self.run_fresh(str(req.get("id")))
             else:
                 self.run_cell(req)
 
@@ -461,21 +469,22 @@ class Kernel:
         self.channel.send({"type": "cell_done", "id": req["id"], "exit_code": exit_code,
                            "execution_count": self.execution_count, "errno": self.last_error_errno})
 
-    def run_fresh(self, req):
-        """Run the cell in a child forked for it (the standby, when there is
-        one); this process waits, then says how the child ended (child_exit),
-        unless the driver purged meanwhile.  The child never returns here.
+    def run_fresh(self, run_id):
+        """Run the fresh run run_id in a child forked for it (the standby, when
+        there is one), which reads the run's body itself; this process waits,
+        then says how the child ended (child_exit), unless the driver purged
+        meanwhile.  The child never returns here.
 
         While it waits it answers the control pipe (never the request pipe:
         the child reads its acks there): after the job's done the driver
         purges and asks for the next job's standby while the job's process
         may still be being torn down (its memory unmapped, milliseconds),
         which then no longer delays that standby."""
-        pid = self.hand_to_standby(req)
+        pid = self.hand_to_standby(run_id)
         if pid is None:
             pid = self.channel.fork_heir()
             if pid == 0:
-                self.run_as_child(req)
+                self.run_as_child(run_id)
         exited = self.exit_watch = _exit_watch(pid)
         purged = False
         try:
@@ -502,16 +511,26 @@ class Kernel:
                 os.close(exited)
         if not purged:
             status = None if wait_status is None else os.waitstatus_to_exitcode(wait_status)
-            self.channel.send({"type": "child_exit", "id": req["id"], "status": status})
+            self.channel.send({"type": "child_exit", "id": run_id, "status": status})
 
-    def run_as_child(self, req, reseeded=False):
-        """A fresh run's process: run the cell, then exit (never returns).
-        reseeded: a standby that drew its own random state while it waited."""
+    def read_body(self, run_id):
+        """The body of fresh run run_id, the next frame of the request pipe."""
+        payload = self.channel.recv()
+        body = json.loads(payload) if payload is not None else None
+        if not isinstance(body, dict) or body.get("type") != "run_body" or body.get("id") != run_id:
+            raise ValueError("expected the body of %s on the request pipe" % run_id)
+        body["fresh"] = True
+        return body
+
+    def run_as_child(self, run_id, reseeded=False):
+        """A fresh run's process: read the run's body, run the cell, then exit
+        (never returns).  reseeded: a standby that drew its own random state
+        while it waited."""
         status = 70  # EX_SOFTWARE: the cell's machinery failed
         try:
             if not reseeded:
                 _reseed_after_fork()
-            self.run_cell(req)
+            self.run_cell(self.read_body(run_id))
             status = 0
         except BaseException as exc:
             try:
@@ -555,25 +574,25 @@ class Kernel:
                 warm_up_shell(self.shell)
                 # Its own random state now, off the job's path: this process serves one job.
                 _reseed_after_fork()
-                req = _read_request(go_r)
+                go = _read_request(go_r)
             except BaseException:
                 os._exit(70)
-            if req is None:
+            if go is None:
                 os._exit(0)  # the zygote went, or dropped this standby
-            self.run_as_child(req, reseeded=True)
+            self.run_as_child(go["id"], reseeded=True)
         os.close(go_r)
         self.standby = (pid, go_w)
         return pid
 
-    def hand_to_standby(self, req):
-        """Give req to the standby; its pid, or None when there is none (or
+    def hand_to_standby(self, run_id):
+        """Have the standby run run_id; its pid, or None when there is none (or
         it died: it is then reaped, and the caller forks as before)."""
         if self.standby is None:
             return None
         pid, go_w = self.standby
         self.standby = None
         try:
-            _write_all(go_w, json.dumps(req).encode("utf-8"))
+            _write_all(go_w, json.dumps({"id": run_id}).encode("utf-8"))
             return pid
         except OSError as exc:
             self.channel.log("the standby process is gone (%r): forking anew" % (exc,))

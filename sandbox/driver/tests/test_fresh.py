@@ -283,8 +283,8 @@ class TestFreshHostile(unittest.TestCase):
     def tearDown(self):
         self.driver.close()
 
-    def run_fresh(self, code):
-        frames = self.driver.execute(code, fresh=True)
+    def run_fresh(self, code, **fields):
+        frames = self.driver.execute(code, fresh=True, **fields)
         return frames, done(frames)
 
     def test_changing_the_kernels_limits_makes_the_sandbox_not_reusable(self):
@@ -653,6 +653,41 @@ class TestFreshHostile(unittest.TestCase):
                     self.assertFalse(settled(frames)["reusable"], frames[-2:])
                 finally:
                     pass  # tearDown closes it
+
+    def test_the_next_job_finds_nothing_of_the_last_ones_code_or_environment_in_its_memory(self):
+        # A job's request (its code, its environment: a key, say) reaches only the process that
+        # runs it: the kernel that forks the next job's process never holds it, so the next job,
+        # reading every page of its own memory, finds no trace of it. The secret is searched for
+        # by its hash: the probe itself never holds it.
+        import hashlib
+        import secrets as tokens
+        head, tail = "sk%s" % tokens.token_hex(6), tokens.token_hex(12)
+        secret = head + tail
+        # (Its own memory through ctypes: the process is not dumpable, so not /proc/self/mem.
+        # Anonymous memory, the heap and the stack: where a request's bytes and strings live.)
+        probe = (
+            "import ctypes, hashlib\n"
+            "head, digest, size = %r, %r, %d\n"
+            "found = 0\n"
+            "with open('/proc/self/maps') as f:\n"
+            "    regions = [l.split() for l in f.read().splitlines()]\n"
+            "for r in regions:\n"
+            "    lo, hi = (int(x, 16) for x in r[0].split('-'))\n"
+            "    if not r[1].startswith('rw') or (len(r) > 5 and r[5] not in ('[heap]', '[stack]')):\n"
+            "        continue\n"
+            "    data = ctypes.string_at(lo, hi - lo)\n"
+            "    at = data.find(head.encode())\n"
+            "    while at >= 0:\n"
+            "        found += hashlib.sha256(data[at:at + size]).hexdigest() == digest\n"
+            "        at = data.find(head.encode(), at + 1)\n"
+            "print('found', found)\n"
+        ) % (head, hashlib.sha256(secret.encode()).hexdigest(), len(secret))
+        self.run_fresh("1")  # the sandbox's first job: its kernel forks a standby after it
+        for _ in range(2):  # each job after the secret one: the first in that job's standby
+            frames, d = self.run_fresh("key = %r\nprint(len(key))" % secret, env={"API_KEY": secret})
+            self.assertEqual(stream_text(frames, "stdout"), "%d\n" % len(secret))
+            frames, d = self.run_fresh("import os\nprint('API_KEY' in os.environ)\n" + probe)
+            self.assertEqual(stream_text(frames, "stdout"), "False\nfound 0\n", json.dumps(frames)[:2000])
 
     def test_each_job_gets_its_own_random_numbers(self):
         code = "import numpy, random\nprint(numpy.random.randint(0, 2**31), random.randint(0, 2**31))"
