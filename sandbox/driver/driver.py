@@ -301,6 +301,9 @@ def set_effective_ids(uid, gid):
 # is still being torn down (the fork's page tables and the pages its warm-up copies: some 8 MiB
 # with numpy, pandas and matplotlib preloaded), with a margin; with less, the fork waits.
 STANDBY_HEADROOM = 64 << 20
+# How long the first standby's ping may take (the zygote's one-off preparation comes first); the
+# worker waits 10 s for a settle in all (worker/src/run.rs SETTLE_WITHIN).
+FIRST_STANDBY_S = 8.0
 
 # The task flag of a thread that has begun to exit (include/linux/sched.h): it runs no code of
 # its own again, not even the rest of a system call.
@@ -820,6 +823,8 @@ class Driver:
         self.running = None
         self.execution_count = 0
         self._runs = 0
+        # Standbys the kernel was asked to fork (settle): the first one's ping waits longer.
+        self.standbys = 0
         # The directories a job can write that outlive it (emptied after a fresh job, never
         # removed: mount points), as they were before any job: see leave_nothing_behind.
         self.kept_directories = {}
@@ -1082,7 +1087,12 @@ class Driver:
         # must answer, as it was when it became ready. It forks the next job's process first
         # (the workspace and /tmp are empty by now): that is what the tenant's next job waits
         # for.
-        settings = self.kernel.ping(standby=True)
+        # The first standby's ping waits longer: before that fork the zygote makes its objects
+        # immortal and its memory huge pages, once (0.3-0.5 s with the default preload here;
+        # more with more libraries), which must not cost the sandbox its reuse. Later pings
+        # take milliseconds; their 2 s is how long a stopped zygote may hold up the verdict.
+        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.standbys else FIRST_STANDBY_S)
+        self.standbys += 1
         with sandbox_user():
             # After the fork, off the next job's path (the standby uses none). A segment still
             # attached by a process of the job that is exiting stays listed until it is gone.

@@ -1038,6 +1038,17 @@ def _reseed_after_fork():
 IMMORTAL_REFCNT = 0xFFFFFFFF
 
 
+def _immortal_layout():
+    """Whether objects here carry CPython 3.12/3.13's immortal count, as immortalize writes it:
+    None's whole count word reads IMMORTAL_REFCNT. It does not in a free-threaded build (whose
+    first word is the owning thread's id, even with the GIL turned on), in 3.14 (another
+    value) or on 32-bit; debug builds check counts and are left alone too."""
+    if sys.version_info[:2] not in ((3, 12), (3, 13)) or hasattr(sys, "gettotalrefcount") \
+            or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return False
+    return ctypes.c_int64.from_address(id(None)).value == IMMORTAL_REFCNT
+
+
 def immortalize(log):
     """Make every object the zygote holds now immortal, so that a forked job's process that
     only reads one no longer writes to it. CPython counts the references to an object in the
@@ -1050,9 +1061,7 @@ def immortalize(log):
     this are as before. Best effort: other versions or builds are left as they are.
     Measured in the sandbox image (Python 3.13) on a 2-core VM: a fresh `1+1` job's page faults
     948 -> 598, its process's CPU 7.4 -> 5.6 ms (docs/benchmarks/speed-check.md, round 13)."""
-    free_threaded = not getattr(sys, "_is_gil_enabled", lambda: True)()
-    if sys.version_info[:2] not in ((3, 12), (3, 13)) or free_threaded \
-            or ctypes.sizeof(ctypes.c_ssize_t) != 8 or sys.byteorder != "little":
+    if not _immortal_layout():
         return
     started = time.monotonic()
     count = ctypes.c_int32.from_address
