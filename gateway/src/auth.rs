@@ -115,6 +115,12 @@ impl FromRequestParts<Arc<Gateway>> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, gw: &Arc<Gateway>) -> Result<Self, ApiError> {
+        Caller::identify(parts, gw).await.map_err(ApiError::before_body)
+    }
+}
+
+impl Caller {
+    async fn identify(parts: &Parts, gw: &Arc<Gateway>) -> Result<Self, ApiError> {
         let Some(key) = header(parts, "x-api-key") else {
             gw.metrics.auth_refused.with_label_values(&["no_key"]).inc();
             return Err(ApiError::unauthorized("no API key: set E2B_API_KEY to a key made by `sandcell-admin key create`"));
@@ -141,6 +147,12 @@ impl FromRequestParts<Arc<Gateway>> for SandboxCaller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, gw: &Arc<Gateway>) -> Result<Self, ApiError> {
+        SandboxCaller::identify(parts, gw).await.map_err(ApiError::before_body)
+    }
+}
+
+impl SandboxCaller {
+    async fn identify(parts: &Parts, gw: &Arc<Gateway>) -> Result<Self, ApiError> {
         let Some(id) = header(parts, "e2b-sandbox-id") else {
             return Err(ApiError::bad_request("no E2b-Sandbox-Id header: point E2B_SANDBOX_URL at the gateway"));
         };

@@ -14,12 +14,23 @@ pub struct ApiError {
     pub status: StatusCode,
     /// Safe to show to the caller.
     pub message: String,
+    /// Answered before the request's body was read ([`ApiError::before_body`]): the connection
+    /// is closed after the answer, and says so.
+    pub closes: bool,
 }
 
 impl ApiError {
     /// An error with this status and message.
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into() }
+        ApiError { status, message: message.into(), closes: false }
+    }
+
+    /// The same error, answered before the request's body was read (an extractor of the
+    /// headers refused it). The server then closes the connection unless the body happens to
+    /// be buffered already; a client that reused it for its next request would see it close
+    /// without an answer (E2B's SDK, under load). `Connection: close` tells it not to.
+    pub fn before_body(self) -> Self {
+        ApiError { closes: true, ..self }
     }
 
     /// 400: the request cannot be served as sent.
@@ -82,6 +93,9 @@ impl From<anyhow::Error> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
+        if self.closes {
+            return (self.status, [(axum::http::header::CONNECTION, "close")], axum::Json(body)).into_response();
+        }
         (self.status, axum::Json(body)).into_response()
     }
 }

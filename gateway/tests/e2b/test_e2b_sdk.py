@@ -9,6 +9,7 @@ loosely fails.
 from __future__ import annotations
 
 import base64
+import socket
 import threading
 import time
 from typing import Dict, List, Set
@@ -301,6 +302,28 @@ def test_sandbox_traffic_without_its_access_token_is_refused(shared_sandbox: San
         )
     assert bare.status_code == 401, bare.text
     assert forged.status_code == 401, forged.text
+
+
+def test_a_request_refused_before_its_body_is_read_closes_its_connection_and_says_so(shared_sandbox: Sandbox) -> None:
+    # Refused on its headers, its body not yet sent: the gateway answers without reading the
+    # body and must not keep the connection for a next request (a client that reused it saw
+    # it close without an answer). Raw HTTP, so the body's arrival is the test's to decide.
+    host, port = GATEWAY_URL.split("//", 1)[1].rsplit(":", 1)
+    head = (
+        "POST /execute HTTP/1.1\r\nHost: %s\r\nE2b-Sandbox-Id: %s\r\nE2b-Sandbox-Port: %s\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" % (host, shared_sandbox.sandbox_id, JUPYTER_PORT)
+    )
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(head.encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = conn.recv(4096)
+            assert chunk, "the gateway closed the connection without an answer: %r" % answer
+            answer += chunk
+    status_line, *header_lines = answer.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip().lower() for k, v in (line.split(":", 1) for line in header_lines)}
+    assert status_line.split()[1] == "401", answer
+    assert headers.get("connection") == "close", answer
 
 
 def test_a_bad_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
