@@ -321,6 +321,14 @@ async fn stopped(container: &str) -> bool {
     .is_some()
 }
 
+/// The tenant's next one-off job succeeds, in another sandbox than `waiting` (which died).
+async fn the_next_job_runs_in_another_sandbox(c: &Client, tenant: &str, waiting: &str) {
+    let next = python(tenant, "2 + 2");
+    let r = run(c, &next).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
+    assert_ne!(container(&next).await, waiting, "the job ran in another sandbox");
+}
+
 #[tokio::test]
 async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
     if under_gvisor() {
@@ -334,10 +342,7 @@ async fn a_tenants_sandbox_killed_while_it_waits_is_not_handed_the_next_job() {
     // Gone while it waits for the tenant's next job (an operator, the host's OOM killer).
     sh(&format!("docker kill {waiting} >/dev/null"));
     assert!(stopped(&waiting).await, "the killed sandbox still runs");
-    let next = python(&t, "2 + 2");
-    let r = run(&c, &next).await;
-    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
-    assert_ne!(container(&next).await, waiting, "the job ran in another sandbox");
+    the_next_job_runs_in_another_sandbox(&c, &t, &waiting).await;
     // Found out, by the reaper's look or at the take (other tests of this binary kill none).
     assert!(lost().await.expect("the lost sandboxes' counter") > lost_before, "the dead sandbox was found out when the job came");
 }
@@ -355,8 +360,5 @@ async fn a_tenants_sandbox_whose_kernel_was_killed_while_it_waits_is_not_handed_
     kill_kernel_of(&waiting);
     // The driver ends when its kernel does, and the sandbox with it.
     assert!(stopped(&waiting).await, "the sandbox whose kernel was killed still runs");
-    let next = python(&t, "2 + 2");
-    let r = run(&c, &next).await;
-    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("4")), "{r:?}");
-    assert_ne!(container(&next).await, waiting, "the job ran in another sandbox");
+    the_next_job_runs_in_another_sandbox(&c, &t, &waiting).await;
 }
