@@ -223,7 +223,7 @@ async fn limits_still_fire_per_job_and_the_tenants_next_job_runs_clean() {
 }
 
 #[tokio::test]
-async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_for_a_start() {
+async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_for_a_start_which_goes_on_in_the_background() {
     if under_gvisor() {
         return; // one-off sandboxes are not reused under gVisor by default
     }
@@ -235,7 +235,7 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
         sub.memory_mb = Some(640);
         sub
     };
-    let first = shaped("import time\ntime.sleep(0.5)\n'first'");
+    let first = shaped("import time\ntime.sleep(0.2)\n'first'");
     c.submit(&first).await.expect("submit");
     let db = service_db().await;
     let running = eventually(JOB_WAIT, || async {
@@ -250,16 +250,6 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     })
     .await;
     assert!(running.is_some(), "the first job never ran");
-    // No sandbox of the tenant waits: the second job starts one, but the first job's comes
-    // back (0.5 s) long before a start (about a second) is ready.
-    let second = shaped("'second'");
-    let r = run(&c, &second).await;
-    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("'second'")), "{r:?}");
-    let first_result = c.wait(&t, &first.job_id, JOB_WAIT).await.expect("first result");
-    assert_eq!(first_result.status, JobStatus::Succeeded, "{first_result:?}");
-    assert_eq!(container(&second).await, container(&first).await, "the second job waited for a start");
-    // The start went on without it, and waits for the tenant's next job: the tenant's next two
-    // jobs run in those two sandboxes, with no third started.
     let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
     let tenants_containers = || async {
         let filters = std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.tenant={t}")])]);
@@ -269,14 +259,70 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
             .expect("list containers");
         list.into_iter().filter_map(|c| c.id).collect::<HashSet<String>>()
     };
-    let both = eventually(JOB_WAIT, || async { Some(tenants_containers().await).filter(|ids| ids.len() == 2) }).await;
-    let both = both.expect("the start that lost did not go on for the tenant");
+    // No sandbox of the tenant waits: the second job starts one, but the first job's comes
+    // back (0.2 s) long before a start (about a second) is ready.
+    let second = shaped("'second'");
+    let r = run(&c, &second).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("'second'")), "{r:?}");
+    let first_result = c.wait(&t, &first.job_id, JOB_WAIT).await.expect("first result");
+    assert_eq!(first_result.status, JobStatus::Succeeded, "{first_result:?}");
+    let first_container = container(&first).await;
+    assert_eq!(container(&second).await, first_container, "the second job waited for a start");
+    // The start went on without it, in the idle CPU class (no job waits for it: it must not
+    // slow running ones), and is back at full weight once it waits for the tenant's next job.
+    let started = eventually(JOB_WAIT, || async { tenants_containers().await.into_iter().find(|id| *id != first_container) }).await;
+    let started = started.expect("the start that lost did not go on for the tenant");
+    let class = cpu_class(&started).expect("the started container's cgroup");
+    assert!(class.idle, "the start no job waits for any more competes with running jobs for CPU: {class:?}");
+    let full = CpuClass { idle: false, full_weight: true };
+    let back = eventually(JOB_WAIT, || async { cpu_class(&started).filter(|c| *c == full) }).await;
+    assert!(back.is_some(), "the started sandbox waits for the tenant's next job in the background: {:?}", cpu_class(&started));
+    let both = HashSet::from([first_container, started]);
     let (third, fourth) = (shaped("import time\ntime.sleep(0.3)"), shaped("import time\ntime.sleep(0.3)"));
     let (r3, r4) = tokio::join!(run(&c, &third), run(&c, &fourth));
     assert_eq!((r3.status, r4.status), (JobStatus::Succeeded, JobStatus::Succeeded));
     // (Whether they ran at once depends on the worker's other jobs: both sandboxes, or one.)
     let used = HashSet::from([container(&third).await, container(&fourth).await]);
     assert!(used.is_subset(&both), "a third sandbox was started: {used:?} beyond {both:?}");
+}
+
+#[tokio::test]
+async fn a_warm_sandbox_waits_in_the_idle_cpu_class_and_runs_its_first_job_at_full_weight() {
+    let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
+    let warm = || async {
+        let filters = std::collections::HashMap::from([("label".to_string(), vec!["sandcell.pool=1".to_string()])]);
+        let list = docker
+            .list_containers(Some(bollard::query_parameters::ListContainersOptions { filters: Some(filters), ..Default::default() }))
+            .await
+            .expect("list containers");
+        list.into_iter().filter_map(|c| c.id).collect::<Vec<String>>()
+    };
+    // A warm sandbox waits in the idle class: its start (the pool's refill) takes only CPU no
+    // job wants. (Those the pool handed out keep its label, at full weight: some must be idle.)
+    let idle = eventually(JOB_WAIT, || async { warm().await.into_iter().find(|id| cpu_class(id).is_some_and(|c| c.idle)) }).await;
+    assert!(idle.is_some(), "no warm sandbox is in the idle class: {:?}", warm().await.iter().map(|id| cpu_class(id)).collect::<Vec<_>>());
+    if under_gvisor() {
+        return; // a one-off job's sandbox is gone after its job: nothing to look at
+    }
+    // A one-off job of the pool's shape takes one, at the class and weight every container
+    // has, and its sandbox then waits for the tenant's next job so. (The other tests take warm
+    // sandboxes too: a job that got a started one is tried again.)
+    let c = client().await;
+    for _ in 0..10 {
+        let job = python(&tenant(), "'taken'");
+        let r = run(&c, &job).await;
+        assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("'taken'")), "{r:?}");
+        let id = container(&job).await;
+        let labels =
+            docker.inspect_container(&id, None::<bollard::query_parameters::InspectContainerOptions>).await.expect("inspect").config.and_then(|c| c.labels);
+        if labels.is_some_and(|l| l.get("sandcell.pool").is_some_and(|v| v == "1")) {
+            let class = cpu_class(&id).expect("the job's container's cgroup");
+            assert_eq!(class, CpuClass { idle: false, full_weight: true }, "the job's sandbox kept the background's class or weight");
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    panic!("no job took a warm sandbox in ten tries");
 }
 
 #[tokio::test]

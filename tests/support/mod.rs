@@ -85,6 +85,28 @@ pub async fn container_of(tenant: &str, job_id: &str) -> Option<String> {
         .flatten()
 }
 
+/// A container's CPU scheduling, as the host's cgroup says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuClass {
+    /// In the idle class (`cpu.idle` 1): it runs only on CPU nothing else wants.
+    pub idle: bool,
+    /// At the weight every container gets by default (cgroup v1 `cpu.shares` 1024, v2 `cpu.weight` 100).
+    pub full_weight: bool,
+}
+
+/// `container_id`'s [`CpuClass`]; `None` where its cgroup is not found on this host.
+pub fn cpu_class(container_id: &str) -> Option<CpuClass> {
+    let root = std::path::PathBuf::from(std::env::var("SANDCELL_CGROUP_ROOT").unwrap_or_else(|_| "/sys/fs/cgroup".into()));
+    let candidates = [
+        (root.join("cpu").join("docker").join(container_id), "cpu.shares", 1024),
+        (root.join("docker").join(container_id), "cpu.weight", 100),
+        (root.join("system.slice").join(format!("docker-{container_id}.scope")), "cpu.weight", 100),
+    ];
+    let (dir, weight, default) = candidates.into_iter().find(|(d, w, _)| d.join(w).is_file())?;
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok().and_then(|s| s.trim().parse::<u64>().ok());
+    Some(CpuClass { idle: read("cpu.idle")? == 1, full_weight: read(weight)? == default })
+}
+
 /// Whether a container with this id still exists (running or not).
 pub async fn container_exists(id: &str) -> bool {
     let Ok(docker) = bollard::Docker::connect_with_defaults() else { return true };

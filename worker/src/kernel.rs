@@ -8,6 +8,8 @@
 //! [`Kernel::run`] never fails: every failure becomes an [`Outcome`], and [`CellRun::alive`]
 //! says whether the kernel can take another cell.
 
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
@@ -99,28 +101,107 @@ pub struct Kernel {
 pub enum Priority {
     /// A job waits for it: the start competes for CPU as any container does.
     Foreground,
-    /// The warm pool's refill: a small share of contended CPU ([`crate::sandbox::cgroup::CpuWeight`])
-    /// and four times the start timeout, so running jobs come first.
+    /// Ahead of demand (the warm pool's refill, or a start its job no longer waits for): the
+    /// idle scheduling class where the kernel has it, else a small share of contended CPU
+    /// ([`crate::sandbox::cgroup::CpuWeight`]), and four times the start timeout, so running
+    /// jobs come first.
     Background,
 }
 
+/// A start's priority, which the one waiting for it may lower while it runs: a one-off job
+/// that started a sandbox and then took one its tenant returned no longer waits for the start
+/// ([`StartPriority::to_background`]); the start goes on, but no longer takes CPU from running
+/// jobs. Cheap to clone: the start holds one, its waiter another.
+#[derive(Clone)]
+pub struct StartPriority {
+    inner: Arc<Mutex<PriorityState>>,
+}
+
+struct PriorityState {
+    priority: Priority,
+    cgroup_root: PathBuf,
+    /// The container, once created.
+    container: Option<String>,
+    /// Held while the container runs in the background, until the kernel takes it.
+    weight: Option<CpuWeight>,
+}
+
+impl StartPriority {
+    /// A start at `priority`, whose container's cgroup is under `cgroup_root`.
+    pub fn new(priority: Priority, cgroup_root: &Path) -> Self {
+        let state = PriorityState { priority, cgroup_root: cgroup_root.to_path_buf(), container: None, weight: None };
+        StartPriority { inner: Arc::new(Mutex::new(state)) }
+    }
+
+    /// From now on, nobody waits for this start: it yields the CPU to running jobs.
+    pub fn to_background(&self) {
+        if let Ok(mut s) = self.inner.lock() {
+            s.priority = Priority::Background;
+            s.lower();
+        }
+    }
+
+    /// The priority now.
+    pub fn get(&self) -> Priority {
+        self.inner.lock().map(|s| s.priority).unwrap_or(Priority::Foreground)
+    }
+
+    /// The start created its container `id` (a retry, another one: what was lowered of the
+    /// last one went with it).
+    fn created(&self, id: &str) {
+        if let Ok(mut s) = self.inner.lock() {
+            s.container = Some(id.to_string());
+            s.weight = None;
+            s.lower();
+        }
+    }
+
+    /// The start is over and its kernel waits for a job: it gets its full weight back, whether
+    /// it was lowered before its driver was ready or after.
+    pub fn end(&self, kernel: &mut Kernel) {
+        kernel.bring_to_foreground();
+        if let Some(weight) = self.take_weight() {
+            weight.restore();
+        }
+    }
+
+    /// The lowered weight, for the kernel to give back when a job takes it.
+    fn take_weight(&self) -> Option<CpuWeight> {
+        self.inner.lock().ok().and_then(|mut s| s.weight.take())
+    }
+}
+
+impl PriorityState {
+    /// Lower the container's weight if it runs in the background and was not lowered yet.
+    fn lower(&mut self) {
+        if let (Priority::Background, Some(id), None) = (self.priority, &self.container, &self.weight) {
+            self.weight = CpuWeight::lower(&self.cgroup_root, id);
+        }
+    }
+}
+
 impl Kernel {
-    /// Create a container for `spec` and wait for its driver's `ready`.
-    pub async fn start(docker: &Docker, settings: &KernelSettings, spec: &SandboxSpec, priority: Priority) -> Result<Kernel> {
+    /// Create a container for `spec` and wait for its driver's `ready`, at `priority`.
+    pub async fn start(docker: &Docker, settings: &KernelSettings, spec: &SandboxSpec, priority: &StartPriority) -> Result<Kernel> {
         let t0 = Instant::now();
         let mut sandbox = Sandbox::start(docker, spec, settings.max_frame, settings.channels.as_ref()).await?;
-        let (weight, timeout) = match priority {
-            Priority::Foreground => (None, settings.start_timeout),
-            Priority::Background => (CpuWeight::lower(&settings.cgroup_root, sandbox.id()), settings.start_timeout * 4),
-        };
-        match tokio::time::timeout(timeout, sandbox.next_event()).await {
+        priority.created(sandbox.id());
+        // A background start may take four times as long: it yields to running jobs. (So may a
+        // start sent to the background while it ran.)
+        let mut budget = settings.start_timeout;
+        let mut ready = tokio::time::timeout(budget, sandbox.next_event()).await;
+        if ready.is_err() && priority.get() == Priority::Background {
+            ready = tokio::time::timeout(budget * 3, sandbox.next_event()).await;
+            budget *= 4;
+        }
+        match ready {
             Ok(Ok(Some(DriverEvent::Ready { driver_version, kernel_isolated: true }))) if driver_version == DRIVER_PROTOCOL_VERSION => {
                 let cgroup = Cgroup::locate(&settings.cgroup_root, sandbox.id());
-                Ok(Kernel { sandbox, cgroup, start_time: t0.elapsed(), weight, priority })
+                Ok(Kernel { sandbox, cgroup, start_time: t0.elapsed(), weight: priority.take_weight(), priority: priority.get() })
             }
             other => {
                 let what = match other {
-                    Err(_) => format!("the sandbox did not become ready within {timeout:?}"),
+                    Err(_) => format!("the sandbox did not become ready within {budget:?}"),
                     Ok(Ok(None)) => "the sandbox exited before it was ready".to_string(),
                     Ok(Ok(Some(DriverEvent::Ready { driver_version, .. }))) if driver_version != DRIVER_PROTOCOL_VERSION => format!(
                         "the sandbox image {} speaks driver protocol {driver_version}, this worker {DRIVER_PROTOCOL_VERSION}: build the image that matches the worker",

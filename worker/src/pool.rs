@@ -10,7 +10,7 @@ use std::time::Duration;
 use bollard::Docker;
 use tokio::sync::Notify;
 
-use crate::kernel::{Kernel, KernelSettings, Priority};
+use crate::kernel::{Kernel, KernelSettings, Priority, StartPriority};
 use crate::metrics::Metrics;
 use crate::sandbox::container::{ContainerShape, SandboxSpec, LABEL_POOL, LABEL_WORKER};
 
@@ -108,7 +108,7 @@ impl WarmPool {
         let mut backoff = Duration::from_millis(500);
         loop {
             while self.len() < inner.target {
-                match Kernel::start(&docker, &settings, &inner.spec, Priority::Background).await {
+                match Kernel::start(&docker, &settings, &inner.spec, &StartPriority::new(Priority::Background, &settings.cgroup_root)).await {
                     Ok(kernel) => {
                         kernel.count_start(&inner.metrics);
                         match inner.kernels.lock() {

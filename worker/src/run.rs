@@ -23,7 +23,7 @@ use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, Job
 
 use crate::bound::Bound;
 use crate::context::{Slot, WorkerContext};
-use crate::kernel::{CellRun, Kernel, OnTimeout, Priority, Stop};
+use crate::kernel::{CellRun, Kernel, OnTimeout, Priority, StartPriority, Stop};
 use crate::ledger::Disposition;
 use crate::outcome::{Extras, Outcome};
 use crate::sandbox::container::{ContainerShape, SandboxSpec, LABEL_JOB, LABEL_SESSION, LABEL_TENANT, LABEL_WORKER};
@@ -287,13 +287,14 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
 /// one, but take one of the tenant's sandboxes if another job of the tenant returns it first (a
 /// job takes milliseconds, a start about a second of CPU: in a burst, a job waited up to 3.7 s
 /// for a start while its tenant's sandboxes went back idle). A start that lost goes on without
-/// the job and waits, bound to the tenant, for its next job: the burst grows the tenant's
-/// sandboxes as before, and no job waits for it.
+/// the job, in the background ([`StartPriority::to_background`]), and waits, bound to the tenant,
+/// for its next job: the burst grows the tenant's sandboxes as before, and neither a job nor
+/// the burst's CPU waits for it.
 ///
 /// At most one start per tenant and shape is in flight ([`crate::bound::BoundPool::start_ticket`]):
 /// a job that finds one waits for a return or for that start's end, then looks again.
 async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: SandboxSpec, shape: ContainerShape, _slot: &Slot) -> Result<Bound> {
-    let mut starting: Option<(tokio::task::JoinHandle<Result<Kernel>>, crate::bound::InFlight)> = None;
+    let mut starting: Option<(tokio::task::JoinHandle<Result<Kernel>>, StartPriority, crate::bound::InFlight)> = None;
     // A settle takes milliseconds; one that takes longer (a job that left a great many files)
     // is not waited for past this, while the job holds its slot.
     let settles_until = tokio::time::Instant::now() + SETTLE_WAIT;
@@ -302,12 +303,15 @@ async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: Sandbox
         tokio::pin!(returned);
         returned.as_mut().enable();
         if let Some(bound) = ctx.bound.take(tenant, &shape) {
-            if let Some((handle, ticket)) = starting.take() {
-                // The start goes on without this job; its sandbox waits for the tenant's next.
+            if let Some((handle, priority, ticket)) = starting.take() {
+                // The start goes on without this job, in the background (no job waits for it,
+                // so it takes no CPU running jobs want); its sandbox waits for the tenant's next.
+                priority.to_background();
                 let (pool, tenant, shape) = (ctx.bound.clone(), tenant.to_string(), shape.clone());
                 tokio::spawn(async move {
                     match handle.await {
-                        Ok(Ok(kernel)) => {
+                        Ok(Ok(mut kernel)) => {
+                            priority.end(&mut kernel);
                             pool.count_new();
                             pool.keep(Bound::new(kernel, &tenant, shape)).await;
                         }
@@ -330,12 +334,14 @@ async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: Sandbox
                 return Ok(Bound::new(kernel, tenant, shape));
             }
             if let Some(ticket) = ctx.bound.start_ticket(tenant, &shape) {
-                let start = start_kernel(ctx.docker.clone(), ctx.cfg.kernel.clone(), spec.clone(), ctx.cfg.sandbox_start_tries, ctx.metrics.clone());
-                starting = Some((tokio::spawn(start), ticket));
+                let priority = StartPriority::new(Priority::Foreground, &ctx.cfg.kernel.cgroup_root);
+                let start =
+                    start_kernel(ctx.docker.clone(), ctx.cfg.kernel.clone(), spec.clone(), ctx.cfg.sandbox_start_tries, ctx.metrics.clone(), priority.clone());
+                starting = Some((tokio::spawn(start), priority, ticket));
             }
         }
         match starting.as_mut() {
-            Some((handle, _)) => tokio::select! {
+            Some((handle, _, _)) => tokio::select! {
                 started = handle => {
                     let kernel = started.context("the sandbox start was lost")??;
                     ctx.bound.count_new();
@@ -357,21 +363,24 @@ pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec, _slot: &Slot) -
     if let Some(k) = ctx.pool.take(&spec.shape()) {
         return Ok(k);
     }
-    start_kernel(ctx.docker.clone(), ctx.cfg.kernel.clone(), spec.clone(), ctx.cfg.sandbox_start_tries, ctx.metrics.clone()).await
+    let priority = StartPriority::new(Priority::Foreground, &ctx.cfg.kernel.cgroup_root);
+    start_kernel(ctx.docker.clone(), ctx.cfg.kernel.clone(), spec.clone(), ctx.cfg.sandbox_start_tries, ctx.metrics.clone(), priority).await
 }
 
-/// Start a kernel for `spec` (a job waits for it), replacing one that fails to start up to
-/// `tries` times. Owns its arguments, so it can run on as a task of its own.
+/// Start a kernel for `spec` at `priority` (a job waits for it, unless the job sends it to the
+/// background), replacing one that fails to start up to `tries` times. Owns its arguments, so
+/// it can run on as a task of its own.
 async fn start_kernel(
     docker: bollard::Docker,
     settings: crate::kernel::KernelSettings,
     spec: SandboxSpec,
     tries: u32,
     metrics: crate::metrics::Metrics,
+    priority: StartPriority,
 ) -> Result<Kernel> {
     let mut attempt = 1;
     loop {
-        match Kernel::start(&docker, &settings, &spec, Priority::Foreground).await {
+        match Kernel::start(&docker, &settings, &spec, &priority).await {
             Ok(k) => {
                 k.count_start(&metrics);
                 return Ok(k);

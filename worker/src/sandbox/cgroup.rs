@@ -12,11 +12,14 @@
 //!   for the container's life. A peak that could not be reset is not reported: a lifetime
 //!   high-water mark is not this cell's.
 //!
-//! - **CPU weight.** A warm-pool kernel starts in the background: [`CpuWeight::lower`] gives
-//!   its container a small share of contended CPU (cgroup v2 `cpu.weight`, v1 `cpu.shares`)
-//!   while it imports its libraries, so the refill after a burst's takes does not slow the
-//!   burst's jobs; [`CpuWeight::restore`] gives back the weight it had when it is handed out.
-//!   Weights only divide CPU that is contended: on an idle machine the refill runs at full speed.
+//! - **CPU weight.** A warm-pool kernel starts in the background, and so does a one-off
+//!   sandbox whose job took another meanwhile: [`CpuWeight::lower`] puts its container in the
+//!   idle scheduling class (`cpu.idle`, Linux 5.15+), whose tasks run only on CPU no other task
+//!   wants, and gives it a small share of contended CPU (cgroup v2 `cpu.weight`, v1
+//!   `cpu.shares`; all that is left where there is no idle class) while it imports its
+//!   libraries, so the starts after a burst's takes do not slow the burst's jobs;
+//!   [`CpuWeight::restore`] gives back the class and weight it had when it is handed out. On
+//!   an idle machine the start runs at full speed.
 //!
 //! All of it needs the host's cgroup filesystem at `SANDCELL_CGROUP_ROOT` (default
 //! `/sys/fs/cgroup`), writable for the peak's reset — true for a worker running on the host
@@ -35,6 +38,9 @@ pub struct CpuWeight {
     file: PathBuf,
     /// What the file said before it was lowered, written back by [`CpuWeight::restore`].
     before: String,
+    /// The cgroup's `cpu.idle`, set to 1, where the kernel has it (Linux 5.15+, cgroup v1 and
+    /// v2): its tasks then run only on CPU no other task wants.
+    idle: Option<PathBuf>,
 }
 
 /// The weight of a background start, out of the default 100 (cgroup v2; v1's shares are scaled
@@ -52,17 +58,29 @@ impl CpuWeight {
         ];
         let (file, value) = candidates.into_iter().find(|(f, _)| f.is_file())?;
         let before = std::fs::read_to_string(&file).ok()?.trim().to_string();
-        match std::fs::write(&file, value.to_string()) {
-            Ok(()) => Some(CpuWeight { file, before }),
+        if let Err(e) = std::fs::write(&file, value.to_string()) {
+            tracing::debug!(container_id, file = %file.display(), error = %e, "cannot lower a background start's CPU weight");
+            return None;
+        }
+        // After the weight: a cgroup in the idle class refuses a new one.
+        let idle = file.with_file_name("cpu.idle");
+        let idle = match std::fs::write(&idle, "1") {
+            Ok(()) => Some(idle),
             Err(e) => {
-                tracing::debug!(container_id, file = %file.display(), error = %e, "cannot lower a background start's CPU weight");
+                tracing::debug!(container_id, file = %idle.display(), error = %e, "no idle class for a background start; its weight alone is lowered");
                 None
             }
-        }
+        };
+        Some(CpuWeight { file, before, idle })
     }
 
-    /// Give the container back the weight it had before [`CpuWeight::lower`].
+    /// Give the container back the class and weight it had before [`CpuWeight::lower`].
     pub fn restore(self) {
+        if let Some(idle) = &self.idle {
+            if let Err(e) = std::fs::write(idle, "0") {
+                tracing::warn!(file = %idle.display(), error = %e, "cannot take a warm kernel out of the idle class");
+            }
+        }
         if let Err(e) = std::fs::write(&self.file, &self.before) {
             tracing::warn!(file = %self.file.display(), error = %e, "cannot restore a warm kernel's CPU weight");
         }
