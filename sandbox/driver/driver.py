@@ -174,6 +174,9 @@ SANDCELL_PRELOAD    comma-separated module names (e.g.
                     left out of "preloaded".  If matplotlib got imported, a
                     throwaway figure is rendered (outside pyplot) so a cell's
                     first figure costs no more than later ones.
+SANDCELL_PREPARE_BUDGET_MS  longest the kernel's one-off preparation before its
+                    first standby may take (default 3000; see sandcell_kernel.py
+                    PREPARE_BUDGET_MS): what is not done by then is left undone.
 SANDCELL_CHANNEL    a Unix socket the worker listens on (worker/src/sandbox/
                     channel.rs): the driver connects to it before the kernel
                     exists and speaks the protocol there instead of on its
@@ -301,8 +304,9 @@ def set_effective_ids(uid, gid):
 # is still being torn down (the fork's page tables and the pages its warm-up copies: some 8 MiB
 # with numpy, pandas and matplotlib preloaded), with a margin; with less, the fork waits.
 STANDBY_HEADROOM = 64 << 20
-# How long the first standby's ping may take (the zygote's one-off preparation comes first); the
-# worker waits 10 s for a settle in all (worker/src/run.rs SETTLE_WITHIN).
+# How long the first standby's ping may take (the zygote's one-off preparation comes first, and
+# stops at its budget, SANDCELL_PREPARE_BUDGET_MS, 3 s by default); the worker waits 10 s for a
+# settle in all (worker/src/run.rs SETTLE_WITHIN).
 FIRST_STANDBY_S = 8.0
 
 # The task flag of a thread that has begun to exit (include/linux/sched.h): it runs no code of

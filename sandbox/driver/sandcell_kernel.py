@@ -553,8 +553,9 @@ class Kernel:
             # that forks): a job's process then writes fewer of the zygote's pages (each it
             # writes is copied), and fork and a job's exit cost per page table entry of it.
             self.collapsed = True
-            immortalize(self.channel.log)
-            collapse_to_huge_pages(self._libc, self.channel.log)
+            deadline = time.monotonic() + PREPARE_BUDGET_MS / 1000
+            immortalize(self.channel.log, deadline)
+            collapse_to_huge_pages(self._libc, self.channel.log, deadline)
         go_r, go_w = os.pipe()
         try:
             pid = self.channel.fork_heir()
@@ -1037,6 +1038,20 @@ def _reseed_after_fork():
 # its count, read as a signed integer, are negative. Python 3.14 changed the representation.
 IMMORTAL_REFCNT = 0xFFFFFFFF
 
+# The longest the zygote's one-off preparation before its first standby (immortalize, then
+# collapse_to_huge_pages) may take, in ms: what is done by then stays done, the rest is left as
+# it is. The default preload takes 0.3-0.5 s on a 2-core VM; a much larger one (millions of
+# objects) could take longer than the driver waits for that ping (FIRST_STANDBY_S in
+# driver.py, 8 s), which would cost the sandbox its reuse after its first job.
+def _budget_ms(default=3000):
+    try:
+        return max(0, int(os.environ.get("SANDCELL_PREPARE_BUDGET_MS", default)))
+    except ValueError:
+        return default
+
+
+PREPARE_BUDGET_MS = _budget_ms()
+
 
 def _immortal_layout():
     """Whether objects here carry CPython 3.12/3.13's immortal count, as immortalize writes it:
@@ -1049,7 +1064,7 @@ def _immortal_layout():
     return ctypes.c_int64.from_address(id(None)).value == IMMORTAL_REFCNT
 
 
-def immortalize(log):
+def immortalize(log, deadline):
     """Make every object the zygote holds now immortal, so that a forked job's process that
     only reads one no longer writes to it. CPython counts the references to an object in the
     object itself: reading a module's function, a type, a name, writes their counts, and each
@@ -1058,7 +1073,8 @@ def immortalize(log):
     this makes the zygote's whole heap so: what the modules preloaded, the shell and the
     warm-up created. They are never freed, which changes nothing in a zygote, whose objects
     live as long as it does (and are frozen for the collector already); objects created after
-    this are as before. Best effort: other versions or builds are left as they are.
+    this are as before. Best effort: other versions or builds are left as they are, and what
+    is not marked by `deadline` (time.monotonic()) stays mortal.
     Measured in the sandbox image (Python 3.13) on a 2-core VM: a fresh `1+1` job's page faults
     948 -> 598, its process's CPU 7.4 -> 5.6 ms (docs/benchmarks/speed-check.md, round 13)."""
     if not _immortal_layout():
@@ -1084,6 +1100,10 @@ def immortalize(log):
                 whole(address).value = IMMORTAL_REFCNT
                 marked += 1
                 found += referents(obj)
+                if not marked & 0x3FFF and time.monotonic() > deadline:
+                    log("immortal: stopped at the time budget after %d objects in %d ms"
+                        % (marked, (time.monotonic() - started) * 1000))
+                    return
             todo = found
     except Exception as exc:  # MemoryError, say: what is marked stays so, the rest is as before
         log("immortal: stopped after %d objects: %r" % (marked, exc))
@@ -1100,12 +1120,13 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 HUGE_PAGE = 2 << 20
 
 
-def collapse_to_huge_pages(libc, log):
+def collapse_to_huge_pages(libc, log, deadline):
     """Back the zygote's private writable memory (the imported modules' objects, some 80 MiB
     with numpy, pandas and matplotlib) with 2 MiB pages where the kernel can: a fork then
     copies one entry per 2 MiB instead of 512, and a job's exit unmaps as few. A page a job
     writes is still copied alone (the kernel splits a shared huge page on a write fault).
-    Best effort: where the kernel has no MADV_COLLAPSE (older kernels, gVisor) nothing changes.
+    Best effort: where the kernel has no MADV_COLLAPSE (older kernels, gVisor) nothing changes,
+    and no region is begun after `deadline` (time.monotonic()).
     Measured in the sandbox image on a 2-core VM: fork + exit + wait of the zygote 5.4 -> 3.8 ms."""
     if libc is None:
         return
@@ -1120,6 +1141,9 @@ def collapse_to_huge_pages(libc, log):
         log("no huge pages: %r" % (exc,))
         return
     for line in lines:
+        if time.monotonic() > deadline:
+            log("huge pages: stopped at the time budget")
+            break
         fields = line.split()
         if len(fields) < 2 or not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith(("[v", "[stack"))):
             continue

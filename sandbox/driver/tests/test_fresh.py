@@ -711,6 +711,32 @@ def _huge_pages_expected():
     return (major, minor) >= (6, 1)
 
 
+class TestFreshPreparationBudget(unittest.TestCase):
+    """The zygote's one-off preparation before its first standby (immortal objects, huge pages)
+    stops at its time budget, SANDCELL_PREPARE_BUDGET_MS: with many more libraries preloaded
+    it could outlast the driver's wait for that ping and cost the sandbox its reuse."""
+
+    @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
+    def test_a_preparation_past_its_budget_stops_there_and_the_sandbox_stays_reusable(self):
+        diag = tempfile.TemporaryFile()
+        driver = DriverProcess(env_extra={"SANDCELL_PRELOAD": "numpy,matplotlib.pyplot", "SANDCELL_PREPARE_BUDGET_MS": "1"},
+                               stderr=diag)
+        try:
+            for code in ("print(1)", "print(2)", "import numpy\nprint(int(numpy.add(1, 2)))"):
+                frames = driver.execute(code, fresh=True)
+                self.assertEqual((done(frames)["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
+            self.assertEqual(stream_text(frames, "stdout"), "3\n")
+        finally:
+            driver.close()
+        diag.seek(0)
+        log = diag.read().decode("utf-8", "replace")
+        diag.close()
+        stopped = re.findall(r"immortal: stopped at the time budget after (\d+) objects", log)
+        self.assertEqual(len(stopped), 1, log[-2000:])
+        self.assertLess(int(stopped[0]), 100000, "the walk went on past its budget")
+        self.assertIn("huge pages: stopped at the time budget", log)
+
+
 class TestFreshPreloaded(unittest.TestCase):
     """Fresh jobs forked from a kernel with numpy and matplotlib imported, as a one-off sandbox's
     kernel is (the worker's default also preloads pandas)."""
