@@ -277,6 +277,11 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     let full = CpuClass { idle: false, full_weight: true };
     let back = eventually(JOB_WAIT, || async { cpu_class(&started).filter(|c| *c == full) }).await;
     assert!(back.is_some(), "the started sandbox waits for the tenant's next job in the background: {:?}", cpu_class(&started));
+    // It was prepared for fresh jobs before it waits (the driver's `prepare`): its kernel has
+    // forked the first job's process already, so that job's tenant does not wait for that.
+    let top = docker.top_processes(&started, None::<bollard::query_parameters::TopOptions>).await.expect("the started sandbox's processes");
+    let kernels = top.processes.unwrap_or_default().iter().filter(|p| p.iter().any(|a| a.contains("--kernel"))).count();
+    assert_eq!(kernels, 2, "the kernel and the first job's process, forked ahead of it");
     let both = HashSet::from([first_container, started]);
     let (third, fourth) = (shaped("import time\ntime.sleep(0.3)"), shaped("import time\ntime.sleep(0.3)"));
     let (r3, r4) = tokio::join!(run(&c, &third), run(&c, &fourth));

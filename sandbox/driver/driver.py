@@ -40,7 +40,7 @@ Driver diagnostics go to a private duplicate of the original stderr.
 
 Driver -> worker
 ----------------
-ready           {"driver_version": 5, "python": "3.13.5", "ipython": "8.35.0",
+ready           {"driver_version": 6, "python": "3.13.5", "ipython": "8.35.0",
                  "preloaded": [module names], "startup_ms": float,
                  "kernel_isolated": bool}
                 sent once, before the first request is read.  preloaded:
@@ -116,6 +116,11 @@ settled         {"id", "reusable": bool}
                 job's IPC objects removed, no process of it is left and the
                 kernel lives and is as it was -- the sandbox may take its
                 tenant's next job.  The next request is read only after it.
+prepared        {"id", "ready": bool}
+                answer to prepare: the kernel made its one-off preparation
+                and forked the first fresh request's process; ready: it
+                answered as it was when it became ready (else the sandbox
+                must not be used).
 protocol_error  {"message"[, "id"]}
                 a malformed/unknown request or a driver bug.  When it
                 carries the id of a request, it ends that request instead
@@ -148,6 +153,11 @@ execute         {"id", "language": "python"|"bash", "code",
                 environment).  context (python, not fresh): the namespace
                 the cell runs in -- its own variables and execution count,
                 made on first use; absent: the kernel's default namespace.
+prepare         {"id"}
+                before the first fresh request, of a kernel that ran no
+                cell itself: it prepares for fresh requests now (see
+                prepared) rather than after the first one's settle.
+                Refused (protocol_error) once the kernel ran a cell.
 stats           {"id"}
                 answered with one stats frame (no done).  Like any request
                 it is read only once the previous one is finished.
@@ -827,8 +837,10 @@ class Driver:
         self.running = None
         self.execution_count = 0
         self._runs = 0
-        # Standbys the kernel was asked to fork (settle): the first one's ping waits longer.
+        # Standbys the kernel was asked to fork (settle, prepare): the first one's ping waits longer.
         self.standbys = 0
+        # Whether the kernel ran a cell itself (a session's): such a kernel never forks jobs.
+        self.kernel_ran_cells = False
         # The directories a job can write that outlive it (emptied after a fresh job, never
         # removed: mount points), as they were before any job: see leave_nothing_behind.
         self.kept_directories = {}
@@ -903,6 +915,8 @@ class Driver:
                 kind = obj.get("type")
                 if kind == "execute":
                     self.execute(parse_execute(obj))
+                elif kind == "prepare":
+                    self.prepare(req_id)
                 elif kind == "stats":
                     if req_id is None:
                         raise RequestError("stats: id must be a string")
@@ -974,6 +988,24 @@ class Driver:
         self.send(req_id, self.done_frame(status, exit_code, truncated, duration_ms, killed, full))
         if req["fresh"]:
             self.settle(req_id, run_id, spared_after)
+
+    def prepare(self, req_id):
+        """Have the kernel do its one-off preparation and fork the first job's process now,
+        before any job: the worker asks it of a sandbox started for a tenant's one-off jobs
+        that no job waits for, so that the preparation (immortal objects, huge pages: 0.3-0.5 s
+        of CPU) is paid there, in the background, rather than by the tenant's jobs.  Answered
+        with prepared; ready: the kernel answered as it was when it became ready."""
+        if req_id is None:
+            raise RequestError("prepare: id must be a string")
+        if self.kernel_ran_cells:
+            # A session's kernel holds a tenant's state: no job's process is ever forked from it.
+            raise RequestError("prepare: this kernel ran cells of its own")
+        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.standbys else FIRST_STANDBY_S)
+        self.standbys += 1
+        ready = settings is not None and settings == self.kernel.settings_at_ready
+        if not ready:
+            self.channel.log("the kernel did not answer its preparation as it was: %r" % (settings,))
+        self.send(req_id, {"type": "prepared", "ready": ready})
 
     def settle(self, req_id, run_id, spared):
         """After a fresh request's done: end its process (run_id; None when no
@@ -1131,6 +1163,7 @@ class Driver:
                 self.kernel.send({"type": "run", "id": run_id, "fresh": True})
                 self.kernel.send(dict(body, type="run_body"))
             else:
+                self.kernel_ran_cells = True
                 self.kernel.send(dict(body, type="run", fresh=False))
             exit_code, error_errno = self.forward(req_id, run_id, language)
             return run_id, exit_code, error_errno

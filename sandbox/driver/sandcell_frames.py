@@ -15,7 +15,7 @@ import struct
 import threading
 from json import dumps as _json_dumps  # bound now: a cell that replaces json.dumps cannot break framing
 
-DRIVER_VERSION = 5
+DRIVER_VERSION = 6
 
 # A request carries its input files inline; anything bigger than this is
 # certainly not a request we want to hold in memory.

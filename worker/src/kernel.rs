@@ -21,7 +21,7 @@ use crate::events::LiveJob;
 use crate::outcome::{apply, Outcome, Step};
 use crate::sandbox::cgroup::{Cgroup, CpuWeight};
 use crate::sandbox::container::SandboxSpec;
-use crate::sandbox::driver::{DriverEvent, ExecuteRequest, DRIVER_PROTOCOL_VERSION};
+use crate::sandbox::driver::{DriverEvent, ExecuteRequest, PrepareRequest, DRIVER_PROTOCOL_VERSION};
 use crate::sandbox::Sandbox;
 
 /// Worker-side settings for starting kernels.
@@ -381,6 +381,30 @@ impl Kernel {
         };
         let diagnostics = self.sandbox.take_diagnostics();
         tracing::info!(container = %self.id(), verdict, diagnostics = %diagnostics.trim(), "a one-off sandbox is not reused");
+        false
+    }
+
+    /// Have a kernel that will run fresh jobs only, and ran none yet, prepare for them now
+    /// (the driver's `prepare`: the zygote's one-off preparation and the first job's process),
+    /// rather than after its first job; whether it did, within `within`. Anything else is a no:
+    /// the sandbox is then not used.
+    pub async fn prepare(&mut self, within: Duration) -> bool {
+        let verdict = match serde_json::to_vec(&PrepareRequest::default()) {
+            Err(e) => format!("encoding the prepare request: {e}"),
+            Ok(request) => match self.sandbox.send(&request).await {
+                Err(e) => format!("{e:#}"),
+                Ok(()) => match tokio::time::timeout(within, self.sandbox.next_event()).await {
+                    Ok(Ok(Some(DriverEvent::Prepared { ready: true }))) => return true,
+                    Ok(Ok(Some(DriverEvent::Prepared { ready: false }))) => "the kernel did not answer as it was".to_string(),
+                    Ok(Ok(Some(other))) => format!("the driver sent {other:?} instead of prepared"),
+                    Ok(Ok(None)) => "the driver exited before it was prepared".to_string(),
+                    Ok(Err(e)) => format!("{e:#}"),
+                    Err(_) => format!("the driver was not prepared within {within:?}"),
+                },
+            },
+        };
+        let diagnostics = self.sandbox.take_diagnostics();
+        tracing::warn!(container = %self.id(), verdict, diagnostics = %diagnostics.trim(), "a one-off sandbox could not be prepared");
         false
     }
 

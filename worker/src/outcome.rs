@@ -438,8 +438,9 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             out.reason = Some(Reason::new(ErrorCode::DriverProtocol, format!("the sandbox driver failed: {message}")));
             return Step::Done;
         }
-        // Settled belongs after done, to Kernel::settle; one before it means nothing.
-        DriverEvent::Ready { .. } | DriverEvent::Settled { .. } | DriverEvent::Unknown => {}
+        // Settled belongs after done, to Kernel::settle, and prepared to Kernel::prepare; one in a
+        // cell's events means nothing.
+        DriverEvent::Ready { .. } | DriverEvent::Settled { .. } | DriverEvent::Prepared { .. } | DriverEvent::Unknown => {}
         DriverEvent::Done { status, exit_code, stdout_truncated, stderr_truncated, processes_killed, workspace_full, execution_count } => {
             out.done = true;
             out.execution_count = execution_count.filter(|_| language == Language::Python);

@@ -287,9 +287,9 @@ pub fn spec_for(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionLimit
 /// one, but take one of the tenant's sandboxes if another job of the tenant returns it first (a
 /// job takes milliseconds, a start about a second of CPU: in a burst, a job waited up to 3.7 s
 /// for a start while its tenant's sandboxes went back idle). A start that lost goes on without
-/// the job, in the background ([`StartPriority::to_background`]), and waits, bound to the tenant,
-/// for its next job: the burst grows the tenant's sandboxes as before, and neither a job nor
-/// the burst's CPU waits for it.
+/// the job, in the background ([`StartPriority::to_background`]), is prepared for fresh jobs
+/// there ([`Kernel::prepare`]), and waits, bound to the tenant, for its next job: the burst
+/// grows the tenant's sandboxes as before, and neither a job nor the burst's CPU waits for it.
 ///
 /// At most one start per tenant and shape is in flight ([`crate::bound::BoundPool::start_ticket`]):
 /// a job that finds one waits for a return or for that start's end, then looks again.
@@ -311,9 +311,15 @@ async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: Sandbox
                 tokio::spawn(async move {
                     match handle.await {
                         Ok(Ok(mut kernel)) => {
-                            priority.end(&mut kernel);
-                            pool.count_new();
-                            pool.keep(Bound::new(kernel, &tenant, shape)).await;
+                            // Its preparation for fresh jobs too, still in the background: the
+                            // tenant's jobs on it do not wait for it.
+                            if kernel.prepare(SETTLE_WITHIN).await {
+                                priority.end(&mut kernel);
+                                pool.count_new();
+                                pool.keep(Bound::new(kernel, &tenant, shape)).await;
+                            } else {
+                                kernel.destroy().await;
+                            }
                         }
                         Ok(Err(e)) => tracing::warn!(tenant, error = format!("{e:#}"), "a one-off sandbox started ahead of demand failed"),
                         Err(e) => tracing::warn!(tenant, error = %e, "a one-off sandbox start was lost"),

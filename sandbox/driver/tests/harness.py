@@ -148,6 +148,14 @@ class DriverProcess:
         assert (frame["type"], frame.get("id")) == ("stats", req_id), frame
         return frame
 
+    def prepare(self):
+        """The prepare request's answer (prepared, or protocol_error)."""
+        req_id = "prepare-%d" % next(_ids)
+        self.send({"type": "prepare", "id": req_id})
+        frame = self.next_frame(TIMEOUT)
+        assert frame.get("id") == req_id, frame
+        return frame
+
     def execute(self, code, language="python", **fields):
         req_id = self.start(code, language, **fields)
         frames = self.collect(req_id, fresh=fields.get("fresh") is True)

@@ -711,6 +711,57 @@ def _huge_pages_expected():
     return (major, minor) >= (6, 1)
 
 
+class TestFreshPrepared(unittest.TestCase):
+    """prepare: a kernel that will fork jobs prepares for them before the first (the worker asks
+    it of a sandbox started for a tenant ahead of its jobs), so no job waits for that."""
+
+    @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
+    def test_a_prepared_kernels_first_fresh_job_already_finds_its_objects_immortal(self):
+        diag = tempfile.TemporaryFile()
+        driver = DriverProcess(env_extra={"SANDCELL_PRELOAD": "numpy"}, stderr=diag)
+        try:
+            self.assertEqual(driver.prepare()["type"], "prepared")
+            diag.seek(0)
+            self.assertRegex(diag.read().decode("utf-8", "replace"), r"immortal: \d+ objects", "prepared before any job")
+            probe = "import sys, numpy\nmine = object()\nprint([sys.getrefcount(o) >= 2**32 - 1 for o in (numpy, numpy.add, mine)])"
+            for _ in range(2):
+                frames = driver.execute(probe, fresh=True)
+                self.assertEqual((done(frames)["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
+                self.assertEqual(stream_text(frames, "stdout"), "[True, True, False]\n")
+        finally:
+            driver.close()
+        diag.seek(0)
+        said = re.findall(r"immortal: (\d+) objects", diag.read().decode("utf-8", "replace"))
+        diag.close()
+        self.assertEqual(len(said), 1, "prepared once")
+
+    def test_a_prepared_kernel_answers_ready_and_its_jobs_leave_nothing_for_the_next(self):
+        driver = DriverProcess()
+        try:
+            prepared = driver.prepare()
+            self.assertEqual((prepared["type"], prepared.get("ready")), ("prepared", True), prepared)
+            frames = driver.execute("import os\nos.environ['LEFT'] = '1'\nleft = 1\nopen('/tmp/left', 'w').close()", fresh=True)
+            self.assertEqual((done(frames)["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
+            frames = driver.execute("import os\nprint('LEFT' in os.environ, 'left' in globals(), os.path.exists('/tmp/left'))", fresh=True)
+            self.assertEqual(stream_text(frames, "stdout"), "False False False\n")
+        finally:
+            driver.close()
+
+    def test_a_kernel_that_ran_a_cell_of_its_own_refuses_to_prepare(self):
+        # A session's kernel holds its tenant's state: no job's process may be forked from it.
+        driver = DriverProcess()
+        try:
+            frames = driver.execute("secret = 42")
+            self.assertEqual(done(frames)["status"], "ok")
+            refused = driver.prepare()
+            self.assertEqual(refused["type"], "protocol_error", refused)
+            self.assertIn("ran cells of its own", refused["message"])
+            frames = driver.execute("print(secret)")
+            self.assertEqual(stream_text(frames, "stdout"), "42\n")
+        finally:
+            driver.close()
+
+
 class TestFreshPreparationBudget(unittest.TestCase):
     """The zygote's one-off preparation before its first standby (immortal objects, huge pages)
     stops at its time budget, SANDCELL_PREPARE_BUDGET_MS: with many more libraries preloaded

@@ -22,7 +22,7 @@ class TestLifecycle(unittest.TestCase):
         try:
             ready = driver.ready
             self.assertEqual(ready["type"], "ready")
-            self.assertEqual(ready["driver_version"], 5)
+            self.assertEqual(ready["driver_version"], 6)
             self.assertEqual(ready["kernel_isolated"], ISOLATED)
             self.assertEqual(ready["python"].split(".")[:2], [str(sys.version_info[0]), str(sys.version_info[1])])
             self.assertTrue(ready["ipython"].startswith("8."), ready)

@@ -11,7 +11,23 @@ use sandcell_protocol::{ExecutionJob, ExecutionLimits, InputFile, Language};
 use serde::{Deserialize, Serialize};
 
 /// Version of the driver protocol this worker speaks.
-pub const DRIVER_PROTOCOL_VERSION: u32 = 5;
+pub const DRIVER_PROTOCOL_VERSION: u32 = 6;
+
+/// Prepare a sandbox for fresh requests before the first one (see the driver's `prepare`).
+#[derive(Debug, Serialize)]
+pub struct PrepareRequest {
+    /// Always `prepare`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// Echoed on the answer.
+    pub id: &'static str,
+}
+
+impl Default for PrepareRequest {
+    fn default() -> Self {
+        PrepareRequest { kind: "prepare", id: "prepare" }
+    }
+}
 
 /// Run one cell.
 #[derive(Debug, Serialize)]
@@ -156,6 +172,11 @@ pub enum DriverEvent {
         path: String,
         /// Why.
         message: String,
+    },
+    /// The answer to a [`PrepareRequest`]: the kernel forked the first fresh request's process.
+    Prepared {
+        /// The kernel answered as it was when it became ready (else the sandbox is not used).
+        ready: bool,
     },
     /// The driver could not understand the request or failed internally.
     ProtocolError {
