@@ -272,16 +272,24 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     // slow running ones), and is back at full weight once it waits for the tenant's next job.
     let started = eventually(JOB_WAIT, || async { tenants_containers().await.into_iter().find(|id| *id != first_container) }).await;
     let started = started.expect("the start that lost did not go on for the tenant");
-    let class = cpu_class(&started).expect("the started container's cgroup");
-    assert!(class.idle, "the start no job waits for any more competes with running jobs for CPU: {class:?}");
-    let full = CpuClass { idle: false, full_weight: true };
-    let back = eventually(JOB_WAIT, || async { cpu_class(&started).filter(|c| *c == full) }).await;
-    assert!(back.is_some(), "the started sandbox waits for the tenant's next job in the background: {:?}", cpu_class(&started));
-    // It was prepared for fresh jobs before it waits (the driver's `prepare`): its kernel has
-    // forked the first job's process already, so that job's tenant does not wait for that.
-    let top = docker.top_processes(&started, None::<bollard::query_parameters::TopOptions>).await.expect("the started sandbox's processes");
-    let kernels = top.processes.unwrap_or_default().iter().filter(|p| p.iter().any(|a| a.contains("--kernel"))).count();
-    assert_eq!(kernels, 2, "the kernel and the first job's process, forked ahead of it");
+    if host_has_cpu_idle_class() {
+        // (Lowered within milliseconds of the container's start, which the listing may precede.)
+        let idle = eventually(std::time::Duration::from_secs(2), || async { cpu_class(&started).filter(|c| c.idle) }).await;
+        assert!(idle.is_some(), "the start no job waits for any more competes with running jobs for CPU: {:?}", cpu_class(&started));
+        let full = CpuClass { idle: false, full_weight: true };
+        let back = eventually(JOB_WAIT, || async { cpu_class(&started).filter(|c| *c == full) }).await;
+        assert!(back.is_some(), "the started sandbox waits for the tenant's next job in the background: {:?}", cpu_class(&started));
+    } else {
+        eprintln!("this host has no idle CPU class (cpu.idle): the start's class is not checked");
+    }
+    // It is prepared for fresh jobs before it waits (the driver's `prepare`): its kernel forks
+    // the first job's process ahead of that job, so the tenant does not wait for that.
+    let kernels = || async {
+        let top = docker.top_processes(&started, None::<bollard::query_parameters::TopOptions>).await.ok()?;
+        Some(top.processes.unwrap_or_default().iter().filter(|p| p.iter().any(|a| a.contains("--kernel"))).count())
+    };
+    let prepared = eventually(JOB_WAIT, || async { kernels().await.filter(|n| *n == 2) }).await;
+    assert!(prepared.is_some(), "no first job's process forked ahead of it: {:?} kernel processes", kernels().await);
     let both = HashSet::from([first_container, started]);
     let (third, fourth) = (shaped("import time\ntime.sleep(0.3)"), shaped("import time\ntime.sleep(0.3)"));
     let (r3, r4) = tokio::join!(run(&c, &third), run(&c, &fourth));
@@ -293,6 +301,10 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
 
 #[tokio::test]
 async fn a_warm_sandbox_waits_in_the_idle_cpu_class_and_runs_its_first_job_at_full_weight() {
+    if !host_has_cpu_idle_class() {
+        eprintln!("this host has no idle CPU class (cpu.idle): nothing to check");
+        return;
+    }
     let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
     let warm = || async {
         let filters = std::collections::HashMap::from([("label".to_string(), vec!["sandcell.pool=1".to_string()])]);

@@ -94,6 +94,13 @@ pub struct CpuClass {
     pub full_weight: bool,
 }
 
+/// Whether this host's containers can be put in the idle CPU class (`cpu.idle`, Linux 5.15+): the
+/// worker leaves a background start at a low weight only where they cannot.
+pub fn host_has_cpu_idle_class() -> bool {
+    let root = std::path::PathBuf::from(std::env::var("SANDCELL_CGROUP_ROOT").unwrap_or_else(|_| "/sys/fs/cgroup".into()));
+    [root.join("cpu/docker/cpu.idle"), root.join("docker/cpu.idle"), root.join("system.slice/cpu.idle")].iter().any(|f| f.is_file())
+}
+
 /// `container_id`'s [`CpuClass`]; `None` where its cgroup is not found on this host.
 pub fn cpu_class(container_id: &str) -> Option<CpuClass> {
     let root = std::path::PathBuf::from(std::env::var("SANDCELL_CGROUP_ROOT").unwrap_or_else(|_| "/sys/fs/cgroup".into()));

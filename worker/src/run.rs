@@ -311,10 +311,12 @@ async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: Sandbox
                 tokio::spawn(async move {
                     match handle.await {
                         Ok(Ok(mut kernel)) => {
-                            // Its preparation for fresh jobs too, still in the background: the
-                            // tenant's jobs on it do not wait for it.
+                            // Its preparation for fresh jobs too, before it waits: the tenant's
+                            // jobs on it do not wait for it. At full weight: it is a fraction of
+                            // a start (~0.3 s of CPU), timed by the driver's wall clock, and in
+                            // the idle class a busy machine would starve it past that.
+                            priority.end(&mut kernel);
                             if kernel.prepare(SETTLE_WITHIN).await {
-                                priority.end(&mut kernel);
                                 pool.count_new();
                                 pool.keep(Bound::new(kernel, &tenant, shape)).await;
                             } else {
@@ -374,8 +376,8 @@ pub async fn kernel_for(ctx: &WorkerContext, spec: &SandboxSpec, _slot: &Slot) -
 }
 
 /// Start a kernel for `spec` at `priority` (a job waits for it, unless the job sends it to the
-/// background), replacing one that fails to start up to `tries` times. Owns its arguments, so
-/// it can run on as a task of its own.
+/// background), replacing one that fails to start up to `tries` times while a job waits for it.
+/// Owns its arguments, so it can run on as a task of its own.
 async fn start_kernel(
     docker: bollard::Docker,
     settings: crate::kernel::KernelSettings,
@@ -391,7 +393,9 @@ async fn start_kernel(
                 k.count_start(&metrics);
                 return Ok(k);
             }
-            Err(e) if attempt < tries => {
+            // A start no job waits for any more is not tried again: on a machine busy enough to
+            // starve it, another would fare no better.
+            Err(e) if attempt < tries && priority.get() == Priority::Foreground => {
                 tracing::warn!(attempt, tries, error = format!("{e:#}"), "a sandbox failed to start; starting a fresh one");
                 metrics.sandbox_start_retries.inc();
                 attempt += 1;
