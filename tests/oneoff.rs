@@ -251,14 +251,8 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     .await;
     assert!(running.is_some(), "the first job never ran");
     let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
-    let tenants_containers = || async {
-        let filters = std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.tenant={t}")])]);
-        let list = docker
-            .list_containers(Some(bollard::query_parameters::ListContainersOptions { filters: Some(filters), ..Default::default() }))
-            .await
-            .expect("list containers");
-        list.into_iter().filter_map(|c| c.id).collect::<HashSet<String>>()
-    };
+    let tenant_label = format!("sandcell.tenant={t}");
+    let tenants_containers = || containers_labelled(&tenant_label);
     // No sandbox of the tenant waits: the second job starts one, but the first job's comes
     // back (0.2 s) long before a start (about a second) is ready.
     let second = shaped("'second'");
@@ -306,14 +300,7 @@ async fn a_warm_sandbox_waits_in_the_idle_cpu_class_and_runs_its_first_job_at_fu
         return;
     }
     let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
-    let warm = || async {
-        let filters = std::collections::HashMap::from([("label".to_string(), vec!["sandcell.pool=1".to_string()])]);
-        let list = docker
-            .list_containers(Some(bollard::query_parameters::ListContainersOptions { filters: Some(filters), ..Default::default() }))
-            .await
-            .expect("list containers");
-        list.into_iter().filter_map(|c| c.id).collect::<Vec<String>>()
-    };
+    let warm = || containers_labelled("sandcell.pool=1");
     // A warm sandbox waits in the idle class: its start (the pool's refill) takes only CPU no
     // job wants. (Those the pool handed out keep its label, at full weight: some must be idle.)
     let idle = eventually(JOB_WAIT, || async { warm().await.into_iter().find(|id| cpu_class(id).is_some_and(|c| c.idle)) }).await;

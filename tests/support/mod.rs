@@ -114,6 +114,17 @@ pub fn cpu_class(container_id: &str) -> Option<CpuClass> {
     Some(CpuClass { idle: read("cpu.idle")? == 1, full_weight: read(weight)? == default })
 }
 
+/// The ids of the running containers labelled `label` (`key=value`).
+pub async fn containers_labelled(label: &str) -> std::collections::HashSet<String> {
+    let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
+    let filters = std::collections::HashMap::from([("label".to_string(), vec![label.to_string()])]);
+    let list = docker
+        .list_containers(Some(bollard::query_parameters::ListContainersOptions { filters: Some(filters), ..Default::default() }))
+        .await
+        .expect("list containers");
+    list.into_iter().filter_map(|c| c.id).collect()
+}
+
 /// Whether a container with this id still exists (running or not).
 pub async fn container_exists(id: &str) -> bool {
     let Ok(docker) = bollard::Docker::connect_with_defaults() else { return true };

@@ -371,16 +371,13 @@ impl Kernel {
     /// driver vouched for the sandbox. Anything else — another frame, the driver gone, silence
     /// — is a no: the sandbox is then not reused.
     pub async fn settle(&mut self, within: Duration) -> bool {
-        let verdict = match tokio::time::timeout(within, self.sandbox.next_event()).await {
-            Ok(Ok(Some(DriverEvent::Settled { reusable: true }))) => return true,
-            Ok(Ok(Some(DriverEvent::Settled { reusable: false }))) => "the driver found something of the job left".to_string(),
-            Ok(Ok(Some(other))) => format!("the driver sent {other:?} instead of settled"),
-            Ok(Ok(None)) => "the driver exited before it settled".to_string(),
-            Ok(Err(e)) => format!("{e:#}"),
-            Err(_) => format!("the driver did not settle within {within:?}"),
+        let verdict = match self.answer(within, "settled").await {
+            Ok(DriverEvent::Settled { reusable: true }) => return true,
+            Ok(DriverEvent::Settled { reusable: false }) => "the driver found something of the job left".to_string(),
+            Ok(other) => format!("the driver sent {other:?} instead of settled"),
+            Err(why) => why,
         };
-        let diagnostics = self.sandbox.take_diagnostics();
-        tracing::info!(container = %self.id(), verdict, diagnostics = %diagnostics.trim(), "a one-off sandbox is not reused");
+        self.given_up(&verdict, tracing::Level::INFO, "a one-off sandbox is not reused");
         false
     }
 
@@ -389,23 +386,42 @@ impl Kernel {
     /// rather than after its first job; whether it did, within `within`. Anything else is a no:
     /// the sandbox is then not used.
     pub async fn prepare(&mut self, within: Duration) -> bool {
-        let verdict = match serde_json::to_vec(&PrepareRequest::default()) {
-            Err(e) => format!("encoding the prepare request: {e}"),
-            Ok(request) => match self.sandbox.send(&request).await {
-                Err(e) => format!("{e:#}"),
-                Ok(()) => match tokio::time::timeout(within, self.sandbox.next_event()).await {
-                    Ok(Ok(Some(DriverEvent::Prepared { ready: true }))) => return true,
-                    Ok(Ok(Some(DriverEvent::Prepared { ready: false }))) => "the kernel did not answer as it was".to_string(),
-                    Ok(Ok(Some(other))) => format!("the driver sent {other:?} instead of prepared"),
-                    Ok(Ok(None)) => "the driver exited before it was prepared".to_string(),
-                    Ok(Err(e)) => format!("{e:#}"),
-                    Err(_) => format!("the driver was not prepared within {within:?}"),
-                },
+        let sent = match serde_json::to_vec(&PrepareRequest::default()) {
+            Ok(request) => self.sandbox.send(&request).await.map_err(|e| format!("{e:#}")),
+            Err(e) => Err(format!("encoding the prepare request: {e}")),
+        };
+        let verdict = match sent {
+            Err(why) => why,
+            Ok(()) => match self.answer(within, "prepared").await {
+                Ok(DriverEvent::Prepared { ready: true }) => return true,
+                Ok(DriverEvent::Prepared { ready: false }) => "the kernel did not answer as it was".to_string(),
+                Ok(other) => format!("the driver sent {other:?} instead of prepared"),
+                Err(why) => why,
             },
         };
-        let diagnostics = self.sandbox.take_diagnostics();
-        tracing::warn!(container = %self.id(), verdict, diagnostics = %diagnostics.trim(), "a one-off sandbox could not be prepared");
+        self.given_up(&verdict, tracing::Level::WARN, "a one-off sandbox could not be prepared");
         false
+    }
+
+    /// The driver's next frame within `within`, awaited as its `what` answer; why none came.
+    async fn answer(&mut self, within: Duration, what: &str) -> Result<DriverEvent, String> {
+        match tokio::time::timeout(within, self.sandbox.next_event()).await {
+            Ok(Ok(Some(event))) => Ok(event),
+            Ok(Ok(None)) => Err(format!("the driver exited before it sent {what}")),
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(_) => Err(format!("the driver sent no {what} within {within:?}")),
+        }
+    }
+
+    /// Log why a one-off sandbox is given up, with what its driver said.
+    fn given_up(&mut self, verdict: &str, level: tracing::Level, message: &'static str) {
+        let diagnostics = self.sandbox.take_diagnostics();
+        let (container, diagnostics) = (self.id(), diagnostics.trim());
+        if level == tracing::Level::WARN {
+            tracing::warn!(container, verdict, diagnostics, "{message}");
+        } else {
+            tracing::info!(container, verdict, diagnostics, "{message}");
+        }
     }
 
     /// Remove the container and its workspace.

@@ -3,6 +3,7 @@ runs in a process forked from a kernel that never ran user code, and nothing
 it leaves -- files, processes, threads, interpreter state, environment, IPC
 objects -- reaches the next."""
 
+import contextlib
 import json
 import platform
 import os
@@ -711,28 +712,38 @@ def _huge_pages_expected():
     return (major, minor) >= (6, 1)
 
 
+@contextlib.contextmanager
+def logged_driver(env_extra):
+    """A driver with `env_extra`, and a function returning what it logged so far (its
+    diagnostics: the kernel says there what it prepared)."""
+    diag = tempfile.TemporaryFile()
+    driver = DriverProcess(env_extra=env_extra, stderr=diag)
+
+    def log():
+        diag.seek(0)
+        return diag.read().decode("utf-8", "replace")
+    try:
+        yield driver, log
+    finally:
+        driver.close()
+        diag.close()
+
+
 class TestFreshPrepared(unittest.TestCase):
     """prepare: a kernel that will fork jobs prepares for them before the first (the worker asks
     it of a sandbox started for a tenant ahead of its jobs), so no job waits for that."""
 
     @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
     def test_a_prepared_kernels_first_fresh_job_already_finds_its_objects_immortal(self):
-        diag = tempfile.TemporaryFile()
-        driver = DriverProcess(env_extra={"SANDCELL_PRELOAD": "numpy"}, stderr=diag)
-        try:
+        with logged_driver({"SANDCELL_PRELOAD": "numpy"}) as (driver, log):
             self.assertEqual(driver.prepare()["type"], "prepared")
-            diag.seek(0)
-            self.assertRegex(diag.read().decode("utf-8", "replace"), r"immortal: \d+ objects", "prepared before any job")
+            self.assertRegex(log(), r"immortal: \d+ objects", "prepared before any job")
             probe = "import sys, numpy\nmine = object()\nprint([sys.getrefcount(o) >= 2**32 - 1 for o in (numpy, numpy.add, mine)])"
             for _ in range(2):
                 frames = driver.execute(probe, fresh=True)
                 self.assertEqual((done(frames)["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
                 self.assertEqual(stream_text(frames, "stdout"), "[True, True, False]\n")
-        finally:
-            driver.close()
-        diag.seek(0)
-        said = re.findall(r"immortal: (\d+) objects", diag.read().decode("utf-8", "replace"))
-        diag.close()
+            said = re.findall(r"immortal: (\d+) objects", log())
         self.assertEqual(len(said), 1, "prepared once")
 
     def test_a_prepared_kernel_answers_ready_and_its_jobs_leave_nothing_for_the_next(self):
@@ -769,19 +780,12 @@ class TestFreshPreparationBudget(unittest.TestCase):
 
     @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
     def test_a_preparation_past_its_budget_stops_there_and_the_sandbox_stays_reusable(self):
-        diag = tempfile.TemporaryFile()
-        driver = DriverProcess(env_extra={"SANDCELL_PRELOAD": "numpy,matplotlib.pyplot", "SANDCELL_PREPARE_BUDGET_MS": "1"},
-                               stderr=diag)
-        try:
+        with logged_driver({"SANDCELL_PRELOAD": "numpy,matplotlib.pyplot", "SANDCELL_PREPARE_BUDGET_MS": "1"}) as (driver, said):
             for code in ("print(1)", "print(2)", "import numpy\nprint(int(numpy.add(1, 2)))"):
                 frames = driver.execute(code, fresh=True)
                 self.assertEqual((done(frames)["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
             self.assertEqual(stream_text(frames, "stdout"), "3\n")
-        finally:
-            driver.close()
-        diag.seek(0)
-        log = diag.read().decode("utf-8", "replace")
-        diag.close()
+            log = said()
         stopped = re.findall(r"immortal: stopped at the time budget after (\d+) objects", log)
         self.assertEqual(len(stopped), 1, log[-2000:])
         self.assertLess(int(stopped[0]), 100000, "the walk went on past its budget")
