@@ -187,6 +187,8 @@ SANDCELL_PRELOAD    comma-separated module names (e.g.
 SANDCELL_PREPARE_BUDGET_MS  longest the kernel's one-off preparation before its
                     first standby may take (default 3000; see sandcell_kernel.py
                     PREPARE_BUDGET_MS): what is not done by then is left undone.
+SANDCELL_PREPARE_AT_START  "1": the kernel makes that preparation before ready
+                    instead (the worker sets it for its warm pool's sandboxes).
 SANDCELL_CHANNEL    a Unix socket the worker listens on (worker/src/sandbox/
                     channel.rs): the driver connects to it before the kernel
                     exists and speaks the protocol there instead of on its

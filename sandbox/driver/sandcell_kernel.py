@@ -389,7 +389,7 @@ def flush_figures(sink):
 
 
 class Kernel:
-    def __init__(self, channel, control, shell):
+    def __init__(self, channel, control, shell, prepared=False):
         self.channel = channel
         # The control pipe's reader: ping and purge (see the module's docstring).
         self.control = control
@@ -402,8 +402,9 @@ class Kernel:
         self.standby = None
         # The pidfd of the fresh run's process being waited for, if any (see run_fresh).
         self.exit_watch = None
-        # Whether the zygote's memory was offered to huge pages (before its first standby).
-        self.collapsed = False
+        # Whether the zygote made its one-off preparation for forked jobs (prepare_for_forks):
+        # before its first standby, or at start (SANDCELL_PREPARE_AT_START).
+        self.prepared = prepared
         # The namespaces of a session's contexts other than the current one, by name:
         # (module, namespace, execution count).
         self.context = DEFAULT_CONTEXT
@@ -548,14 +549,11 @@ class Kernel:
         this process writes.  Returns its pid."""
         if self.standby is not None:
             return self.standby[0]  # still unused: the last request ran no cell
-        if not self.collapsed:
+        if not self.prepared:
             # Once, before the first standby (so not on a job's path, and only in a sandbox
-            # that forks): a job's process then writes fewer of the zygote's pages (each it
-            # writes is copied), and fork and a job's exit cost per page table entry of it.
-            self.collapsed = True
-            deadline = time.monotonic() + PREPARE_BUDGET_MS / 1000
-            immortalize(self.channel.log, deadline)
-            collapse_to_huge_pages(self._libc, self.channel.log, deadline)
+            # that forks), unless it was made at start.
+            self.prepared = True
+            prepare_for_forks(self._libc, self.channel.log)
         go_r, go_w = os.pipe()
         try:
             pid = self.channel.fork_heir()
@@ -1053,6 +1051,16 @@ def _budget_ms(default=3000):
 PREPARE_BUDGET_MS = _budget_ms()
 
 
+def prepare_for_forks(libc, log):
+    """The zygote's one-off preparation for the jobs it will fork, within PREPARE_BUDGET_MS:
+    its objects immortal, then its memory huge pages. A job's process then writes fewer of
+    the zygote's pages (each it writes is copied), and a fork and a job's exit cost per page
+    table entry of it."""
+    deadline = time.monotonic() + PREPARE_BUDGET_MS / 1000
+    immortalize(log, deadline)
+    collapse_to_huge_pages(libc, log, deadline)
+
+
 def _immortal_layout():
     """Whether objects here carry CPython 3.12/3.13's immortal count, as immortalize writes it:
     None's whole count word reads IMMORTAL_REFCNT. It does not in a free-threaded build (whose
@@ -1252,7 +1260,15 @@ def main(req_fd, rep_fd, ctl_fd):
             libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
         except Exception as exc:
             log("cannot clear the dumpable flag: %r" % (exc,))
+    # A warm-pool kernel makes its preparation for forked jobs now, in its start (in the idle
+    # CPU class, off every job's path), rather than after the first one-off job that takes it:
+    # in a tenant's first burst that was ~0.3 s of CPU per warm kernel taken. A session that
+    # takes it instead keeps preloaded objects that are never freed (they live as long as the
+    # kernel anyway) and ~2 MiB more of huge pages.
+    prepared = os.environ.get("SANDCELL_PREPARE_AT_START") == "1"
+    if prepared:
+        prepare_for_forks(libc, log)
     channel.send({"type": "ready", "ipython": IPython.__version__, "preloaded": preloaded})
-    Kernel(channel, control, shell).serve()
+    Kernel(channel, control, shell, prepared=prepared).serve()
     # os._exit: don't wait for threads a job may have left running.
     os._exit(0)

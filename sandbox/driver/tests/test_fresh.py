@@ -773,6 +773,46 @@ class TestFreshPrepared(unittest.TestCase):
             driver.close()
 
 
+class TestFreshPreparedAtStart(unittest.TestCase):
+    """SANDCELL_PREPARE_AT_START=1 (the worker's warm pool): the kernel makes its preparation for
+    forked jobs before ready, so the first fresh job that takes it finds it done, and a session
+    that takes it instead runs as any session does."""
+
+    PROBE = "import sys, numpy\nmine = object()\nprint([sys.getrefcount(o) >= 2**32 - 1 for o in (numpy, numpy.add, mine)])"
+
+    @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
+    def test_a_kernel_prepared_at_start_runs_its_first_fresh_job_prepared_and_prepares_once(self):
+        with logged_driver({"SANDCELL_PRELOAD": "numpy", "SANDCELL_PREPARE_AT_START": "1"}) as (driver, log):
+            self.assertRegex(log(), r"immortal: \d+ objects", "prepared before ready")
+            for _ in range(2):
+                frames = driver.execute(self.PROBE, fresh=True)
+                self.assertEqual((done(frames)["status"], settled(frames)["reusable"]), ("ok", True), json.dumps(frames)[:2000])
+                self.assertEqual(stream_text(frames, "stdout"), "[True, True, False]\n")
+            said = log()
+        self.assertEqual(len(re.findall(r"immortal: (\d+) objects", said)), 1, "prepared once")
+        self.assertEqual(len(re.findall(r"huge pages: ", said)), 1, "huge pages once")
+
+    @unittest.skipUnless(IMMORTALS, "CPython 3.12 and 3.13 only")
+    def test_without_it_the_first_fresh_job_runs_before_the_preparation(self):
+        with logged_driver({"SANDCELL_PRELOAD": "numpy"}) as (driver, log):
+            self.assertNotRegex(log(), r"immortal: ")
+            frames = driver.execute(self.PROBE, fresh=True)
+            self.assertEqual(stream_text(frames, "stdout"), "[False, False, False]\n")
+            frames = driver.execute(self.PROBE, fresh=True)
+            self.assertEqual(stream_text(frames, "stdout"), "[True, True, False]\n")
+
+    def test_a_session_on_a_kernel_prepared_at_start_keeps_its_state_and_frees_its_own_objects(self):
+        with logged_driver({"SANDCELL_PRELOAD": "numpy", "SANDCELL_PREPARE_AT_START": "1"}) as (driver, _):
+            code = ("import gc, weakref, numpy\nclass Big: pass\nb = Big()\nr = weakref.ref(b)\n"
+                    "total = int(numpy.arange(10).sum())")
+            self.assertEqual(done(driver.execute(code))["status"], "ok")
+            frames = driver.execute("del b\ngc.collect()\nprint(total, r() is None, len(numpy.ones(3)))")
+            self.assertEqual((done(frames)["status"], stream_text(frames, "stdout")), ("ok", "45 True 3\n"),
+                             json.dumps(frames)[:2000])
+            # A prepared kernel that ran cells of its own still refuses to fork jobs.
+            self.assertEqual(driver.prepare()["type"], "protocol_error")
+
+
 class TestFreshPreparationBudget(unittest.TestCase):
     """The zygote's one-off preparation before its first standby (immortal objects, huge pages)
     stops at its time budget, SANDCELL_PREPARE_BUDGET_MS: with many more libraries preloaded
