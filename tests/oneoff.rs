@@ -330,6 +330,34 @@ async fn a_warm_sandbox_waits_in_the_idle_cpu_class_and_runs_its_first_job_at_fu
 }
 
 #[tokio::test]
+async fn a_one_off_job_that_takes_a_warm_sandbox_finds_it_prepared_for_forked_jobs_already() {
+    if under_gvisor() {
+        return; // one-off sandboxes are not reused under gVisor by default: the pool is not prepared
+    }
+    // The warm pool's kernels make their one-off preparation (immortal objects, huge pages) in
+    // their start: the first job forked from one already finds the preloaded objects immortal,
+    // where it used to run before that preparation (made after its job, in its tenant's burst).
+    let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
+    let c = client().await;
+    let probe = "import sys, numpy\nmine = object()\n[sys.getrefcount(o) >= 2**32 - 1 for o in (numpy.add, mine)]";
+    for _ in 0..10 {
+        // A new tenant: its first job takes a warm sandbox if one is ready, else starts one.
+        let job = python(&tenant(), probe);
+        let r = run(&c, &job).await;
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        let id = container(&job).await;
+        let labels =
+            docker.inspect_container(&id, None::<bollard::query_parameters::InspectContainerOptions>).await.expect("inspect").config.and_then(|c| c.labels);
+        if labels.is_some_and(|l| l.get("sandcell.pool").is_some_and(|v| v == "1")) {
+            assert_eq!(value(&r).as_deref(), Some("[True, False]"), "the warm sandbox's first job ran before its preparation: {r:?}");
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    panic!("no job took a warm sandbox in ten tries");
+}
+
+#[tokio::test]
 async fn a_tenants_next_one_off_job_waits_for_the_sandbox_settling_after_the_last_rather_than_take_another() {
     if under_gvisor() {
         return; // one-off sandboxes are not reused under gVisor by default

@@ -29,6 +29,10 @@ pub struct Config {
     pub session_prefetch: u16,
     /// `SANDCELL_WARM_POOL`, default 2: started kernels kept ready.
     pub warm_pool: usize,
+    /// `SANDCELL_WARM_POOL_PREPARED`, default true where one-off sandboxes are reused
+    /// (`SANDCELL_ONEOFF_REUSE_JOBS` > 1): warm kernels make their preparation for forked jobs in
+    /// their start, so a one-off job that takes one does not pay it in its tenant's burst.
+    pub warm_pool_prepared: bool,
     /// When one-off sandboxes bound to a tenant are recycled (`SANDCELL_ONEOFF_REUSE_JOBS`,
     /// `SANDCELL_ONEOFF_REUSE_S`, `SANDCELL_ONEOFF_IDLE_S`, `SANDCELL_ONEOFF_IDLE_MAX`).
     pub reuse: crate::bound::ReuseSettings,
@@ -87,6 +91,13 @@ impl Config {
         let egress_proxy = Some(config::var_or("SANDCELL_EGRESS_PROXY", "")).filter(|s| !s.is_empty());
         anyhow::ensure!(egress_tenants.is_empty() || egress_network.is_some(), "SANDCELL_EGRESS_TENANTS needs SANDCELL_EGRESS_NETWORK");
         let runtime = config::var_or("SANDCELL_DOCKER_RUNTIME", "runc");
+        let reuse = crate::bound::ReuseSettings {
+            // Off under gVisor by default: see ARCHITECTURE.md (one-off jobs).
+            max_jobs: config::parse_or("SANDCELL_ONEOFF_REUSE_JOBS", if runtime == "runsc" { 1u32 } else { 1000u32 })?.max(1),
+            max_age: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_REUSE_S", 600.0f64)?.max(0.0)),
+            max_idle: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_IDLE_S", 60.0f64)?.max(0.0)),
+            max_waiting: config::parse_or("SANDCELL_ONEOFF_IDLE_MAX", 8usize)?,
+        };
         Ok(Config {
             services: Services::from_env()?,
             worker_id,
@@ -94,13 +105,8 @@ impl Config {
             max_sessions: config::parse_or("SANDCELL_WORKER_MAX_SESSIONS", 32u16)?.max(1),
             session_prefetch: config::parse_or("SANDCELL_SESSION_PREFETCH", 256u16)?.max(1),
             warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
-            reuse: crate::bound::ReuseSettings {
-                // Off under gVisor by default: see ARCHITECTURE.md (one-off jobs).
-                max_jobs: config::parse_or("SANDCELL_ONEOFF_REUSE_JOBS", if runtime == "runsc" { 1u32 } else { 1000u32 })?.max(1),
-                max_age: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_REUSE_S", 600.0f64)?.max(0.0)),
-                max_idle: Duration::from_secs_f64(config::parse_or("SANDCELL_ONEOFF_IDLE_S", 60.0f64)?.max(0.0)),
-                max_waiting: config::parse_or("SANDCELL_ONEOFF_IDLE_MAX", 8usize)?,
-            },
+            warm_pool_prepared: config::parse_or("SANDCELL_WARM_POOL_PREPARED", reuse.max_jobs > 1)?,
+            reuse,
             kernel: KernelSettings {
                 image: config::var_required("SANDCELL_SANDBOX_IMAGE")?,
                 runtime: runtime.clone(),

@@ -2,6 +2,10 @@
 //! assigned to no tenant. A new session or a one-off job takes one if its container shape
 //! matches the pool's (the operator's default limits, no network); a background task refills
 //! the pool. A pool kernel is used by exactly one tenant and never returns to the pool.
+//!
+//! Where one-off sandboxes are reused, a warm kernel also makes its one-off preparation for
+//! forked jobs (immortal objects, huge pages: ~0.3 s of CPU) in its start, in the background,
+//! instead of after the first one-off job that takes it, in that tenant's burst.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -10,6 +14,7 @@ use std::time::Duration;
 use bollard::Docker;
 use tokio::sync::Notify;
 
+use crate::context::Saturation;
 use crate::kernel::{Kernel, KernelSettings, Priority, StartPriority};
 use crate::metrics::Metrics;
 use crate::sandbox::container::{ContainerShape, SandboxSpec, LABEL_POOL, LABEL_WORKER};
@@ -52,8 +57,16 @@ impl Inner {
 const LIVENESS_EVERY: Duration = Duration::from_secs(1);
 
 impl WarmPool {
-    /// A pool of `target` kernels built from the operator's default limits.
-    pub fn new(target: usize, settings: &KernelSettings, limits: sandcell_protocol::ExecutionLimits, worker_id: &str, metrics: Metrics) -> Self {
+    /// A pool of `target` kernels built from the operator's default limits; `prepared`: each
+    /// makes its preparation for forked jobs in its start ([`SandboxSpec::prepare_at_start`]).
+    pub fn new(
+        target: usize,
+        prepared: bool,
+        settings: &KernelSettings,
+        limits: sandcell_protocol::ExecutionLimits,
+        worker_id: &str,
+        metrics: Metrics,
+    ) -> Self {
         let spec = SandboxSpec {
             image: settings.image.clone(),
             runtime: settings.runtime.clone(),
@@ -61,6 +74,7 @@ impl WarmPool {
             labels: HashMap::from([(LABEL_WORKER.to_string(), worker_id.to_string()), (LABEL_POOL.to_string(), "1".to_string())]),
             egress: None,
             preload: settings.preload.clone(),
+            prepare_at_start: prepared,
         };
         let shape = spec.shape();
         WarmPool { inner: Arc::new(Inner { kernels: Mutex::new(Vec::new()), target, spec, shape, refill: Notify::new(), metrics }) }
@@ -102,12 +116,14 @@ impl WarmPool {
     }
 
     /// Keep the pool full, forever, replacing kernels found dead. Start failures are logged and
-    /// retried with a backoff.
-    pub async fn refill_forever(self, docker: Docker, settings: KernelSettings) {
+    /// retried with a backoff. Each start waits for a lull in the worker's jobs
+    /// ([`Saturation::lull`]): a burst that emptied the pool is not slowed by its refill.
+    pub async fn refill_forever(self, docker: Docker, settings: KernelSettings, saturation: Saturation) {
         let inner = &self.inner;
         let mut backoff = Duration::from_millis(500);
         loop {
             while self.len() < inner.target {
+                saturation.lull().await;
                 match Kernel::start(&docker, &settings, &inner.spec, &StartPriority::new(Priority::Background, &settings.cgroup_root)).await {
                     Ok(kernel) => {
                         kernel.count_start(&inner.metrics);

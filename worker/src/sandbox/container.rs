@@ -73,6 +73,10 @@ pub struct SandboxSpec {
     pub egress: Option<Egress>,
     /// Modules the driver imports before it reports ready (`SANDCELL_PRELOAD`).
     pub preload: Vec<String>,
+    /// The kernel makes its one-off preparation for forked jobs (immortal objects, huge pages)
+    /// in its start, before ready (`SANDCELL_PREPARE_AT_START`), rather than after its first
+    /// one-off job: the warm pool's, where one-off sandboxes are reused. Not part of the shape.
+    pub prepare_at_start: bool,
 }
 
 /// Where a sandbox of a tenant granted egress may go: its tenant's network, and the filtering
@@ -204,6 +208,9 @@ fn env(spec: &SandboxSpec) -> Vec<String> {
     if !spec.preload.is_empty() {
         env.push(format!("SANDCELL_PRELOAD={}", spec.preload.join(",")));
     }
+    if spec.prepare_at_start {
+        env.push("SANDCELL_PREPARE_AT_START=1".to_string());
+    }
     if let Some(proxy) = spec.egress.as_ref().and_then(|e| e.proxy.as_ref()) {
         for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
             env.push(format!("{name}={proxy}"));
@@ -224,7 +231,17 @@ mod tests {
             labels: HashMap::new(),
             egress: None,
             preload: Vec::new(),
+            prepare_at_start: false,
         }
+    }
+
+    #[test]
+    fn only_a_spec_that_asks_for_it_tells_its_kernel_to_prepare_at_start() {
+        let flag = "SANDCELL_PREPARE_AT_START=1".to_string();
+        assert!(!env(&spec()).contains(&flag));
+        let warm = SandboxSpec { prepare_at_start: true, ..spec() };
+        assert!(env(&warm).contains(&flag));
+        assert_eq!(warm.shape(), spec().shape(), "not part of the shape: a job of the pool's shape takes a warm kernel");
     }
 
     #[test]
