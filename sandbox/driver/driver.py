@@ -184,11 +184,14 @@ SANDCELL_PRELOAD    comma-separated module names (e.g.
                     left out of "preloaded".  If matplotlib got imported, a
                     throwaway figure is rendered (outside pyplot) so a cell's
                     first figure costs no more than later ones.
-SANDCELL_PREPARE_BUDGET_MS  longest the kernel's one-off preparation before its
-                    first standby may take (default 3000; see sandcell_kernel.py
+SANDCELL_PREPARE_BUDGET_MS  longest the kernel's one-off preparation for forked
+                    jobs may take (default 3000; see sandcell_kernel.py
                     PREPARE_BUDGET_MS): what is not done by then is left undone.
+                    Wall-clock ms before the first standby; the kernel's CPU ms
+                    when made at start.
 SANDCELL_PREPARE_AT_START  "1": the kernel makes that preparation before ready
-                    instead (the worker sets it for its warm pool's sandboxes).
+                    instead of before its first standby (the worker sets it for
+                    its warm pool's sandboxes).
 SANDCELL_CHANNEL    a Unix socket the worker listens on (worker/src/sandbox/
                     channel.rs): the driver connects to it before the kernel
                     exists and speaks the protocol there instead of on its
@@ -831,7 +834,7 @@ def parse_execute(obj):
 
 
 class Driver:
-    def __init__(self, channel, capture, kernel):
+    def __init__(self, channel, capture, kernel, prepared=False):
         self.channel = channel
         self.capture = capture
         self.kernel = kernel
@@ -839,8 +842,10 @@ class Driver:
         self.running = None
         self.execution_count = 0
         self._runs = 0
-        # Standbys the kernel was asked to fork (settle, prepare): the first one's ping waits longer.
-        self.standbys = 0
+        # Whether the kernel made its one-off preparation for forked jobs: in its start (a warm
+        # kernel's, said in its ready), or with the first standby it was asked to fork (settle,
+        # prepare), whose ping waits longer for it.
+        self.kernel_prepared = prepared
         # Whether the kernel ran a cell itself (a session's): such a kernel never forks jobs.
         self.kernel_ran_cells = False
         # The directories a job can write that outlive it (emptied after a fresh job, never
@@ -1002,8 +1007,8 @@ class Driver:
         if self.kernel_ran_cells:
             # A session's kernel holds a tenant's state: no job's process is ever forked from it.
             raise RequestError("prepare: this kernel ran cells of its own")
-        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.standbys else FIRST_STANDBY_S)
-        self.standbys += 1
+        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.kernel_prepared else FIRST_STANDBY_S)
+        self.kernel_prepared = True
         ready = settings is not None and settings == self.kernel.settings_at_ready
         if not ready:
             self.channel.log("the kernel did not answer its preparation as it was: %r" % (settings,))
@@ -1125,12 +1130,13 @@ class Driver:
         # must answer, as it was when it became ready. It forks the next job's process first
         # (the workspace and /tmp are empty by now): that is what the tenant's next job waits
         # for.
-        # The first standby's ping waits longer: before that fork the zygote makes its objects
-        # immortal and its memory huge pages, once (0.3-0.5 s with the default preload here;
-        # more with more libraries), which must not cost the sandbox its reuse. Later pings
+        # The first standby's ping waits longer, unless the kernel was prepared in its start:
+        # before that fork the zygote makes its objects immortal and its memory huge pages, once
+        # (0.3-0.5 s with the default preload here; more with more libraries), which must not
+        # cost the sandbox its reuse. Later pings
         # take milliseconds; their 2 s is how long a stopped zygote may hold up the verdict.
-        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.standbys else FIRST_STANDBY_S)
-        self.standbys += 1
+        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.kernel_prepared else FIRST_STANDBY_S)
+        self.kernel_prepared = True
         with sandbox_user():
             # After the fork, off the next job's path (the standby uses none). A segment still
             # attached by a process of the job that is exiting stays listed until it is gone.
@@ -1310,7 +1316,7 @@ def main():
     preloaded = [cap_text(m, 256) for m in preloaded if isinstance(m, str)] if isinstance(preloaded, list) else []
     ipython = ready.get("ipython")
     kernel.settings_at_ready = kernel.ping(timeout_s=30.0)
-    driver = Driver(channel, capture, kernel)
+    driver = Driver(channel, capture, kernel, prepared=ready.get("prepared") is True)
     signal.signal(signal.SIGINT, driver.on_sigint)
     channel.send({"type": "ready", "driver_version": DRIVER_VERSION,
                   "python": platform.python_version(),

@@ -1051,14 +1051,18 @@ def _budget_ms(default=3000):
 PREPARE_BUDGET_MS = _budget_ms()
 
 
-def prepare_for_forks(libc, log):
-    """The zygote's one-off preparation for the jobs it will fork, within PREPARE_BUDGET_MS:
-    its objects immortal, then its memory huge pages. A job's process then writes fewer of
-    the zygote's pages (each it writes is copied), and a fork and a job's exit cost per page
-    table entry of it."""
-    deadline = time.monotonic() + PREPARE_BUDGET_MS / 1000
-    immortalize(log, deadline)
-    collapse_to_huge_pages(libc, log, deadline)
+def prepare_for_forks(libc, log, clock=time.monotonic, advise=True):
+    """The zygote's one-off preparation for the jobs it will fork, within PREPARE_BUDGET_MS
+    of `clock`: its objects immortal, then its memory huge pages. A job's process then writes
+    fewer of the zygote's pages (each it writes is copied), and a fork and a job's exit cost
+    per page table entry of it. Before the first standby the budget is wall-clock time (it
+    must fit the driver's wait for that ping); in a warm kernel's start it is this process's
+    CPU time: that start runs in the idle CPU class, where a busy machine would otherwise cut
+    the walk short for the sandbox's whole life (the start's own timeout bounds the wait).
+    advise: see collapse_to_huge_pages."""
+    deadline = clock() + PREPARE_BUDGET_MS / 1000
+    immortalize(log, deadline, clock)
+    collapse_to_huge_pages(libc, log, deadline, clock, advise)
 
 
 def _immortal_layout():
@@ -1072,7 +1076,7 @@ def _immortal_layout():
     return ctypes.c_int64.from_address(id(None)).value == IMMORTAL_REFCNT
 
 
-def immortalize(log, deadline):
+def immortalize(log, deadline, clock=time.monotonic):
     """Make every object the zygote holds now immortal, so that a forked job's process that
     only reads one no longer writes to it. CPython counts the references to an object in the
     object itself: reading a module's function, a type, a name, writes their counts, and each
@@ -1082,7 +1086,7 @@ def immortalize(log, deadline):
     warm-up created. They are never freed, which changes nothing in a zygote, whose objects
     live as long as it does (and are frozen for the collector already); objects created after
     this are as before. Best effort: other versions or builds are left as they are, and what
-    is not marked by `deadline` (time.monotonic()) stays mortal.
+    is not marked by `deadline` (of `clock`) stays mortal.
     Measured in the sandbox image (Python 3.13) on a 2-core VM: a fresh `1+1` job's page faults
     948 -> 598, its process's CPU 7.4 -> 5.6 ms (docs/benchmarks/speed-check.md, round 13)."""
     if not _immortal_layout():
@@ -1108,7 +1112,7 @@ def immortalize(log, deadline):
                 whole(address).value = IMMORTAL_REFCNT
                 marked += 1
                 found += referents(obj)
-                if not marked & 0x3FFF and time.monotonic() > deadline:
+                if not marked & 0x3FFF and clock() > deadline:
                     log("immortal: stopped at the time budget after %d objects in %d ms"
                         % (marked, (time.monotonic() - started) * 1000))
                     return
@@ -1128,13 +1132,19 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 HUGE_PAGE = 2 << 20
 
 
-def collapse_to_huge_pages(libc, log, deadline):
+def collapse_to_huge_pages(libc, log, deadline, clock=time.monotonic, advise=True):
     """Back the zygote's private writable memory (the imported modules' objects, some 80 MiB
     with numpy, pandas and matplotlib) with 2 MiB pages where the kernel can: a fork then
     copies one entry per 2 MiB instead of 512, and a job's exit unmaps as few. A page a job
     writes is still copied alone (the kernel splits a shared huge page on a write fault).
     Best effort: where the kernel has no MADV_COLLAPSE (older kernels, gVisor) nothing changes,
-    and no region is begun after `deadline` (time.monotonic()).
+    and no region is begun after `deadline` (of `clock`).
+    advise: also mark the regions MADV_HUGEPAGE, which lasts: their later faults, in the
+    zygote and in every process it forks, take huge pages too (with direct compaction under
+    the kernel's default defrag setting). Not in a warm kernel's start: a session may take
+    that kernel and run its cells in those regions for hours (16 sessions of which some took
+    such kernels ran 4-20 % fewer jobs a second, in 7 runs of 7; with the collapse alone, no
+    loss in 3 runs). MADV_COLLAPSE needs no mark.
     Measured in the sandbox image on a 2-core VM: fork + exit + wait of the zygote 5.4 -> 3.8 ms."""
     if libc is None:
         return
@@ -1149,7 +1159,7 @@ def collapse_to_huge_pages(libc, log, deadline):
         log("no huge pages: %r" % (exc,))
         return
     for line in lines:
-        if time.monotonic() > deadline:
+        if clock() > deadline:
             log("huge pages: stopped at the time budget")
             break
         fields = line.split()
@@ -1160,7 +1170,8 @@ def collapse_to_huge_pages(libc, log, deadline):
         end &= ~(HUGE_PAGE - 1)
         if end - start < HUGE_PAGE:
             continue
-        madvise(start, end - start, MADV_HUGEPAGE)
+        if advise:
+            madvise(start, end - start, MADV_HUGEPAGE)
         if madvise(start, end - start, MADV_COLLAPSE) == 0:
             collapsed += 1
         else:
@@ -1267,8 +1278,8 @@ def main(req_fd, rep_fd, ctl_fd):
     # kernel anyway) and ~2 MiB more of huge pages.
     prepared = os.environ.get("SANDCELL_PREPARE_AT_START") == "1"
     if prepared:
-        prepare_for_forks(libc, log)
-    channel.send({"type": "ready", "ipython": IPython.__version__, "preloaded": preloaded})
+        prepare_for_forks(libc, log, clock=time.process_time, advise=False)
+    channel.send({"type": "ready", "ipython": IPython.__version__, "preloaded": preloaded, "prepared": prepared})
     Kernel(channel, control, shell, prepared=prepared).serve()
     # os._exit: don't wait for threads a job may have left running.
     os._exit(0)

@@ -1,7 +1,6 @@
 //! The worker's context: everything a job handler needs, cheap to clone, and the accounting of
 //! the worker's slots.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,26 +46,26 @@ pub struct WorkerContext {
     pub ledger: Ledger,
     /// Cells running at once (`SANDCELL_WORKER_SLOTS`).
     pub slots: Arc<Semaphore>,
-    /// When every slot was last busy: what no job waits for waits for a lull.
-    pub saturation: Saturation,
+    /// When a cell last ran: what no job waits for waits for a lull.
+    pub activity: Activity,
     /// Sessions held at once (`SANDCELL_WORKER_MAX_SESSIONS`).
     pub session_capacity: Arc<Semaphore>,
     /// Set once the worker was told to stop: it takes no more jobs.
     pub draining: tokio::sync::watch::Receiver<bool>,
 }
 
-/// A slot held by a running cell. The busy-slots gauge and the saturation count live guards,
+/// A slot held by a running cell. The busy-slots gauge and the activity count live guards,
 /// so they are right on every path (a finished cell, an error, a cancelled task).
 pub struct Slot {
     _permit: OwnedSemaphorePermit,
     gauge: prometheus::IntGauge,
-    saturation: Saturation,
+    activity: Activity,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         self.gauge.dec();
-        self.saturation.ended();
+        self.activity.ended();
     }
 }
 
@@ -75,72 +74,64 @@ impl WorkerContext {
     pub async fn slot(&self) -> Result<Slot> {
         let permit = self.slots.clone().acquire_owned().await.context("the worker's slots are closed")?;
         self.metrics.busy_slots.inc();
-        self.saturation.began();
-        Ok(Slot { _permit: permit, gauge: self.metrics.busy_slots.clone(), saturation: self.saturation.clone() })
+        self.activity.began();
+        Ok(Slot { _permit: permit, gauge: self.metrics.busy_slots.clone(), activity: self.activity.clone() })
     }
 }
 
-/// How long no moment with every slot busy must last before work no job waits for begins.
+/// How long the worker must have run no cell before work no job waits for begins.
 const LULL: Duration = Duration::from_millis(250);
-/// The longest such work waits for a lull: a worker kept saturated still refills its warm pool.
+/// The longest such work waits for a lull: a worker kept busy still refills its warm pool.
 const AT_MOST: Duration = Duration::from_secs(10);
 /// How often a wait for a lull looks again.
 const LOOK_EVERY: Duration = Duration::from_millis(25);
 
-/// When the worker last had every slot busy, for the work no job waits for: a warm-pool refill
-/// and the preparation of a one-off sandbox its job did not wait for. Begun in a burst, even in
-/// the idle CPU class, such work took 0.3-0.5 s of the CPU of a 2.5 s burst of 200 one-off
-/// jobs on two cores (idle gaps are short and many, and a start also works in Docker and the
-/// host's kernel): it waits until no slot has been full for [`LULL`], at most [`AT_MOST`].
-/// A worker that never fills its slots (sequential jobs, a few sessions) starts it at once.
-/// Cheap to clone.
+/// When the worker last ran a cell, for the work no job waits for: a warm-pool refill. Begun
+/// while jobs run, even in the idle CPU class, a refill took 0.3-0.5 s of the CPU of a 2.5 s
+/// burst of 200 one-off jobs on two cores (idle gaps are short and many, and a start also works
+/// in Docker and the host's kernel), and stretched the tail of sequential jobs (p99); it waits
+/// until no cell has run for [`LULL`], at most [`AT_MOST`] (measured: docs/benchmarks/speed-check.md,
+/// fifteenth round). Cheap to clone.
 #[derive(Clone)]
-pub struct Saturation {
-    inner: Arc<SaturationState>,
+pub struct Activity {
+    inner: Arc<ActivityState>,
 }
 
-struct SaturationState {
-    slots: usize,
-    busy: AtomicUsize,
-    /// The last moment every slot was busy; `None`: never.
-    last_full: Mutex<Option<tokio::time::Instant>>,
+struct ActivityState {
+    /// Slots busy now, and the last moment one was (`None`: never), changed together so that a
+    /// look never sees a cell's end without its time.
+    state: Mutex<(usize, Option<tokio::time::Instant>)>,
 }
 
-impl Saturation {
-    /// For a worker of `slots` slots.
-    pub fn new(slots: usize) -> Self {
-        Saturation { inner: Arc::new(SaturationState { slots: slots.max(1), busy: AtomicUsize::new(0), last_full: Mutex::new(None) }) }
+impl Activity {
+    /// A worker that ran no cell yet.
+    pub fn new() -> Self {
+        Activity { inner: Arc::new(ActivityState { state: Mutex::new((0, None)) }) }
     }
 
     /// A slot was taken.
     fn began(&self) {
-        if self.inner.busy.fetch_add(1, Ordering::SeqCst) + 1 >= self.inner.slots {
-            self.mark_full();
-        }
+        self.change(|busy| busy + 1);
     }
 
-    /// A slot was given back (a full worker was full until now).
+    /// A slot was given back (its cell ran until now).
     fn ended(&self) {
-        if self.inner.busy.fetch_sub(1, Ordering::SeqCst) >= self.inner.slots {
-            self.mark_full();
+        self.change(|busy| busy.saturating_sub(1));
+    }
+
+    fn change(&self, to: impl FnOnce(usize) -> usize) {
+        if let Ok(mut state) = self.inner.state.lock() {
+            state.0 = to(state.0);
+            state.1 = Some(tokio::time::Instant::now());
         }
     }
 
-    fn mark_full(&self) {
-        if let Ok(mut last) = self.inner.last_full.lock() {
-            *last = Some(tokio::time::Instant::now());
-        }
-    }
-
-    /// Whether no slot has been full for [`LULL`].
+    /// Whether no cell has run for [`LULL`].
     fn in_lull(&self) -> bool {
-        if self.inner.busy.load(Ordering::SeqCst) >= self.inner.slots {
-            return false;
-        }
-        self.inner.last_full.lock().map(|last| last.is_none_or(|t| t.elapsed() >= LULL)).unwrap_or(true)
+        self.inner.state.lock().map(|s| s.0 == 0 && s.1.is_none_or(|t| t.elapsed() >= LULL)).unwrap_or(true)
     }
 
-    /// Wait for a lull (no slot full for [`LULL`]), at most [`AT_MOST`]. Returns whether it came.
+    /// Wait for a lull (no cell run for [`LULL`]), at most [`AT_MOST`]. Returns whether it came.
     pub async fn lull(&self) -> bool {
         let give_up = tokio::time::Instant::now() + AT_MOST;
         loop {
@@ -155,16 +146,22 @@ impl Saturation {
     }
 }
 
+impl Default for Activity {
+    fn default() -> Self {
+        Activity::new()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// A guard as a slot holds it.
-    struct Held(Saturation);
+    struct Held(Activity);
     impl Held {
-        fn take(s: &Saturation) -> Self {
-            s.began();
-            Held(s.clone())
+        fn take(a: &Activity) -> Self {
+            a.began();
+            Held(a.clone())
         }
     }
     impl Drop for Held {
@@ -174,28 +171,25 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn work_that_waits_for_a_lull_begins_at_once_on_a_worker_that_never_filled_its_slots() {
-        let s = Saturation::new(2);
-        let _one = Held::take(&s);
+    async fn work_that_waits_for_a_lull_begins_at_once_on_a_worker_that_ran_no_cell() {
+        let a = Activity::new();
         let t = tokio::time::Instant::now();
-        assert!(s.lull().await);
+        assert!(a.lull().await);
         assert_eq!(t.elapsed(), Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]
-    async fn it_begins_a_lull_after_the_slots_were_last_full() {
-        let s = Saturation::new(2);
-        let one = Held::take(&s);
-        let two = Held::take(&s);
+    async fn it_begins_a_lull_after_the_last_cell_ended() {
+        let a = Activity::new();
+        let one = Held::take(&a);
         let waiter = tokio::spawn({
-            let s = s.clone();
+            let a = a.clone();
             async move {
                 let t = tokio::time::Instant::now();
-                (s.lull().await, t.elapsed())
+                (a.lull().await, t.elapsed())
             }
         });
         tokio::time::sleep(Duration::from_secs(2)).await;
-        drop(two); // full until now
         drop(one);
         let (came, waited) = waiter.await.expect("the waiter");
         assert!(came);
@@ -203,11 +197,24 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_worker_kept_full_delays_it_at_most_the_bound() {
-        let s = Saturation::new(1);
-        let _held = Held::take(&s);
-        let t = tokio::time::Instant::now();
-        assert!(!s.lull().await);
-        assert!(t.elapsed() >= AT_MOST && t.elapsed() < AT_MOST + LOOK_EVERY * 2, "{:?}", t.elapsed());
+    async fn cells_back_to_back_delay_it_at_most_the_bound() {
+        let a = Activity::new();
+        let waiter = tokio::spawn({
+            let a = a.clone();
+            async move {
+                let t = tokio::time::Instant::now();
+                (a.lull().await, t.elapsed())
+            }
+        });
+        // Sequential cells, a few milliseconds apart: never a lull.
+        for _ in 0..1500 {
+            let cell = Held::take(&a);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            drop(cell);
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        let (came, waited) = waiter.await.expect("the waiter");
+        assert!(!came);
+        assert!(waited >= AT_MOST && waited < AT_MOST + LOOK_EVERY * 2, "{waited:?}");
     }
 }

@@ -14,7 +14,7 @@
 //! [`pool`] keeps started kernels ready for the next session or one-off job; [`bound`] keeps a
 //! one-off job's sandbox for its tenant's next one-off job (each runs in a process forked for it).
 //! Around them: [`config`] (every setting, from the environment), [`context`] (what every
-//! handler shares; slots as guards), [`ledger`] (the one place deliveries are acked), [`metrics`],
+//! handler shares; slots as guards, and when a cell last ran: the lull background work waits for), [`ledger`] (the one place deliveries are acked), [`metrics`],
 //! and [`service`] (start-up, health, heartbeat, shutdown: the wiring of the above).
 #![warn(missing_docs)]
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bollard::Docker;
 use tokio::sync::Notify;
 
-use crate::context::Saturation;
+use crate::context::Activity;
 use crate::kernel::{Kernel, KernelSettings, Priority, StartPriority};
 use crate::metrics::Metrics;
 use crate::sandbox::container::{ContainerShape, SandboxSpec, LABEL_POOL, LABEL_WORKER};
@@ -117,13 +117,13 @@ impl WarmPool {
 
     /// Keep the pool full, forever, replacing kernels found dead. Start failures are logged and
     /// retried with a backoff. Each start waits for a lull in the worker's jobs
-    /// ([`Saturation::lull`]): a burst that emptied the pool is not slowed by its refill.
-    pub async fn refill_forever(self, docker: Docker, settings: KernelSettings, saturation: Saturation) {
+    /// ([`Activity::lull`]): the jobs that emptied the pool are not slowed by its refill.
+    pub async fn refill_forever(self, docker: Docker, settings: KernelSettings, activity: Activity) {
         let inner = &self.inner;
         let mut backoff = Duration::from_millis(500);
         loop {
             while self.len() < inner.target {
-                saturation.lull().await;
+                activity.lull().await;
                 match Kernel::start(&docker, &settings, &inner.spec, &StartPriority::new(Priority::Background, &settings.cgroup_root)).await {
                     Ok(kernel) => {
                         kernel.count_start(&inner.metrics);

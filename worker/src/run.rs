@@ -309,16 +309,17 @@ async fn start_or_take_returned(ctx: &WorkerContext, tenant: &str, spec: Sandbox
                 // The start goes on without this job, in the background (no job waits for it,
                 // so it takes no CPU running jobs want); its sandbox waits for the tenant's next.
                 priority.to_background();
-                let (pool, tenant, shape, saturation) = (ctx.bound.clone(), tenant.to_string(), shape.clone(), ctx.saturation.clone());
+                let (pool, tenant, shape) = (ctx.bound.clone(), tenant.to_string(), shape.clone());
                 tokio::spawn(async move {
                     match handle.await {
                         Ok(Ok(mut kernel)) => {
                             // Its preparation for fresh jobs too, before it waits: the tenant's
-                            // jobs on it do not wait for it. After the burst (a lull), at full
-                            // weight: it is a fraction of a start (~0.3 s of CPU), timed by the
-                            // driver's wall clock, and in the idle class a busy machine would
-                            // starve it past that.
-                            saturation.lull().await;
+                            // jobs on it do not wait for it. At full weight: it is a fraction of
+                            // a start (~0.3 s of CPU), timed by the driver's wall clock, and in
+                            // the idle class a busy machine would starve it past that. Not after
+                            // a lull (as a warm-pool refill waits): the start's ticket is held
+                            // until it is kept, and in a burst that would keep the sandbox out
+                            // of it, and the tenant from starting another, for up to 10 s.
                             priority.end(&mut kernel);
                             if kernel.prepare(SETTLE_WITHIN).await {
                                 pool.count_new();

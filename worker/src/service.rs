@@ -57,9 +57,14 @@ pub async fn run(mut cfg: Config) -> Result<()> {
         tracing::warn!(ended, worker_id = %cfg.worker_id, "jobs a previous run was running ended worker_lost");
     }
     let store = ArtifactStore::new(&cfg.services.s3);
-    let saturation = context::Saturation::new(usize::from(cfg.slots));
+    if cfg.warm_pool_prepared && cfg.reuse.max_jobs <= 1 {
+        tracing::warn!(
+            "SANDCELL_WARM_POOL_PREPARED is set but one-off sandboxes are not reused (SANDCELL_ONEOFF_REUSE_JOBS=1): no job is forked from a warm kernel, so its preparation is wasted"
+        );
+    }
+    let activity = context::Activity::new();
     let warm = pool::WarmPool::new(cfg.warm_pool, cfg.warm_pool_prepared, &cfg.kernel, cfg.policy.default.clone(), &cfg.worker_id, metrics.clone());
-    tokio::spawn(warm.clone().refill_forever(docker.clone(), cfg.kernel.clone(), saturation.clone()));
+    tokio::spawn(warm.clone().refill_forever(docker.clone(), cfg.kernel.clone(), activity.clone()));
     let bound = crate::bound::BoundPool::new(cfg.reuse.clone(), metrics.clone());
     tokio::spawn(bound.clone().reap_forever());
     // Seen alive before it takes any job: a job claimed by a worker with no heartbeat on record
@@ -90,7 +95,7 @@ pub async fn run(mut cfg: Config) -> Result<()> {
         events,
         ledger: ledger::Ledger::new(metrics.clone()),
         slots: Arc::new(Semaphore::new(usize::from(cfg.slots))),
-        saturation,
+        activity,
         session_capacity: Arc::new(Semaphore::new(usize::from(cfg.max_sessions))),
         cfg: Arc::new(cfg),
         docker: docker.clone(),
