@@ -1007,12 +1007,22 @@ class Driver:
         if self.kernel_ran_cells:
             # A session's kernel holds a tenant's state: no job's process is ever forked from it.
             raise RequestError("prepare: this kernel ran cells of its own")
-        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.kernel_prepared else FIRST_STANDBY_S)
-        self.kernel_prepared = True
+        settings = self.ping_forking_standby()
         ready = settings is not None and settings == self.kernel.settings_at_ready
         if not ready:
             self.channel.log("the kernel did not answer its preparation as it was: %r" % (settings,))
         self.send(req_id, {"type": "prepared", "ready": ready})
+
+    def ping_forking_standby(self):
+        """The kernel's settings from a ping that first has it fork the next job's process (None:
+        no answer in time). The first such ping waits longer, unless the kernel was prepared in
+        its start: before that fork the zygote makes its objects immortal and its memory huge
+        pages, once (0.3-0.5 s with the default preload here; more with more libraries), which
+        must not cost the sandbox its reuse. Later pings take milliseconds; their 2 s is how
+        long a stopped zygote may hold up the verdict."""
+        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.kernel_prepared else FIRST_STANDBY_S)
+        self.kernel_prepared = True
+        return settings
 
     def settle(self, req_id, run_id, spared):
         """After a fresh request's done: end its process (run_id; None when no
@@ -1130,13 +1140,7 @@ class Driver:
         # must answer, as it was when it became ready. It forks the next job's process first
         # (the workspace and /tmp are empty by now): that is what the tenant's next job waits
         # for.
-        # The first standby's ping waits longer, unless the kernel was prepared in its start:
-        # before that fork the zygote makes its objects immortal and its memory huge pages, once
-        # (0.3-0.5 s with the default preload here; more with more libraries), which must not
-        # cost the sandbox its reuse. Later pings
-        # take milliseconds; their 2 s is how long a stopped zygote may hold up the verdict.
-        settings = self.kernel.ping(standby=True, timeout_s=2.0 if self.kernel_prepared else FIRST_STANDBY_S)
-        self.kernel_prepared = True
+        settings = self.ping_forking_standby()
         with sandbox_user():
             # After the fork, off the next job's path (the standby uses none). A segment still
             # attached by a process of the job that is exiting stays listed until it is gone.
