@@ -265,8 +265,9 @@ def sandbox_user():
     """Run the block with the sandbox user's effective uid/gid (the real and
     saved ids stay root's, so the code can still neither signal nor trace
     the driver, and the driver can switch back).  A no-op when the driver is
-    not root.  Only the calling thread changes (see set_effective_ids)."""
-    if not ISOLATED:
+    not root, and inside another such block (the outer one switches back at
+    its end).  Only the calling thread changes (see set_effective_ids)."""
+    if not ISOLATED or os.geteuid() != 0:
         yield
         return
     try:
@@ -736,12 +737,9 @@ class KernelProcess:
 
     def interrupt(self):
         # As the sandbox user (the driver has no CAP_KILL). Called from the SIGINT handler, so
-        # possibly inside a sandbox_user() block of the main thread: then it already is.
+        # possibly inside a sandbox_user() block of the main thread: this one is then a no-op.
         try:
-            if os.geteuid() == 0 and ISOLATED:
-                with sandbox_user():
-                    os.kill(self.pid, signal.SIGINT)
-            else:
+            with sandbox_user():
                 os.kill(self.pid, signal.SIGINT)
         except (ProcessLookupError, PermissionError) as exc:
             self.log("cannot interrupt the kernel: %r" % (exc,))
@@ -948,7 +946,8 @@ class Driver:
             self.protocol_error("the last job's processes are not gone, or stopped the kernel", req_id)
             return
         with sandbox_user():
-            os.makedirs(WORKSPACE, exist_ok=True)
+            if not os.path.isdir(WORKSPACE):  # as makedirs(exist_ok=True) would, without its exception
+                os.makedirs(WORKSPACE, exist_ok=True)
             ok = self.write_inputs(req_id, req["files"])
             before = snapshot(WORKSPACE) if ok else None
         # Dying ones too (what an earlier cell left may still be exiting): only what this
@@ -984,8 +983,8 @@ class Driver:
         # they are collected).  A fresh job's own process, a child of the kernel,
         # is spared here: its cell is over and it is exiting, which settle() waits
         # for after the result is sent, before it kills again.
-        killed = kill_strays(existing, children_of=self.kernel.pid if req["fresh"] else None, exiting=True)
         with sandbox_user():
+            killed = kill_strays(existing, children_of=self.kernel.pid if req["fresh"] else None, exiting=True)
             full = (space_exhausted(WORKSPACE) or space_exhausted("/tmp") or error_errno == errno.ENOSPC)
             after = snapshot(WORKSPACE)
             collect_files(WORKSPACE, before, after, limits, req["get_files"], lambda f: self.send(req_id, f))

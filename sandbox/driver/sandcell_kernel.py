@@ -281,6 +281,17 @@ def create_shell():
                     frame = cap_error(frame)
                 sink(frame)
 
+        def should_run_async(self, raw_cell, *, transformed_cell=None, preprocessing_exc_tuple=None):
+            # IPython compiles every cell once more to learn whether it awaits at top level;
+            # only a cell with `await` or `async` in its text can (the compiler marks a code
+            # object a coroutine for those alone), so the others are spared that compile
+            # (~30 us of a ~300 us `n += 1` cell).
+            cell = raw_cell if transformed_cell is None else transformed_cell
+            if preprocessing_exc_tuple is None and "await" not in cell and "async" not in cell:
+                return False
+            return super().should_run_async(raw_cell, transformed_cell=transformed_cell,
+                                            preprocessing_exc_tuple=preprocessing_exc_tuple)
+
         async def run_code(self, code_obj, result=None, *, async_=False):
             # SIGINT interrupts user code only, not IPython's own
             # bookkeeping around it (history, counters, events).

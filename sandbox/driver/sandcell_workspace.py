@@ -141,9 +141,12 @@ def snapshot(root):
     under root except directories and the skipped tool/cache directories;
     never follows symlinks (a symlink is an entry of its own)."""
     entries = {}
+    # os.walk names each directory below root as root joined with its relative path: the
+    # relative path is what follows this prefix (os.path.relpath costs more than the walk of
+    # an empty workspace, which a cell that writes nothing makes twice).
+    prefix = os.path.join(root, "")
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        rel_dir = os.path.relpath(dirpath, root)
-        rel_dir = "" if rel_dir == "." else rel_dir
+        rel_dir = "" if dirpath == root else dirpath[len(prefix):]
         descend = []
         for name in dirnames:
             rel = os.path.join(rel_dir, name)

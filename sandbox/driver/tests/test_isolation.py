@@ -13,7 +13,7 @@ import time
 import unittest
 
 from harness import *  # noqa: F401,F403 (the harness is these tests' vocabulary)
-from harness import _process_running  # noqa: F401
+from harness import _as_root, _process_running  # noqa: F401
 
 
 class TestIsolation(DriverTestCase):
@@ -23,6 +23,33 @@ class TestIsolation(DriverTestCase):
     def setUp(self):
         if not ISOLATED:
             self.skipTest("the driver is not started as root here")
+
+    def test_a_block_as_the_sandbox_user_inside_another_keeps_the_outer_one_as_the_sandbox_user(self):
+        # The driver does the end of a cell (killing what it left, collecting its files) in one
+        # such block, and kill_strays, inside it, opens its own: the inner block's end must not
+        # give the outer block's rest back root's rights. In a process of its own: the ids of
+        # this one stay as they are.
+        code = (
+            "import os, sys\n"
+            "sys.path.insert(0, os.path.dirname(sys.argv[1]))\n"
+            "import importlib.util\n"
+            "spec = importlib.util.spec_from_file_location('driver', sys.argv[1])\n"
+            "d = importlib.util.module_from_spec(spec); spec.loader.exec_module(d)\n"
+            "seen = []\n"
+            "with d.sandbox_user():\n"
+            "    seen.append(os.geteuid())\n"
+            "    with d.sandbox_user():\n"
+            "        seen.append(os.geteuid())\n"
+            "    seen.append(os.geteuid())\n"
+            "seen.append(os.geteuid())\n"
+            "print(seen, d.SANDBOX_UID)\n")
+        with _as_root():  # as the driver starts
+            out = subprocess.run([sys.executable, "-c", code, DRIVER], capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        seen, uid = out.stdout.rsplit(" ", 1)
+        uid = int(uid)
+        self.assertNotEqual(uid, 0)
+        self.assertEqual(seen, str([uid, uid, uid, 0]))
 
     def test_user_code_runs_as_the_sandbox_user_and_cannot_reach_the_driver(self):
         frames = self.run_ok(

@@ -36,6 +36,17 @@ class TestPython(DriverTestCase):
         self.assertNotIn("Out[", stream_text(frames, "stdout"))
         self.assertEqual(stream_text(frames, "stdout"), "")
 
+    def test_top_level_await_runs_as_in_a_notebook(self):
+        # The shell skips IPython's check for top-level await in cells that say neither
+        # `await` nor `async`: those that do still run in the coroutine runner.
+        frames = self.run_ok("import asyncio\nawait asyncio.sleep(0)\nx = await asyncio.sleep(0, result=41)\nx + 1")
+        self.assertEqual(of_type(frames, "execute_result")[0]["data"]["text/plain"], "42")
+        frames = self.run_ok("async def gen():\n    yield 1\n    yield 2\n[v async for v in gen()]")
+        self.assertEqual(of_type(frames, "execute_result")[0]["data"]["text/plain"], "[1, 2]")
+        # The words in a string do not make a cell a coroutine: it runs as any other.
+        frames = self.run_ok("'no await, no async here'")
+        self.assertEqual(of_type(frames, "execute_result")[0]["data"]["text/plain"], "'no await, no async here'")
+
     def test_a_scalars_value_is_formatted_as_ipython_formats_it(self):
         # Builtin scalars take a shorter path to their text/plain; it must answer as IPython's
         # full formatting (`display_formatter.format`) does: its precision setting, its
