@@ -497,3 +497,125 @@ async fn a_tenants_unfinished_job_figures_follow_every_way_a_job_is_recorded_hel
     figures((0, 0, 0), "a deleted job").await;
     beating.abort();
 }
+
+/// The stored bytes the record and the reservation read instead of summing a tenant's artifacts
+/// (`tenant_artifact_bytes`, migration 0018), and the same bytes summed from the artifact rows.
+async fn stored_bytes(db: &sqlx::PgPool, t: &str) -> (i64, i64) {
+    let kept: i64 = sqlx::query_scalar("SELECT COALESCE(sum(bytes), 0)::bigint FROM tenant_artifact_bytes WHERE tenant = $1")
+        .bind(t)
+        .fetch_one(db)
+        .await
+        .expect("kept bytes");
+    let summed: i64 = sqlx::query_scalar("SELECT COALESCE(sum(size_bytes), 0)::bigint FROM artifacts WHERE tenant = $1 AND state = 'available'")
+        .bind(t)
+        .fetch_one(db)
+        .await
+        .expect("summed bytes");
+    (kept, summed)
+}
+
+#[tokio::test]
+async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_quota_and_reservations_use_them() {
+    use sandcell_core::jobs::{Finished, JobStore, NewArtifact, Recorded};
+    let db = service_db().await;
+    let t = tenant();
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 10, 10, 1000)")
+        .bind(&t)
+        .execute(&db)
+        .await
+        .expect("tenant");
+    let store = JobStore::new(db.clone());
+    let tenants = sandcell_core::tenants::TenantStore::new(db.clone());
+    let record = |sub: sandcell_protocol::Submission| {
+        let store = store.clone();
+        async move {
+            let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
+            let recorded = store.record_queued(&sub, &limits, "digest", None, None).await.expect("record");
+            (sub.job_id, recorded)
+        }
+    };
+    // A recorded job, running (as a worker's claim leaves it), that stores `sizes`.
+    let finish_with = |job_id: String, sizes: Vec<i64>| {
+        let (db, store, t) = (db.clone(), store.clone(), t.clone());
+        async move {
+            sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&job_id).execute(&db).await.expect("running");
+            let mut fin = Finished::bare(JobStatus::Succeeded, sandcell_protocol::Reason::new(ErrorCode::StorageFailed, "unused"), None, None);
+            fin.reason = None;
+            fin.artifacts = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, size)| NewArtifact {
+                    path: format!("f{i}.bin"),
+                    kind: sandcell_protocol::ArtifactKind::File,
+                    size_bytes: *size,
+                    content_type: "application/octet-stream".into(),
+                    sha256: "0".repeat(64),
+                    s3_key: format!("{t}/{job_id}/f{i}.bin"),
+                    expires_at: chrono::Utc::now() + chrono::Duration::hours(1),
+                    download_url: "http://127.0.0.1/unused".into(),
+                })
+                .collect();
+            assert!(store.finish(&t, &job_id, &fin).await.expect("finish"), "the result of {job_id} was not taken");
+        }
+    };
+    let bytes = |expected: i64, step: &str| {
+        let (db, t, step) = (db.clone(), t.clone(), step.to_string());
+        async move {
+            let (kept, summed) = stored_bytes(&db, &t).await;
+            assert_eq!(kept, summed, "after {step}: the kept bytes drifted from the artifact rows");
+            assert_eq!(kept, expected, "after {step}: stored bytes");
+        }
+    };
+    bytes(0, "nothing").await;
+
+    // A job stores two files; the reservation of the next sees them.
+    let (first, r) = record(python(&t, "1")).await;
+    assert!(matches!(r, Recorded::New { .. }), "{r:?}");
+    assert_eq!(tenants.reserve_artifact_bytes(&t, &first, 700).await.expect("reserve"), 700);
+    finish_with(first.clone(), vec![400, 300]).await;
+    bytes(700, "a result with two files").await;
+    let (second, r) = record(python(&t, "2")).await;
+    assert!(matches!(r, Recorded::New { .. }), "{r:?}");
+    sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&second).execute(&db).await.expect("running");
+    assert_eq!(tenants.reserve_artifact_bytes(&t, &second, 600).await.expect("reserve"), 300, "700 of 1000 bytes were stored");
+    finish_with(second.clone(), vec![300]).await;
+    bytes(1000, "a result with the last 300 bytes").await;
+
+    // At the quota: a submission is refused before it runs.
+    let (_, r) = record(python(&t, "3")).await;
+    match r {
+        Recorded::OverQuota(reason) => {
+            assert_eq!(reason.code, ErrorCode::QuotaExceeded, "{reason:?}");
+            assert!(reason.message.contains("artifact"), "{reason:?}");
+        }
+        other => panic!("a job of a tenant at its stored-bytes quota was admitted: {other:?}"),
+    }
+
+    // The sweeper expires the 400-byte file: room again.
+    let id: i64 = sqlx::query_scalar("SELECT id FROM artifacts WHERE tenant = $1 AND job_id = $2 AND size_bytes = 400")
+        .bind(&t)
+        .bind(&first)
+        .fetch_one(&db)
+        .await
+        .expect("the 400-byte file");
+    assert_eq!(store.mark_artifacts_expired(&[id]).await.expect("expire"), 1);
+    bytes(600, "an expiry").await;
+    let (fourth, r) = record(python(&t, "4")).await;
+    assert!(matches!(r, Recorded::New { .. }), "room after an expiry: {r:?}");
+    sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&fourth).execute(&db).await.expect("running");
+    assert_eq!(tenants.reserve_artifact_bytes(&t, &fourth, 1000).await.expect("reserve"), 400);
+
+    // A job's row removed takes its files with it (by cascade).
+    sqlx::query("DELETE FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&second).execute(&db).await.expect("delete");
+    bytes(300, "a deleted job").await;
+    // An expired file deleted changes nothing.
+    sqlx::query("DELETE FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&first).execute(&db).await.expect("delete");
+    bytes(0, "the first job deleted").await;
+
+    // The quota and the reservation read the kept bytes, not the artifact rows: kept bytes of
+    // no artifact (written here by hand) fill the quota as stored ones would.
+    sqlx::query("INSERT INTO tenant_artifact_bytes (tenant, shard, bytes) VALUES ($1, 99, 1000)").bind(&t).execute(&db).await.expect("kept bytes");
+    let (_, r) = record(python(&t, "5")).await;
+    assert!(matches!(r, Recorded::OverQuota(_)), "the record did not read the kept bytes: {r:?}");
+    assert_eq!(tenants.reserve_artifact_bytes(&t, &fourth, 1000).await.expect("reserve"), 0, "the reservation did not read the kept bytes");
+}

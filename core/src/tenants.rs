@@ -225,7 +225,8 @@ impl TenantStore {
 
     /// Reserve for `job_id` the artifact bytes it may store, at most `wanted`, and return them
     /// (0 when the tenant is at its quota; `wanted` for a tenant with no row). Under the
-    /// tenant's row lock, what is available plus what its other running jobs reserved never
+    /// tenant's row lock, what is available (the bytes `tenant_artifact_bytes` keeps, migration
+    /// 0018) plus what its other running jobs reserved never
     /// exceeds `max_artifact_bytes`, so jobs committing at the same moment cannot together
     /// overshoot. [`crate::jobs::JobStore::finish`] deletes the reservation when it records the
     /// artifacts; a reservation of a job that is no longer running counts for nothing. Calling
@@ -241,7 +242,7 @@ impl TenantStore {
             return Ok(wanted);
         };
         let used: i64 = sqlx::query_scalar(
-            "SELECT (COALESCE((SELECT sum(size_bytes) FROM artifacts WHERE tenant = $1 AND state = 'available'), 0)
+            "SELECT (COALESCE((SELECT sum(bytes) FROM tenant_artifact_bytes WHERE tenant = $1), 0)
                    + COALESCE((SELECT sum(r.bytes) FROM artifact_reservations r
                                JOIN jobs j ON j.tenant = r.tenant AND j.job_id = r.job_id
                                WHERE r.tenant = $1 AND r.job_id <> $2 AND j.status = 'running'), 0))::bigint",
