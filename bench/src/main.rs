@@ -68,6 +68,11 @@ struct Args {
     /// (0: none).
     #[arg(long, default_value_t = 300)]
     gateway_jobs: usize,
+    /// Available artifacts the bench's tenant holds before anything runs, as rows only (no
+    /// objects): what an earlier bulk run leaves for its TTL. Every figure is then of a tenant
+    /// carrying them; the rows go at the end.
+    #[arg(long, default_value_t = 0)]
+    stored_artifacts: usize,
     /// The E2B gateway's address.
     #[arg(long, default_value = "127.0.0.1:9480")]
     gateway: String,
@@ -87,6 +92,53 @@ struct Args {
     /// Where to write latest.json, README.md and latency.png.
     #[arg(long, default_value = "docs/benchmarks")]
     out: std::path::PathBuf,
+}
+
+/// The job ids of the rows [`carry_stored_artifacts`] writes.
+const STORED_JOB_PREFIX: &str = "bench-stored-";
+
+/// Give `tenant` `n` available artifacts of 50 kB, each of a finished job of its own, written as
+/// rows in two statements (no objects: nothing reads them, and the sweeper's delete of a missing
+/// object succeeds should a run die before [`drop_stored_artifacts`]).
+async fn carry_stored_artifacts(pool: &sqlx::PgPool, tenant: &str, n: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let n = i64::try_from(n).context("--stored-artifacts is too large")?;
+    sqlx::query(
+        "INSERT INTO jobs (tenant, job_id, status, language, submission_sha256, limits, queued_at, finished_at, execution)
+         SELECT $1, $2 || g, 'succeeded', 'python', '', '{}'::jsonb, now(), now(), '{}'::jsonb FROM generate_series(1, $3) g",
+    )
+    .bind(tenant)
+    .bind(STORED_JOB_PREFIX)
+    .bind(n)
+    .execute(pool)
+    .await
+    .context("writing the stored artifacts' jobs")?;
+    sqlx::query(
+        "INSERT INTO artifacts (tenant, job_id, path, kind, size_bytes, content_type, sha256, s3_key, expires_at)
+         SELECT $1, $2 || g, 'chart.png', 'display', 50000, 'image/png', '', $1 || '/' || $2 || g, now() + interval '1 hour'
+           FROM generate_series(1, $3) g",
+    )
+    .bind(tenant)
+    .bind(STORED_JOB_PREFIX)
+    .bind(n)
+    .execute(pool)
+    .await
+    .context("writing the stored artifacts")?;
+    println!("the tenant carries {n} stored artifacts");
+    Ok(())
+}
+
+/// Remove what [`carry_stored_artifacts`] wrote (the artifacts go with their jobs).
+async fn drop_stored_artifacts(pool: &sqlx::PgPool, tenant: &str) -> Result<()> {
+    sqlx::query("DELETE FROM jobs WHERE tenant = $1 AND starts_with(job_id, $2)")
+        .bind(tenant)
+        .bind(STORED_JOB_PREFIX)
+        .execute(pool)
+        .await
+        .context("removing the stored artifacts")?;
+    Ok(())
 }
 
 /// Percentiles of one latency sample, in milliseconds.
@@ -123,6 +175,8 @@ struct Report {
     measured_at: String,
     git_commit: String,
     machine: String,
+    /// Available artifacts the tenant carried (`--stored-artifacts`).
+    stored_artifacts: usize,
     in_session_round_trip: Summary,
     new_session_warm_pool_hit: Summary,
     new_session_cold_start: Summary,
@@ -256,7 +310,8 @@ async fn main() -> Result<()> {
     // The throughput run queues 1600 jobs at once: more than a default tenant may.
     let pool = sqlx::PgPool::connect(client.database_url()).await.context("connecting to Postgres")?;
     let quotas = Quotas { max_sessions: 64, max_queued_jobs: 100_000, max_artifact_bytes: 1 << 40, max_jobs_in_flight: 1_000 };
-    TenantStore::new(pool).set_quotas(&tenant, &quotas).await?;
+    TenantStore::new(pool.clone()).set_quotas(&tenant, &quotas).await?;
+    carry_stored_artifacts(&pool, &tenant, args.stored_artifacts).await?;
     let watcher = Watcher::connect(&client, &tenant).await?;
     let b = Bench { client, watcher, tenant };
     if let Some(workers) = args.fleet {
@@ -449,8 +504,11 @@ native, interleaved: {:?}",
     let baseline = docker_run_baseline(args.baseline_jobs).await?;
     println!("baseline docker run --rm: {:?}", summarize(&baseline));
 
+    drop_stored_artifacts(&pool, &b.tenant).await?;
+
     let report = Report {
         measured_at: chrono::Utc::now().to_rfc3339(),
+        stored_artifacts: args.stored_artifacts,
         git_commit: std::env::var("SANDCELL_GIT_COMMIT").unwrap_or_default(),
         machine: std::env::var("SANDCELL_MACHINE").unwrap_or_default(),
         in_session_round_trip: summarize(&in_session),
@@ -614,6 +672,9 @@ fn markdown(r: &Report) -> String {
     m += "Produced by `bash deploy/local/bench.sh` (release builds, local stack, runc). Do not edit by hand;\n";
     m += "the raw figures are in [`latest.json`](latest.json), the distributions in [`latency.png`](latency.png).\n\n";
     m += &format!("Measured {} at commit `{}` on {}.\n\n", r.measured_at, r.git_commit, r.machine);
+    if r.stored_artifacts > 0 {
+        m += &format!("The bench's tenant carried {} stored artifacts (`--stored-artifacts`).\n\n", r.stored_artifacts);
+    }
     m += "## Latency: publish → result visible to a client (ms)\n\n";
     m += "| case | n | p50 | p95 | p99 | max | target |\n|---|---|---|---|---|---|---|\n";
     m += &row("in-session `1+1`", &r.in_session_round_trip, "p50 ≤ 5, p99 ≤ 25");
