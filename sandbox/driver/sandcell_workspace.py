@@ -170,6 +170,26 @@ def snapshot(root):
     return entries
 
 
+def refresh(entries, root, rel_paths):
+    """Update a snapshot of root (as snapshot() made it) for the entries at rel_paths,
+    relative paths known to be valid, looked at again; the same entries snapshot() would
+    keep: none under a skipped directory, and no directory."""
+    for rel in rel_paths:
+        parts = rel.split("/")
+        if parts[0] in SKIPPED_TOP_DIRS and len(parts) > 1 or any(p in SKIPPED_DIRS for p in parts[:-1]):
+            continue
+        try:
+            st = os.lstat(os.path.join(root, rel))
+        except OSError:
+            entries.pop(rel, None)
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            entries.pop(rel, None)
+        else:
+            entries[rel] = _entry_key(st)
+    return entries
+
+
 def file_listing(entries):
     """The file_list frame for a snapshot: its regular files, sorted by
     path, at most MAX_LIST_ENTRIES of them."""

@@ -84,6 +84,27 @@ class TestFiles(DriverTestCase):
         frames = self.run_ok("open('t_art/sub/result.txt', 'a').write('!')")
         self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_art/sub/result.txt"])
 
+    def test_a_session_cell_reports_what_a_thread_of_an_earlier_cell_wrote_between_cells(self):
+        # The walk before a session's cell is the last cell's walk after it (one walk a cell):
+        # a file the kernel's own thread wrote in between is the next cell's.
+        self.run_ok("import threading, time\n"
+                    "t_late = threading.Thread(target=lambda: (time.sleep(0.3), open('t_late.txt', 'w').write('late')))\n"
+                    "t_late.start()")
+        time.sleep(0.8)
+        frames = self.run_ok("t_late.join()")
+        self.assertEqual([f["path"] for f in of_type(frames, "file")], ["t_late.txt"])
+        self.assertEqual(file_contents(frames)["t_late.txt"], b"late")
+        # Reported once: the cell after it finds it unchanged.
+        self.assertEqual(of_type(self.run_ok("None"), "file"), [])
+
+    def test_inputs_written_before_an_input_error_are_not_reported_by_the_next_cell(self):
+        self.run_ok("mkdir -p t_half && ln -sf /etc/hostname t_half/link", language="bash")
+        frames = self.driver.execute("print('RAN')", files=[{"path": "t_half/first.txt", "content_b64": b64(b"1")},
+                                                            {"path": "t_half/link", "content_b64": b64(b"x")}])
+        self.assertEqual(done(frames)["status"], "input_error")
+        self.assertTrue(os.path.exists(os.path.join(WORKSPACE, "t_half/first.txt")), "written before the error")
+        self.assertEqual(of_type(self.run_ok("print('next')"), "file"), [])
+
     def test_a_large_file_travels_in_chunks_of_at_most_one_mib(self):
         frames = self.run_ok("head -c 2621440 /dev/urandom > t_chunk.bin && sha256sum t_chunk.bin", language="bash")
         data = file_contents(frames)["t_chunk.bin"]
