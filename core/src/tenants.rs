@@ -226,9 +226,8 @@ impl TenantStore {
     /// Reserve for `job_id` the artifact bytes it may store, at most `wanted`, and return them
     /// (0 when the tenant is at its quota; `wanted` for a tenant with no row). Under the
     /// tenant's row lock, what is available (the bytes `tenant_artifact_bytes` keeps, migration
-    /// 0018) plus what its other running jobs reserved never
-    /// exceeds `max_artifact_bytes`, so jobs committing at the same moment cannot together
-    /// overshoot. [`crate::jobs::JobStore::finish`] deletes the reservation when it records the
+    /// 0018) plus what its other running jobs reserved never exceeds `max_artifact_bytes`, so
+    /// jobs committing at the same moment cannot together overshoot. [`crate::jobs::JobStore::finish`] deletes the reservation when it records the
     /// artifacts; a reservation of a job that is no longer running counts for nothing. Calling
     /// it again for the same job (a rerun) replaces the reservation.
     pub async fn reserve_artifact_bytes(&self, tenant: &str, job_id: &str, wanted: u64) -> Result<u64> {
