@@ -517,15 +517,19 @@ async fn stored_bytes(db: &sqlx::PgPool, t: &str) -> (i64, i64) {
 #[tokio::test]
 async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_quota_and_reservations_use_them() {
     use sandcell_core::jobs::{Finished, JobStore, NewArtifact, Recorded};
+    use sandcell_core::tenants::{Quotas, TenantStore};
     let db = service_db().await;
     let t = tenant();
-    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 10, 10, 1000)")
-        .bind(&t)
-        .execute(&db)
-        .await
-        .expect("tenant");
+    let tenants = TenantStore::new(db.clone());
+    tenants.set_quotas(&t, &Quotas { max_sessions: 10, max_queued_jobs: 10, max_artifact_bytes: 1000, ..Quotas::default() }).await.expect("tenant");
     let store = JobStore::new(db.clone());
-    let tenants = sandcell_core::tenants::TenantStore::new(db.clone());
+    // A recorded job made `running`, as a worker's claim leaves it.
+    let running = |job_id: String| {
+        let (db, t) = (db.clone(), t.clone());
+        async move {
+            sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&job_id).execute(&db).await.expect("running");
+        }
+    };
     let record = |sub: sandcell_protocol::Submission| {
         let store = store.clone();
         async move {
@@ -534,11 +538,10 @@ async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_
             (sub.job_id, recorded)
         }
     };
-    // A recorded job, running (as a worker's claim leaves it), that stores `sizes`.
+    // A running job's result, storing `sizes`.
     let finish_with = |job_id: String, sizes: Vec<i64>| {
-        let (db, store, t) = (db.clone(), store.clone(), t.clone());
+        let (store, t) = (store.clone(), t.clone());
         async move {
-            sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&job_id).execute(&db).await.expect("running");
             let mut fin = Finished::bare(JobStatus::Succeeded, sandcell_protocol::Reason::new(ErrorCode::StorageFailed, "unused"), None, None);
             fin.reason = None;
             fin.artifacts = sizes
@@ -571,12 +574,13 @@ async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_
     // A job stores two files; the reservation of the next sees them.
     let (first, r) = record(python(&t, "1")).await;
     assert!(matches!(r, Recorded::New { .. }), "{r:?}");
+    running(first.clone()).await;
     assert_eq!(tenants.reserve_artifact_bytes(&t, &first, 700).await.expect("reserve"), 700);
     finish_with(first.clone(), vec![400, 300]).await;
     bytes(700, "a result with two files").await;
     let (second, r) = record(python(&t, "2")).await;
     assert!(matches!(r, Recorded::New { .. }), "{r:?}");
-    sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&second).execute(&db).await.expect("running");
+    running(second.clone()).await;
     assert_eq!(tenants.reserve_artifact_bytes(&t, &second, 600).await.expect("reserve"), 300, "700 of 1000 bytes were stored");
     finish_with(second.clone(), vec![300]).await;
     bytes(1000, "a result with the last 300 bytes").await;
@@ -602,7 +606,7 @@ async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_
     bytes(600, "an expiry").await;
     let (fourth, r) = record(python(&t, "4")).await;
     assert!(matches!(r, Recorded::New { .. }), "room after an expiry: {r:?}");
-    sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&fourth).execute(&db).await.expect("running");
+    running(fourth.clone()).await;
     assert_eq!(tenants.reserve_artifact_bytes(&t, &fourth, 1000).await.expect("reserve"), 400);
 
     // A job's row removed takes its files with it (by cascade).
