@@ -223,7 +223,7 @@ from sandcell_frames import (DRIVER_VERSION, MAX_KERNEL_FRAME_BYTES, MAX_REQUEST
                              safe_str, write_all)
 from sandcell_workspace import (collect_files, decode_input_files, describe_write_error,  # noqa: E402
                                 empty_dir, file_listing, kept_directory_state, refresh, restore_directory, snapshot,
-                                space_exhausted, write_input_file, InputFileError)
+                                space_exhausted, write_input_file, InputFileError, WorkspaceWatch)
 
 WORKSPACE = os.environ.get("SANDCELL_WORKSPACE", "/home/user")
 # The sandbox user: the kernel and everything it starts run as this uid/gid.
@@ -846,8 +846,10 @@ class Driver:
         self.kernel_prepared = prepared
         # Whether the kernel ran a cell itself (a session's): such a kernel never forks jobs.
         self.kernel_ran_cells = False
-        # The workspace as the last session cell's second walk found it (workspace_before).
+        # The workspace as the last session cell left it (workspace_before), and what follows
+        # it between a session's cells.
         self.last_walk = None
+        self.watch = WorkspaceWatch(WORKSPACE)
         # The directories a job can write that outlive it (emptied after a fresh job, never
         # removed: mount points), as they were before any job: see leave_nothing_behind.
         self.kept_directories = {}
@@ -989,8 +991,8 @@ class Driver:
         with sandbox_user():
             killed = kill_strays(existing, children_of=self.kernel.pid if req["fresh"] else None, exiting=True)
             full = (space_exhausted(WORKSPACE) or space_exhausted("/tmp") or error_errno == errno.ENOSPC)
-            after = snapshot(WORKSPACE)
-            collect_files(WORKSPACE, before, after, limits, req["get_files"], lambda f: self.send(req_id, f))
+            after, was, now = self.workspace_after(req, before)
+            collect_files(WORKSPACE, was, now, limits, req["get_files"], lambda f: self.send(req_id, f))
         # A fresh job's workspace is emptied once it is over (settle): the next walks anew.
         self.last_walk = None if req["fresh"] else after
         if req["list_files"]:
@@ -1002,16 +1004,36 @@ class Driver:
 
     def workspace_before(self, req):
         """The workspace as the cell finds it, its input files written. A session's cell
-        starts from the last cell's second walk, with its input files looked at again: the
-        walk costs an lstat per entry (under gVisor, 176-226 ms a cell with 2,000 files in
+        starts from the workspace as the last cell left it, its input files looked at again:
+        a walk costs an lstat per entry (under gVisor, 176-226 ms a cell with 2,000 files in
         the workspace, 3-5 ms with none), and between a session's cells nothing writes there
         but the driver's inputs and the kernel's own threads (every other process of the
-        last cell was killed before that walk), whose writes are then the next cell's, as
-        they would be had they come during it."""
+        last cell was killed), whose writes are then the next cell's, as they would be had
+        they come during it. A session's first cell (or the first after a cell refused for
+        its inputs) walks, and has the workspace watched from then on (workspace_after)."""
         kept, self.last_walk = self.last_walk, None
-        if req["fresh"] or kept is None:
+        if req["fresh"]:
             return snapshot(WORKSPACE)
-        return refresh(kept, WORKSPACE, [f["path"] for f in req["files"]])
+        if kept is None:
+            return self.watch.snapshot()
+        paths = [f["path"] for f in req["files"]]
+        self.watch.wrote(paths)
+        return refresh(kept, WORKSPACE, paths)
+
+    def workspace_after(self, req, before):
+        """The workspace after the cell, and what collect_files compares: (after, was, now).
+        A fresh job walks it (it began empty but for its inputs, and is emptied after). A
+        session's cell brings `before` up to date from the watch's events (WorkspaceWatch),
+        comparing only the entries they name; where the watch cannot vouch for what it saw, it
+        walks (and watches anew)."""
+        if req["fresh"]:
+            after = snapshot(WORKSPACE)
+            return after, before, after
+        changes = self.watch.update(before)
+        if changes is None:
+            after = self.watch.snapshot()
+            return after, before, after
+        return (before,) + changes
 
     def prepare(self, req_id):
         """Have the kernel do its one-off preparation and fork the first job's process now,

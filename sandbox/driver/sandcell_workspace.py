@@ -13,6 +13,7 @@ import heapq
 import os
 import shutil
 import stat
+import struct
 
 from sandcell_frames import FILE_CHUNK_BYTES, safe_str, write_all
 
@@ -141,33 +142,40 @@ def snapshot(root):
     under root except directories and the skipped tool/cache directories;
     never follows symlinks (a symlink is an entry of its own)."""
     entries = {}
-    # os.walk names each directory below root as root joined with its relative path: the
-    # relative path is what follows this prefix (os.path.relpath costs more than the walk of
-    # an empty workspace, which a cell that writes nothing makes twice).
-    prefix = os.path.join(root, "")
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        rel_dir = "" if dirpath == root else dirpath[len(prefix):]
-        descend = []
-        for name in dirnames:
-            rel = os.path.join(rel_dir, name)
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                entries[rel] = _entry_key(st)  # a symlink to a directory
-            elif name in SKIPPED_DIRS or (not rel_dir and name in SKIPPED_TOP_DIRS):
-                continue
-            else:
-                descend.append(name)
-        dirnames[:] = descend
-        for name in filenames:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            entries[os.path.join(rel_dir, name)] = _entry_key(st)
+    walk_into(entries, root, "")
     return entries
+
+
+def _skipped_dir(rel_dir, name):
+    return name in SKIPPED_DIRS or (not rel_dir and name in SKIPPED_TOP_DIRS)
+
+
+def walk_into(entries, root, top, on_dir=None):
+    """Add to `entries` what snapshot() keeps of the tree at root/top ("" for root itself),
+    relative to root. on_dir(rel_dir) is called for each directory walked, before it is
+    listed (WorkspaceWatch watches it there: what is made in it later is then seen either
+    by the listing or by the watch). No recursion: a deep tree cannot exhaust the stack."""
+    stack = [top]
+    while stack:
+        rel_dir = stack.pop()
+        if on_dir is not None:
+            on_dir(rel_dir)
+        try:
+            listing = os.scandir(os.path.join(root, rel_dir) if rel_dir else root)
+        except OSError:
+            continue
+        with listing:
+            for entry in listing:
+                name = entry.name
+                rel = rel_dir + "/" + name if rel_dir else name
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    entries[rel] = _entry_key(st)  # a symlink to a directory is an entry
+                elif not _skipped_dir(rel_dir, name):
+                    stack.append(rel)
 
 
 def refresh(entries, root, rel_paths):
@@ -175,8 +183,7 @@ def refresh(entries, root, rel_paths):
     relative paths known to be valid, looked at again; the same entries snapshot() would
     keep: none under a skipped directory, and no directory."""
     for rel in rel_paths:
-        parts = rel.split("/")
-        if parts[0] in SKIPPED_TOP_DIRS and len(parts) > 1 or any(p in SKIPPED_DIRS for p in parts[:-1]):
+        if _under_skipped_dir(rel):
             continue
         try:
             st = os.lstat(os.path.join(root, rel))
@@ -188,6 +195,250 @@ def refresh(entries, root, rel_paths):
         else:
             entries[rel] = _entry_key(st)
     return entries
+
+
+# inotify(7): what a watched directory reports, and how a watch is made.
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF, IN_UNMOUNT, IN_Q_OVERFLOW, IN_IGNORED = 0x400, 0x800, 0x2000, 0x4000, 0x8000
+IN_ONLYDIR, IN_DONT_FOLLOW, IN_EXCL_UNLINK, IN_ISDIR = 0x01000000, 0x02000000, 0x04000000, 0x40000000
+WATCH_MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+              | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK)
+_EVENT = struct.Struct("iIII")  # struct inotify_event without its name
+# Most directories a session's watch follows; a workspace with more is walked every cell.
+MAX_WATCHED_DIRS = 8192
+_inotify = None
+
+
+def _inotify_calls():
+    """libc's inotify_init1 and inotify_add_watch, or None where they cannot be had."""
+    global _inotify
+    if _inotify is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.inotify_init1.argtypes = [ctypes.c_int]
+            libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+            libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+            _inotify = libc
+        except (OSError, AttributeError):
+            _inotify = False
+    return _inotify or None
+
+
+class _Lost(Exception):
+    """The watch missed events (its queue overflowed, the workspace itself went)."""
+
+
+def _has_ancestor_in(rel, dirs):
+    """Whether a directory in `dirs` holds `rel` (at any depth)."""
+    cut = rel.find("/")
+    while cut != -1:
+        if rel[:cut] in dirs:
+            return True
+        cut = rel.find("/", cut + 1)
+    return False
+
+
+class WorkspaceWatch:
+    """A session's workspace followed between its cells with inotify(7): a cell's changed
+    files are found by looking again at what the events name, not with an lstat of every
+    entry (with 20,000 files, a walk takes 86 ms under runc and 1.4 s under gVisor).
+
+    snapshot() walks the workspace, watching each directory before it lists it; update()
+    brings that snapshot up to date from the events queued since: each file they name is
+    looked at again, and a directory made, moved in, changed or removed is walked again or
+    dropped whole. Whenever the watch cannot vouch for what it saw, update() says so and the
+    caller walks: no inotify instance to be had (a uid's instances are few, and shared with
+    everything the sandbox user runs), a queue that overflowed, a watch refused (a directory
+    made unreadable), more than MAX_WATCHED_DIRS directories (then this watch stops trying).
+
+    Its blind spots are inotify's: a file changed only through a name outside the workspace
+    (a hard link in /tmp) or only through a shared memory map is seen the next time its name
+    is written, closed after writing, renamed or walked.
+
+    Call it with the sandbox user's rights (see driver.sandbox_user): the instance is then
+    charged to that uid, never to root's, which the host's services share, and a watch is
+    only had on a directory that user can read."""
+
+    def __init__(self, root, max_dirs=MAX_WATCHED_DIRS):
+        self.root = root
+        self.max_dirs = max_dirs
+        self.fd = None
+        self.wd_dir = {}  # watch descriptor -> its directory, relative to root ("" for root)
+        self.dir_wd = {}
+        # Directories the driver's inputs went into since the last update (see wrote).
+        self.written = set()
+        self.lost = False
+        # Set once the workspace had more directories than max_dirs: this watch walks from then on.
+        self.too_many = False
+
+    @property
+    def active(self):
+        return self.fd is not None
+
+    def close(self):
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd = None
+        self.wd_dir.clear()
+        self.dir_wd.clear()
+        self.written.clear()
+        self.lost = False
+
+    def snapshot(self):
+        """snapshot(root), every directory walked watched from then on, with nothing queued
+        before it (a fresh instance). Without a watch to be had, the walk alone."""
+        self.close()
+        calls = None if self.too_many else _inotify_calls()
+        fd = calls.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC) if calls is not None else -1
+        entries = {}
+        if fd < 0:
+            walk_into(entries, self.root, "")
+            return entries
+        self.fd = fd
+        walk_into(entries, self.root, "", on_dir=self._watch)
+        if self.lost:
+            self.close()
+        return entries
+
+    def wrote(self, rel_paths):
+        """The driver wrote these input files (valid relative paths) since the snapshot."""
+        for rel in rel_paths:
+            cut = rel.rfind("/")
+            while cut != -1:
+                self.written.add(rel[:cut])
+                cut = rel.rfind("/", 0, cut)
+
+    def update(self, entries):
+        """Bring `entries` (this watch's snapshot, kept up to date since, and refreshed for
+        the inputs written) up to date with the events queued since. Returns (was, now): the
+        entries looked at again, as they were and as they are (a path absent from one did not
+        exist then), for collect_files. None when the watch cannot vouch for what it saw:
+        `entries` is then untouched, and the caller walks."""
+        if self.fd is None:
+            return None
+        try:
+            files, dirs_gone, dirs_new, unwatched = self._drain()
+        except (_Lost, OSError):
+            self.close()
+            return None
+        written, self.written = self.written, set()
+        was, now = {}, {}
+        # What was under a directory made, moved, changed or removed goes; what is there now
+        # is walked. A directory never walked (never watched) holds no entry but the inputs
+        # written into it.
+        stale = {d for d in dirs_gone | dirs_new if d in self.dir_wd or d in unwatched or d in written}
+        if stale:
+            for rel in [rel for rel in entries if _has_ancestor_in(rel, stale)]:
+                was[rel] = entries.pop(rel)
+        for gone in dirs_gone:
+            self._forget(gone)
+        for top in dirs_new:
+            if _has_ancestor_in(top, dirs_new):
+                continue  # walked with the directory above it
+            found = {}
+            walk_into(found, self.root, top, on_dir=self._watch)
+            entries.update(found)
+            now.update(found)
+        for rel in files:
+            if _has_ancestor_in(rel, dirs_new) or _has_ancestor_in(rel, dirs_gone):
+                continue  # walked above, or gone with its directory
+            if rel in entries:
+                was.setdefault(rel, entries[rel])
+            try:
+                st = os.lstat(os.path.join(self.root, rel))
+            except OSError:
+                entries.pop(rel, None)
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                entries.pop(rel, None)  # a directory now: its own event walks it
+            else:
+                entries[rel] = now[rel] = _entry_key(st)
+        if self.lost:
+            self.close()  # this cell's answer is whole; the next cell walks and watches anew
+        return was, now
+
+    def _watch(self, rel_dir):
+        """walk_into's on_dir: watch a directory before it is listed."""
+        if self.fd is None or self.lost:
+            return
+        if len(self.wd_dir) >= self.max_dirs and rel_dir not in self.dir_wd:
+            self.lost = self.too_many = True
+            return
+        path = os.path.join(self.root, rel_dir) if rel_dir else self.root
+        wd = _inotify_calls().inotify_add_watch(self.fd, os.fsencode(path), WATCH_MASK)
+        if wd < 0:
+            import ctypes
+
+            # Gone, or no longer a directory, since it was named: its parent's events say so.
+            if ctypes.get_errno() not in (errno.ENOENT, errno.ENOTDIR):
+                self.lost = True
+            return
+        earlier = self.wd_dir.get(wd)  # the same directory, moved since it was watched
+        if earlier is not None and self.dir_wd.get(earlier) == wd:
+            del self.dir_wd[earlier]
+        self.wd_dir[wd] = rel_dir
+        self.dir_wd[rel_dir] = wd
+
+    def _forget(self, rel_dir):
+        """Stop watching a directory that went, and those below it."""
+        for rel in [d for d in self.dir_wd if d == rel_dir or d.startswith(rel_dir + "/")]:
+            wd = self.dir_wd.pop(rel)
+            if self.wd_dir.pop(wd, None) is not None:
+                _inotify_calls().inotify_rm_watch(self.fd, wd)
+
+    def _drain(self):
+        """Read every queued event: (files named, directories removed or moved away,
+        directories made, moved in or changed, directories whose watch went with them),
+        relative to root."""
+        files, dirs_gone, dirs_new, unwatched = set(), set(), set(), set()
+        while True:
+            try:
+                buf = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return files, dirs_gone, dirs_new, unwatched
+            off = 0
+            while off + _EVENT.size <= len(buf):
+                wd, mask, _cookie, length = _EVENT.unpack_from(buf, off)
+                name = buf[off + _EVENT.size:off + _EVENT.size + length].split(b"\0", 1)[0]
+                off += _EVENT.size + length
+                if mask & IN_Q_OVERFLOW:
+                    raise _Lost()
+                rel_dir = self.wd_dir.get(wd)
+                if mask & IN_IGNORED:  # the watch went with its directory
+                    if rel_dir is not None:
+                        unwatched.add(rel_dir)
+                        del self.wd_dir[wd]
+                        if self.dir_wd.get(rel_dir) == wd:
+                            del self.dir_wd[rel_dir]
+                    continue
+                if rel_dir is None:
+                    continue
+                if not name:
+                    # The directory's own event: its parent's names what changed, but nothing
+                    # names the workspace's own.
+                    if rel_dir == "" and mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT):
+                        raise _Lost()
+                    continue
+                name = os.fsdecode(name)
+                rel = rel_dir + "/" + name if rel_dir else name
+                if not mask & IN_ISDIR:
+                    files.add(rel)
+                elif not _skipped_dir(rel_dir, name):
+                    if mask & (IN_DELETE | IN_MOVED_FROM):
+                        dirs_gone.add(rel)
+                    if mask & (IN_CREATE | IN_MOVED_TO | IN_ATTRIB):
+                        dirs_new.add(rel)
+
+
+def _under_skipped_dir(rel):
+    parts = rel.split("/")
+    return parts[0] in SKIPPED_TOP_DIRS and len(parts) > 1 or any(p in SKIPPED_DIRS for p in parts[:-1])
 
 
 def file_listing(entries):
