@@ -169,13 +169,16 @@ def walk_into(entries, root, top, on_dir=None):
                 name = entry.name
                 rel = rel_dir + "/" + name if rel_dir else name
                 try:
-                    st = entry.stat(follow_symlinks=False)
+                    # The listing's type when it has one: no lstat for a directory.
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    st = None if is_dir else entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if not stat.S_ISDIR(st.st_mode):
+                if is_dir or stat.S_ISDIR(st.st_mode):
+                    if not _skipped_dir(rel_dir, name):
+                        stack.append(rel)
+                else:
                     entries[rel] = _entry_key(st)  # a symlink to a directory is an entry
-                elif not _skipped_dir(rel_dir, name):
-                    stack.append(rel)
 
 
 def refresh(entries, root, rel_paths):
