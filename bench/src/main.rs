@@ -68,6 +68,14 @@ struct Args {
     /// (0: none).
     #[arg(long, default_value_t = 300)]
     gateway_jobs: usize,
+    /// Files in the workspace of a session whose in-session `1+1` round trip is measured apart
+    /// (an unpacked dataset a session keeps; 0: not measured). Made by the session's first
+    /// cell, empty, 1,000 to a directory.
+    #[arg(long, default_value_t = 2000)]
+    workspace_files: usize,
+    /// Sequential in-session `1+1` jobs in that session.
+    #[arg(long, default_value_t = 100)]
+    workspace_jobs: usize,
     /// Available artifacts the bench's tenant holds before anything runs, as rows only (no
     /// objects): what an earlier bulk run leaves for its TTL. Every figure is then of a tenant
     /// carrying them; the rows go at the end.
@@ -178,6 +186,9 @@ struct Report {
     /// Available artifacts the tenant carried (`--stored-artifacts`).
     stored_artifacts: usize,
     in_session_round_trip: Summary,
+    /// Files in the workspace of the session of `in_session_with_files_round_trip`.
+    workspace_files: usize,
+    in_session_with_files_round_trip: Option<Summary>,
     new_session_warm_pool_hit: Summary,
     new_session_cold_start: Summary,
     warm_pool_hits_observed: u64,
@@ -342,6 +353,24 @@ async fn main() -> Result<()> {
     let (mem, mem_nocache) = idle_memory(&b, &sid).await?;
     println!("idle session memory: {mem:.1} MiB ({mem_nocache:.1} MiB without page cache)");
     b.close(&sid).await?;
+
+    // 1b. In-session round trip in a session that keeps many files in its workspace.
+    let with_files = match args.workspace_files {
+        0 => None,
+        n => {
+            let make = format!(
+                "import os\nfor i in range({n}):\n    d = 'bench_data/d%d' % (i // 1000)\n    os.makedirs(d, exist_ok=True)\n    open('%s/f%d.jpg' % (d, i), 'w').close()"
+            );
+            let (_, sid) = b.open(&make, None).await?;
+            for _ in 0..5 {
+                b.run(&b.in_session(&sid, "1+1")).await?;
+            }
+            let (times, _, _) = b.sequential(args.workspace_jobs, || b.in_session(&sid, "1+1")).await?;
+            b.close(&sid).await?;
+            println!("in-session 1+1 round trip, {n} files in the workspace: {:?}", summarize(&times));
+            Some(summarize(&times))
+        }
+    };
 
     // 2. New sessions: warm-pool hits, then cold starts (a memory limit no warm kernel has).
     let mut warm = Vec::new();
@@ -512,6 +541,8 @@ native, interleaved: {:?}",
         git_commit: std::env::var("SANDCELL_GIT_COMMIT").unwrap_or_default(),
         machine: std::env::var("SANDCELL_MACHINE").unwrap_or_default(),
         in_session_round_trip: summarize(&in_session),
+        workspace_files: args.workspace_files,
+        in_session_with_files_round_trip: with_files,
         new_session_warm_pool_hit: summarize(&warm),
         new_session_cold_start: summarize(&cold),
         warm_pool_hits_observed: hits.max(0.0) as u64,
@@ -678,6 +709,9 @@ fn markdown(r: &Report) -> String {
     m += "## Latency: publish → result visible to a client (ms)\n\n";
     m += "| case | n | p50 | p95 | p99 | max | target |\n|---|---|---|---|---|---|---|\n";
     m += &row("in-session `1+1`", &r.in_session_round_trip, "p50 ≤ 5, p99 ≤ 25");
+    if let Some(s) = &r.in_session_with_files_round_trip {
+        m += &row(&format!("in-session `1+1`, {} files in the session's workspace", r.workspace_files), s, "—");
+    }
     m += &row("new session, warm pool hit", &r.new_session_warm_pool_hit, "p50 ≤ 40");
     m += &row("new session, cold start (pool miss)", &r.new_session_cold_start, "—");
     m += &row("one-off `1+1` (sequential, one tenant)", &r.oneoff_round_trip, "p50 ≤ 15, p99 ≤ 50");
