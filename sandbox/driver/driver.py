@@ -700,15 +700,20 @@ class KernelProcess:
             self.log(safe_str(exc))
             return None
 
-    def recv(self):
+    def recv(self, watch=None):
         """The next frame: a dict with a string "type".  Raises KernelGone
         when the kernel has exited, or broke the framing (a frame too large,
         not JSON, not an object): the kernel is then killed, since nothing it
-        sends later could be trusted to start at a frame boundary."""
+        sends later could be trusted to start at a frame boundary.  While it
+        waits, the events of `watch` (a WorkspaceWatch) are read as they come."""
         while True:
-            readable, _, _ = select.select([self.channel.in_fd], [], [], KERNEL_POLL_S)
-            if readable:
+            watch_fd = watch.fileno() if watch is not None else None
+            fds = [self.channel.in_fd] if watch_fd is None else [self.channel.in_fd, watch_fd]
+            readable, _, _ = select.select(fds, [], [], KERNEL_POLL_S)
+            if self.channel.in_fd in readable:
                 break
+            if readable:
+                watch.absorb()
             # Still waiting; the kernel may have exited while a child of it
             # holds the pipe open.
             if self.proc.poll() is not None:
@@ -892,14 +897,21 @@ class Driver:
         outside the sandbox: the host's OOM killer, an operator) ends the driver at once, so
         the worker finds the sandbox gone while it waits idle, in its warm pool or bound to a
         tenant, instead of handing it a job that would fail for a reason not the job's."""
-        watched = [self.channel.in_fd] + ([self.kernel.exit_fd] if self.kernel.exit_fd is not None else [])
-        poll_s = None if self.kernel.exit_fd is not None else KERNEL_POLL_S
+        exit_fd = self.kernel.exit_fd
+        poll_s = None if exit_fd is not None else KERNEL_POLL_S
         while True:
+            # A session's workspace watch too: what the kernel's threads do between cells is
+            # read as it comes (WorkspaceWatch.absorb).
+            watched = [self.channel.in_fd] + [fd for fd in (exit_fd, self.watch.fileno()) if fd is not None]
             readable = select.select(watched, [], [], poll_s)[0]
             if self.channel.in_fd in readable:
                 return
+            if self.watch.fileno() in readable:
+                self.watch.absorb()
+                if exit_fd not in readable:
+                    continue
             # The pidfd is readable once the kernel has exited: it is reaped at once.
-            status = self.kernel.proc.wait() if readable else self.kernel.proc.poll()
+            status = self.kernel.proc.wait() if exit_fd in readable else self.kernel.proc.poll()
             if status is not None:
                 raise KernelGone("the kernel exited with status %s while the sandbox waited for a job" % status,
                                  exit_status=exit_status_as(status))
@@ -1232,7 +1244,7 @@ class Driver:
     def forward(self, req_id, run_id, language):
         """Forward the kernel's frames for run_id until its cell_done."""
         while True:
-            frame = self.kernel.recv()
+            frame = self.kernel.recv(watch=self.watch)
             kind = frame["type"]
             if kind == "log":
                 self.channel.log("kernel: %s" % cap_text(safe_str(frame.get("message")), MAX_KERNEL_LOG_BYTES))

@@ -210,6 +210,10 @@ WATCH_MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_
 _EVENT = struct.Struct("iIII")  # struct inotify_event without its name
 # Most directories a session's watch follows; a workspace with more is walked every cell.
 MAX_WATCHED_DIRS = 8192
+# Most paths the events of one cell may name before the watch gives up and the cell walks:
+# Linux's own queue holds 16,384 events by default, gVisor's has no bound (its sentry's memory,
+# ~280 bytes an event), so the driver reads the events as they come (absorb) and keeps this many.
+MAX_PENDING_PATHS = 16384
 _inotify = None
 
 
@@ -255,7 +259,8 @@ class WorkspaceWatch:
     dropped whole. Whenever the watch cannot vouch for what it saw, update() says so and the
     caller walks: no inotify instance to be had (a uid's instances are few, and shared with
     everything the sandbox user runs), a queue that overflowed, a watch refused (a directory
-    made unreadable), more than MAX_WATCHED_DIRS directories (then this watch stops trying).
+    made unreadable), more than MAX_WATCHED_DIRS directories (then this watch stops trying),
+    more than MAX_PENDING_PATHS paths named between two updates (absorb).
 
     Its blind spots are inotify's: a file changed only through a name outside the workspace
     (a hard link in /tmp) or only through a shared memory map is seen the next time its name
@@ -265,10 +270,14 @@ class WorkspaceWatch:
     charged to that uid, never to root's, which the host's services share, and a watch is
     only had on a directory that user can read."""
 
-    def __init__(self, root, max_dirs=MAX_WATCHED_DIRS):
+    def __init__(self, root, max_dirs=MAX_WATCHED_DIRS, max_pending=MAX_PENDING_PATHS):
         self.root = root
         self.max_dirs = max_dirs
+        self.max_pending = max_pending
         self.fd = None
+        # What the events read since the last update name (absorb): files, directories removed
+        # or moved away, directories made, moved in or changed, directories whose watch went.
+        self.pending = (set(), set(), set(), set())
         self.wd_dir = {}  # watch descriptor -> its directory, relative to root ("" for root)
         self.dir_wd = {}
         # Directories the driver's inputs went into since the last update (see wrote).
@@ -291,7 +300,25 @@ class WorkspaceWatch:
         self.wd_dir.clear()
         self.dir_wd.clear()
         self.written.clear()
+        self.pending = (set(), set(), set(), set())
         self.lost = False
+
+    def fileno(self):
+        """The instance's fd while the watch is active (readable when events are queued), else
+        None."""
+        return self.fd
+
+    def absorb(self):
+        """Read the events queued so far into `pending`, so that a queue never grows with what a
+        cell does (gVisor's has no bound): called whenever the instance is readable, during a
+        cell and between cells. Past MAX_PENDING_PATHS paths, or when the queue overflowed, the
+        watch closes (its queue goes with it) and the next update walks."""
+        if self.fd is None:
+            return
+        try:
+            self._read_events()
+        except (_Lost, OSError):
+            self.close()
 
     def snapshot(self):
         """snapshot(root), every directory walked watched from then on, with nothing queued
@@ -325,11 +352,10 @@ class WorkspaceWatch:
         `entries` is then untouched, and the caller walks."""
         if self.fd is None:
             return None
-        try:
-            files, dirs_gone, dirs_new, unwatched = self._drain()
-        except (_Lost, OSError):
-            self.close()
+        self.absorb()
+        if self.fd is None:
             return None
+        (files, dirs_gone, dirs_new, unwatched), self.pending = self.pending, (set(), set(), set(), set())
         written, self.written = self.written, set()
         was, now = {}, {}
         # What was under a directory made, moved, changed or removed goes; what is there now
@@ -395,16 +421,14 @@ class WorkspaceWatch:
             if self.wd_dir.pop(wd, None) is not None:
                 _inotify_calls().inotify_rm_watch(self.fd, wd)
 
-    def _drain(self):
-        """Read every queued event: (files named, directories removed or moved away,
-        directories made, moved in or changed, directories whose watch went with them),
-        relative to root."""
-        files, dirs_gone, dirs_new, unwatched = set(), set(), set(), set()
+    def _read_events(self):
+        """Read every queued event into `pending`, paths relative to root."""
+        files, dirs_gone, dirs_new, unwatched = self.pending
         while True:
             try:
                 buf = os.read(self.fd, 1 << 16)
             except BlockingIOError:
-                return files, dirs_gone, dirs_new, unwatched
+                return
             off = 0
             while off + _EVENT.size <= len(buf):
                 wd, mask, _cookie, length = _EVENT.unpack_from(buf, off)
@@ -437,6 +461,8 @@ class WorkspaceWatch:
                         dirs_gone.add(rel)
                     if mask & (IN_CREATE | IN_MOVED_TO | IN_ATTRIB):
                         dirs_new.add(rel)
+            if len(files) + len(dirs_gone) + len(dirs_new) > self.max_pending:
+                raise _Lost()
 
 
 def _under_skipped_dir(rel):

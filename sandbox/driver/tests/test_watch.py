@@ -114,6 +114,15 @@ class TestWatchedSessionWorkspace(DriverTestCase):
                 self.assertEqual([e["path"] for e in listing["entries"] if e["path"].startswith("t_watch/")],
                                  sorted(p for p, key in after.items() if key[0] == stat.S_IFREG))
 
+    def test_a_cell_naming_more_paths_than_the_watch_keeps_reports_what_a_walk_finds(self):
+        # 17,000 names made and removed: past what the watch keeps (its events are read during
+        # the cell, so no queue grows with them, gVisor's included); the cell walks.
+        frames = self.run_ok("import os\nfor i in range(17000):\n    open('t_many_%d' % i, 'w').close()\n"
+                             "    os.unlink('t_many_%d' % i)\nopen('t_many_kept.txt', 'w').write('k')")
+        self.assertEqual(file_contents(frames), {"t_many_kept.txt": b"k"})
+        frames = self.run_ok("open('t_many_kept.txt', 'a').write('+')")
+        self.assertEqual(file_contents(frames), {"t_many_kept.txt": b"k+"})
+
     def test_an_input_written_into_a_new_directory_is_reported_only_once_the_cell_changes_it(self):
         frames = self.run_ok("print(open('t_win/new/a.txt').read())",
                              files=[{"path": "t_win/new/a.txt", "content_b64": b64(b"a")}])
@@ -184,6 +193,24 @@ class TestWorkspaceWatch(unittest.TestCase):
             f.write("x")
         was, now = watch.update(entries)
         self.assertEqual(list(now), ["f0"])
+
+    def test_past_its_pending_paths_the_watch_closes_and_an_update_walks(self):
+        watch = WorkspaceWatch(self.root, max_pending=100)
+        self.addCleanup(watch.close)
+        entries = watch.snapshot()
+        for _ in range(300):  # one name, written again and again: one pending path
+            with open(os.path.join(self.root, "same"), "w") as f:
+                f.write("x")
+        watch.absorb()
+        self.assertTrue(watch.active)
+        for i in range(300):
+            open(os.path.join(self.root, "f%d" % i), "w").close()
+            os.unlink(os.path.join(self.root, "f%d" % i))
+        watch.absorb()
+        self.assertFalse(watch.active, "its queue went with it")
+        self.assertIsNone(watch.update(entries))
+        self.assertEqual(entries, {}, "untouched")
+        self.assertEqual(set(watch.snapshot()), {"same"})
 
     def test_more_directories_than_the_watch_follows_are_walked_every_time(self):
         for i in range(4):
