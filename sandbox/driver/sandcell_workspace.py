@@ -212,7 +212,7 @@ _EVENT = struct.Struct("iIII")  # struct inotify_event without its name
 MAX_WATCHED_DIRS = 8192
 # Most paths the events of one cell may name before the watch gives up and the cell walks:
 # Linux's own queue holds 16,384 events by default, gVisor's has no bound (its sentry's memory,
-# ~280 bytes an event), so the driver reads the events as they come (absorb) and keeps this many.
+# ~220 bytes an event), so the driver reads the events as they come (absorb) and keeps this many.
 MAX_PENDING_PATHS = 16384
 _inotify = None
 
