@@ -160,25 +160,55 @@ def walk_into(entries, root, top, on_dir=None):
         rel_dir = stack.pop()
         if on_dir is not None:
             on_dir(rel_dir)
-        try:
-            listing = os.scandir(os.path.join(root, rel_dir) if rel_dir else root)
-        except OSError:
+        fd = _open_dir_nofollow(os.path.join(root, rel_dir) if rel_dir else root)
+        if fd is None:
             continue
-        with listing:
-            for entry in listing:
-                name = entry.name
-                rel = rel_dir + "/" + name if rel_dir else name
-                try:
-                    # The listing's type when it has one: no lstat for a directory.
-                    is_dir = entry.is_dir(follow_symlinks=False)
-                    st = None if is_dir else entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if is_dir or stat.S_ISDIR(st.st_mode):
-                    if not _skipped_dir(rel_dir, name):
-                        stack.append(rel)
-                else:
-                    entries[rel] = _entry_key(st)  # a symlink to a directory is an entry
+        try:
+            _list_into(entries, fd, rel_dir, stack)
+        finally:
+            os.close(fd)
+
+
+def _list_into(entries, fd, rel_dir, stack):
+    """walk_into's listing of one directory (an fd of it; scandir lists a duplicate)."""
+    try:
+        listing = os.scandir(fd)
+    except OSError:
+        return
+    with listing:
+        for entry in listing:
+            name = entry.name
+            rel = rel_dir + "/" + name if rel_dir else name
+            try:
+                # The listing's type when it has one: no lstat for a directory.
+                is_dir = entry.is_dir(follow_symlinks=False)
+                st = None if is_dir else entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if is_dir or stat.S_ISDIR(st.st_mode):
+                if not _skipped_dir(rel_dir, name):
+                    stack.append(rel)
+            else:
+                entries[rel] = _entry_key(st)  # a symlink to a directory is an entry
+
+
+def _open_dir_nofollow(path):
+    """An fd of the directory at `path` itself, or None: never one a symlink there points to
+    (a directory walked may have been replaced by one since it was named). gVisor follows a
+    symlink despite O_NOFOLLOW when O_DIRECTORY is set, so the fd is also checked to be the
+    inode the name (not followed) is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        named, opened = os.lstat(path), os.fstat(fd)
+        if stat.S_ISDIR(named.st_mode) and (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def refresh(entries, root, rel_paths):
@@ -262,9 +292,9 @@ class WorkspaceWatch:
     made unreadable), more than MAX_WATCHED_DIRS directories (then this watch stops trying),
     more than MAX_PENDING_PATHS paths named between two updates (absorb).
 
-    Its blind spots are inotify's: a file changed only through a name outside the workspace
-    (a hard link in /tmp) or only through a shared memory map is seen the next time its name
-    is written, closed after writing, renamed or walked.
+    Its blind spots are inotify's: a file changed only through another of its names (a hard
+    link, in the workspace or in /tmp) or only through a shared memory map is seen the next
+    time its name is written, closed after writing, renamed or walked.
 
     Call it with the sandbox user's rights (see driver.sandbox_user): the instance is then
     charged to that uid, never to root's, which the host's services share, and a watch is
@@ -368,8 +398,11 @@ class WorkspaceWatch:
         for gone in dirs_gone:
             self._forget(gone)
         for top in dirs_new:
-            if _has_ancestor_in(top, dirs_new):
-                continue  # walked with the directory above it
+            if _has_ancestor_in(top, dirs_new) or _has_ancestor_in(top, dirs_gone):
+                # Walked with the directory above it, or gone with it: what is at its path now
+                # is reached through whatever replaced that directory (a symlink, say), never
+                # walked.
+                continue
             found = {}
             walk_into(found, self.root, top, on_dir=self._watch)
             entries.update(found)
@@ -408,9 +441,12 @@ class WorkspaceWatch:
             if ctypes.get_errno() not in (errno.ENOENT, errno.ENOTDIR):
                 self.lost = True
             return
-        earlier = self.wd_dir.get(wd)  # the same directory, moved since it was watched
-        if earlier is not None and self.dir_wd.get(earlier) == wd:
-            del self.dir_wd[earlier]
+        if not os.access(path, os.R_OK | os.X_OK, effective_ids=True, follow_symlinks=False):
+            # Watched (gVisor does not ask for read permission) but not listable: a walk would
+            # not see what the events name in it.
+            self.lost = True
+        # A directory moved since it was watched keeps its watch (the same wd); its old path
+        # stays known in dir_wd until its own event drops what was under it (update, _forget).
         self.wd_dir[wd] = rel_dir
         self.dir_wd[rel_dir] = wd
 
@@ -418,7 +454,8 @@ class WorkspaceWatch:
         """Stop watching a directory that went, and those below it."""
         for rel in [d for d in self.dir_wd if d == rel_dir or d.startswith(rel_dir + "/")]:
             wd = self.dir_wd.pop(rel)
-            if self.wd_dir.pop(wd, None) is not None:
+            if self.wd_dir.get(wd) == rel:  # not a directory moved and watched elsewhere since
+                del self.wd_dir[wd]
                 _inotify_calls().inotify_rm_watch(self.fd, wd)
 
     def _read_events(self):
@@ -448,8 +485,8 @@ class WorkspaceWatch:
                     continue
                 if not name:
                     # The directory's own event: its parent's names what changed, but nothing
-                    # names the workspace's own.
-                    if rel_dir == "" and mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT):
+                    # names the workspace's own (its mode too: a walk may no longer list it).
+                    if rel_dir == "" and mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT | IN_ATTRIB):
                         raise _Lost()
                     continue
                 name = os.fsdecode(name)

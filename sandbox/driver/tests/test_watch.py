@@ -171,6 +171,87 @@ class TestWorkspaceWatch(unittest.TestCase):
             self.assertEqual({p for p, key in now.items() if was.get(p) != key}, changed, "round %d" % round_)
             self.assertTrue(watch.active)
 
+    def assert_update_is_a_walk(self, watch, entries):
+        """update() leaves `entries` as a walk finds the tree and returns what changed since
+        `entries` was taken; or None, `entries` untouched. Returns the entries to go on with."""
+        before = dict(entries)
+        result = watch.update(entries)
+        truth = snapshot(self.root)
+        if result is None:
+            self.assertEqual(entries, before)
+            return watch.snapshot()
+        was, now = result
+        self.assertEqual(entries, truth)
+        self.assertEqual({p for p, key in now.items() if was.get(p) != key},
+                         {p for p, key in truth.items() if before.get(p) != key})
+        return entries
+
+    def test_a_directory_replaced_by_a_symlink_is_never_walked_through(self):
+        outside = tempfile.mkdtemp(prefix="t_watch_outside")
+        self.addCleanup(shutil.rmtree, outside, True)
+        os.makedirs(os.path.join(outside, "sub"))
+        open(os.path.join(outside, "sub", "secret"), "w").close()
+        watch = WorkspaceWatch(self.root)
+        self.addCleanup(watch.close)
+        entries = watch.snapshot()
+        d = os.path.join(self.root, "d")
+        os.mkdir(d)
+        os.rmdir(d)
+        os.symlink(outside, d)
+        entries = self.assert_update_is_a_walk(watch, entries)
+        self.assertEqual(set(entries), {"d"})
+        # A subdirectory named through a parent that was then moved and replaced by a symlink.
+        os.mkdir(os.path.join(self.root, "a"))
+        entries = self.assert_update_is_a_walk(watch, entries)
+        os.makedirs(os.path.join(self.root, "a", "b"))
+        open(os.path.join(self.root, "a", "b", "x"), "w").close()
+        os.rename(os.path.join(self.root, "a"), os.path.join(self.root, "c"))
+        os.symlink("c", os.path.join(self.root, "a"))
+        entries = self.assert_update_is_a_walk(watch, entries)
+        open(os.path.join(self.root, "c", "b", "y"), "w").close()
+        entries = self.assert_update_is_a_walk(watch, entries)
+        self.assertIn("c/b/y", entries)
+
+    def test_a_directory_moved_while_an_update_walks_is_followed_at_its_new_path(self):
+        os.makedirs(os.path.join(self.root, "a"))
+        open(os.path.join(self.root, "a", "f"), "w").close()
+        os.makedirs(os.path.join(self.root, "b"))
+        watch = WorkspaceWatch(self.root)
+        self.addCleanup(watch.close)
+        entries = watch.snapshot()
+        watching = watch._watch
+
+        def watch_then_move(rel_dir):  # what a thread of the kernel may do meanwhile
+            watching(rel_dir)
+            if rel_dir == "b" and os.path.isdir(os.path.join(self.root, "a")):
+                os.rename(os.path.join(self.root, "a"), os.path.join(self.root, "b", "a2"))
+
+        watch._watch = watch_then_move
+        os.utime(os.path.join(self.root, "b"))  # the update walks b
+        watch.update(entries)
+        watch._watch = watching
+        entries = self.assert_update_is_a_walk(watch, entries)
+        self.assertEqual(set(entries), {"b/a2/f"})
+        open(os.path.join(self.root, "b", "a2", "g"), "w").close()
+        entries = self.assert_update_is_a_walk(watch, entries)
+        self.assertEqual(set(entries), {"b/a2/f", "b/a2/g"})
+
+    def test_a_directory_made_unlistable_is_not_vouched_for(self):
+        watch = WorkspaceWatch(self.root)
+        self.addCleanup(watch.close)
+        entries = watch.snapshot()
+        d = os.path.join(self.root, "d")
+        os.mkdir(d)
+        entries = self.assert_update_is_a_walk(watch, entries)
+        os.chmod(d, 0o311)
+        self.addCleanup(os.chmod, d, 0o755)
+        if os.access(d, os.R_OK):
+            self.skipTest("the tests' user reads any directory")
+        entries = self.assert_update_is_a_walk(watch, entries)
+        open(os.path.join(d, "new"), "w").close()
+        entries = self.assert_update_is_a_walk(watch, entries)
+        self.assertNotIn("d/new", entries)
+
     def test_a_queue_that_overflowed_is_walked_and_watched_anew(self):
         try:
             with open("/proc/sys/fs/inotify/max_queued_events") as f:
