@@ -192,6 +192,23 @@ def _list_into(entries, fd, rel_dir, stack):
                 entries[rel] = _entry_key(st)  # a symlink to a directory is an entry
 
 
+def _lstat_nofollow(root, rel):
+    """lstat of root/rel, reached without following a symlink anywhere on the way (a name the
+    events gave may lead through a directory since replaced by one)."""
+    parts = rel.split("/")
+    if len(parts) == 1:
+        return os.lstat(os.path.join(root, rel))
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dir_fd = _open_parent_dir(root_fd, parts, create=False)
+    finally:
+        os.close(root_fd)
+    try:
+        return os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+    finally:
+        os.close(dir_fd)
+
+
 def _open_dir_nofollow(path):
     """An fd of the directory at `path` itself, or None: never one a symlink there points to
     (a directory walked may have been replaced by one since it was named). gVisor follows a
@@ -413,7 +430,7 @@ class WorkspaceWatch:
             if rel in entries:
                 was.setdefault(rel, entries[rel])
             try:
-                st = os.lstat(os.path.join(self.root, rel))
+                st = _lstat_nofollow(self.root, rel)
             except OSError:
                 entries.pop(rel, None)
                 continue
@@ -433,6 +450,12 @@ class WorkspaceWatch:
             self.lost = self.too_many = True
             return
         path = os.path.join(self.root, rel_dir) if rel_dir else self.root
+        try:
+            # gVisor watches what a symlink points to despite IN_DONT_FOLLOW: a directory only.
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return
+        except OSError:
+            return  # gone since it was named: its parent's events say so
         wd = _inotify_calls().inotify_add_watch(self.fd, os.fsencode(path), WATCH_MASK)
         if wd < 0:
             import ctypes

@@ -200,6 +200,10 @@ class TestWorkspaceWatch(unittest.TestCase):
         os.symlink(outside, d)
         entries = self.assert_update_is_a_walk(watch, entries)
         self.assertEqual(set(entries), {"d"})
+        # Written where the symlink points only (gVisor would watch there, despite IN_DONT_FOLLOW).
+        open(os.path.join(outside, "later"), "w").close()
+        entries = self.assert_update_is_a_walk(watch, entries)
+        self.assertEqual(set(entries), {"d"})
         # A subdirectory named through a parent that was then moved and replaced by a symlink.
         os.mkdir(os.path.join(self.root, "a"))
         entries = self.assert_update_is_a_walk(watch, entries)
