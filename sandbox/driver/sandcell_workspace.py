@@ -58,6 +58,13 @@ def validate_rel_path(path):
     return parts
 
 
+def _is_directory_opened(named, fd):
+    """Whether `named` (an lstat of a name) is a directory and the very inode `fd` has open:
+    gVisor follows a symlink despite O_NOFOLLOW when O_DIRECTORY is set."""
+    opened = os.fstat(fd)
+    return stat.S_ISDIR(named.st_mode) and (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
 def _open_parent_dir(root_fd, parts, create):
     """Open the directory holding parts[-1] without following any symlink.
 
@@ -78,9 +85,7 @@ def _open_parent_dir(root_fd, parts, create):
                     pass
             child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             try:
-                named = os.stat(part, dir_fd=fd, follow_symlinks=False)
-                opened = os.fstat(child)
-                if not stat.S_ISDIR(named.st_mode) or (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+                if not _is_directory_opened(os.stat(part, dir_fd=fd, follow_symlinks=False), child):
                     raise OSError(errno.ELOOP, "path component is a symlink", part)
             except BaseException:
                 os.close(child)
@@ -192,17 +197,14 @@ def _list_into(entries, fd, rel_dir, stack):
                 entries[rel] = _entry_key(st)  # a symlink to a directory is an entry
 
 
-def _lstat_nofollow(root, rel):
-    """lstat of root/rel, reached without following a symlink anywhere on the way (a name the
-    events gave may lead through a directory since replaced by one)."""
+def _lstat_nofollow(root_fd, rel):
+    """lstat of `rel` under the directory root_fd has open, reached without following a symlink
+    anywhere on the way (a name the events gave may lead through a directory since replaced by
+    one)."""
     parts = rel.split("/")
     if len(parts) == 1:
-        return os.lstat(os.path.join(root, rel))
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        dir_fd = _open_parent_dir(root_fd, parts, create=False)
-    finally:
-        os.close(root_fd)
+        return os.stat(rel, dir_fd=root_fd, follow_symlinks=False)
+    dir_fd = _open_parent_dir(root_fd, parts, create=False)
     try:
         return os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
     finally:
@@ -219,8 +221,7 @@ def _open_dir_nofollow(path):
     except OSError:
         return None
     try:
-        named, opened = os.lstat(path), os.fstat(fd)
-        if stat.S_ISDIR(named.st_mode) and (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino):
+        if _is_directory_opened(os.lstat(path), fd):
             return fd
     except OSError:
         pass
@@ -402,6 +403,18 @@ class WorkspaceWatch:
         self.absorb()
         if self.fd is None:
             return None
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            self.close()
+            return None
+        try:
+            return self._apply(entries, root_fd)
+        finally:
+            os.close(root_fd)
+
+    def _apply(self, entries, root_fd):
+        """update()'s work on the events read, with an fd of the workspace."""
         (files, dirs_gone, dirs_new, unwatched), self.pending = self.pending, (set(), set(), set(), set())
         written, self.written = self.written, set()
         was, now = {}, {}
@@ -430,7 +443,7 @@ class WorkspaceWatch:
             if rel in entries:
                 was.setdefault(rel, entries[rel])
             try:
-                st = _lstat_nofollow(self.root, rel)
+                st = _lstat_nofollow(root_fd, rel)
             except OSError:
                 entries.pop(rel, None)
                 continue
