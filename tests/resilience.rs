@@ -90,6 +90,67 @@ async fn a_broker_restart_does_not_rerun_jobs_running_on_a_healthy_worker() {
     assert!(idle.is_some(), "busy slots stayed at {:?} on an idle worker", worker_metric("sandcell_worker_busy_slots").await);
 }
 
+/// Gives the worker back the settings test.sh started it with, whatever the test's outcome.
+struct RestoreWorker;
+
+impl Drop for RestoreWorker {
+    fn drop(&mut self) {
+        restart_service("worker", &[]);
+    }
+}
+
+/// Messages ready (not handed to a consumer) in `queue`, as the broker counts them.
+fn messages_ready(queue: &str) -> Option<u64> {
+    let out = Command::new("rabbitmqctl").args(["-q", "list_queues", "name", "messages_ready"]).output().ok()?;
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        let mut cols = l.split_whitespace();
+        (cols.next() == Some(queue)).then(|| cols.next()?.parse().ok()).flatten()
+    })
+}
+
+/// A session's jobs travel to its worker in transient messages, so a broker restart drops those
+/// still in the worker's queue; the worker reads them back from Postgres when it reconnects.
+/// With a prefetch of one, a session's later jobs wait in the broker while its first runs: after
+/// a restart in that moment each runs once, in order.
+#[tokio::test]
+async fn a_sessions_jobs_dropped_from_its_workers_queue_by_a_broker_restart_run_once_in_order() {
+    let _serial = SERIAL.lock().await;
+    let _restore = RestoreWorker;
+    restart_service("worker", &[("SANDCELL_SESSION_PREFETCH", "1")]);
+    both_healthy_again().await;
+    let c = client().await;
+    let t = tenant();
+    let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;
+    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
+    let sid = session_id(&opened);
+    let owner: String = sqlx::query_scalar("SELECT worker_id FROM sessions WHERE session_id = $1")
+        .bind(&sid)
+        .fetch_one(&service_db().await)
+        .await
+        .expect("the session's worker");
+    let queue = format!("sandcell.worker.{owner}");
+
+    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(8)\nn += 1\nprint(n)")];
+    subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
+    for s in &subs {
+        c.submit(s).await.unwrap();
+    }
+    // The first runs (it holds the one place of the prefetch); the others wait in the broker.
+    let waiting = eventually(Duration::from_secs(60), || async { (messages_ready(&queue) == Some(5)).then_some(()) }).await;
+    assert!(waiting.is_some(), "five jobs never waited in {queue} (ready: {:?})", messages_ready(&queue));
+    let recovered_before = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0);
+
+    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+    both_healthy_again().await;
+
+    for (i, s) in subs.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{}\n", i + 1), 1), "job {i}: {r:?}");
+    }
+    let recovered = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0) - recovered_before;
+    assert_eq!(recovered, 5.0, "the five queued jobs were read back from Postgres");
+}
+
 #[tokio::test]
 async fn a_database_restart_mid_run_loses_no_result() {
     let _serial = SERIAL.lock().await;

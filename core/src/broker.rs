@@ -278,6 +278,17 @@ pub fn dispatch_properties(message_id: &str) -> BasicProperties {
     json_properties(message_id).with_headers(headers)
 }
 
+/// Properties of a session job's message to its worker's own queue: as
+/// [`dispatch_properties`], but transient. Such a job is recorded before it is published, with
+/// its execution job kept (`jobs.routed`) and its worker named (`jobs.routed_to`), so Postgres,
+/// not the broker, holds it: the worker reads the jobs routed to it whenever it (re)connects
+/// (`JobStore::routed_to_worker`) and runs them before anything its queue delivers, which
+/// covers the messages a broker restart drops. A persistent message cost the broker a write and
+/// a sync for each job: ~0.3 ms of its CPU a job, a fifth of the 16-session throughput.
+pub fn session_dispatch_properties(message_id: &str) -> BasicProperties {
+    dispatch_properties(message_id).with_delivery_mode(1)
+}
+
 /// When the scheduler published a job's message ([`DISPATCHED_AT_HEADER`]); `None` for a message
 /// without it (published by an older scheduler, or by the dispatcher, which notes the time in
 /// Postgres itself).
@@ -394,6 +405,15 @@ mod tests {
         assert!(before <= at && at <= chrono::Utc::now(), "{at} not between {before} and now");
         assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some("t/j"));
         assert_eq!(super::dispatched_at(&super::json_properties("t/j")), None);
+    }
+
+    #[test]
+    fn a_session_jobs_message_is_transient_and_every_other_jobs_message_persistent() {
+        let session = super::session_dispatch_properties("t/j");
+        assert_eq!(*session.delivery_mode(), Some(1));
+        assert!(super::dispatched_at(&session).is_some());
+        assert_eq!(*super::dispatch_properties("t/j").delivery_mode(), Some(2));
+        assert_eq!(*super::json_properties("t/j").delivery_mode(), Some(2));
     }
 
     #[test]

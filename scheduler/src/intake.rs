@@ -571,8 +571,10 @@ async fn accept(
         None => broker::shared_queue(&job).to_string(),
     };
     // The dispatch's time travels in the message, and the worker's claim records it: noting it
-    // here would cost a statement per job.
-    let props = broker::dispatch_properties(&format!("{}/{}", sub.tenant, sub.job_id));
+    // here would cost a statement per job. A session job's message is transient: the worker
+    // reads the jobs routed to it from Postgres whenever it (re)connects.
+    let message_id = format!("{}/{}", sub.tenant, sub.job_id);
+    let props = if routed_to.is_some() { broker::session_dispatch_properties(&message_id) } else { broker::dispatch_properties(&message_id) };
     if let Err(e) = broker::publish_confirmed(publisher, &queue, &payload, props).await {
         if e.downcast_ref::<broker::Unroutable>().is_none() {
             return Err(e);

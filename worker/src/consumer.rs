@@ -167,6 +167,7 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     let own_ch = conn.create_channel().await.context("opening channel")?;
     let own_queue = broker::declare_worker_queue(&own_ch, &ctx.cfg.worker_id).await?;
     own_ch.basic_qos(ctx.cfg.session_prefetch, BasicQosOptions::default()).await.context("setting prefetch")?;
+    recover_routed_jobs(ctx, &own_ch, &own_queue).await?;
     let mut own = own_ch
         .basic_consume(own_queue.as_str().into(), format!("{name}-sessions").as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
         .await
@@ -229,6 +230,39 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Hand this worker's sessions the jobs routed to it that have not run, read from Postgres, before
+/// anything its own queue delivers on this connection. Their messages are transient
+/// (`broker::session_dispatch_properties`): a broker restart drops those still in the queue, and
+/// Postgres holds each such job as it was routed. A job this worker already holds (its delivery
+/// from before the reconnect waits in a mailbox or runs) is left to that delivery; a copy the
+/// queue still delivers is absorbed by the ledger, or refused by the claim once the job ran.
+/// Jobs recorded from now on arrive through the queue, after these: a session's order holds.
+async fn recover_routed_jobs(ctx: &WorkerContext, ch: &lapin::Channel, queue: &str) -> Result<()> {
+    let routed = ctx.jobs.routed_to_worker(&ctx.cfg.worker_id).await.context("reading back the jobs routed to this worker")?;
+    let mut recovered = 0u64;
+    for (tenant, job_id, payload) in routed {
+        let job = match serde_json::from_slice::<ExecutionJob>(&payload) {
+            Ok(job) => job,
+            Err(e) => {
+                // Written by a scheduler that spoke another protocol: its message, if still
+                // queued, is dead-lettered as undecodable; otherwise the sweeper ends it stuck.
+                tracing::error!(%tenant, %job_id, error = %e, "a job routed to this worker cannot be decoded; not run");
+                continue;
+            }
+        };
+        let source = crate::ledger::Recovered { channel: ch.clone(), queue: queue.to_string(), payload };
+        if let Some(ticket) = ctx.ledger.enter_recovered(&job, source) {
+            route_to_session(ctx, Work { job, ticket, claim: None }).await;
+            recovered += 1;
+        }
+    }
+    if recovered > 0 {
+        ctx.metrics.jobs_recovered.inc_by(recovered);
+        tracing::info!(recovered, "session jobs routed here read back from Postgres and handed to their sessions");
     }
     Ok(())
 }

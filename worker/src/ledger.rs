@@ -13,12 +13,18 @@
 //!   requeues its message, so the job is redelivered rather than stranded;
 //! - **ack failures are named, logged and counted** (`sandcell_worker_ack_failures_total`): the
 //!   job's outcome is already durable, and its redelivery is acked without running (the claim
-//!   refuses a finished job).
+//!   refuses a finished job);
+//! - **a session job read back from Postgres is held like a delivery** ([`Ledger::enter_recovered`]):
+//!   session jobs travel in transient messages, so after a reconnect the worker reads the jobs
+//!   routed to it; one already held here is not entered twice, a copy the queue still delivers
+//!   takes its place (absorbed), and one whose handler fails is published again to this
+//!   worker's queue, as a returned message would be redelivered.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use lapin::message::Delivery;
+use sandcell_core::broker;
 use sandcell_core::jobs::Arrival;
 use sandcell_protocol::ExecutionJob;
 
@@ -47,11 +53,34 @@ pub async fn disposition_of(job: &ExecutionJob, result: anyhow::Result<Dispositi
 /// `(tenant, job_id)`: a job's identity.
 type Key = (String, String);
 
-/// The deliveries this worker holds, by job. Cheap to clone.
+/// The jobs this worker holds, by job, each with what settles it. Cheap to clone.
 #[derive(Clone)]
 pub struct Ledger {
-    held: Arc<Mutex<HashMap<Key, Delivery>>>,
+    held: Arc<Mutex<HashMap<Key, Source>>>,
     metrics: Metrics,
+}
+
+/// How a job held here reached this worker, and so how it is settled. (Unboxed: the ledger held
+/// a `Delivery` per job before, and a box would be an allocation per job for nothing.)
+#[allow(clippy::large_enum_variant)]
+enum Source {
+    /// A message of the broker's: acked, returned or dead-lettered on its channel.
+    Message(Delivery),
+    /// Read back from Postgres on a (re)connection: no message to ack.
+    Recovered(Recovered),
+}
+
+/// A session job read back from Postgres when this worker (re)connected to the broker
+/// (`JobStore::routed_to_worker`): its transient message may have been dropped by a broker
+/// restart. There is no message to ack; should its handler fail, the job is published again,
+/// persistent, to this worker's queue.
+pub struct Recovered {
+    /// A channel of the connection that read it, to publish it again on.
+    pub channel: lapin::Channel,
+    /// This worker's own queue.
+    pub queue: String,
+    /// The execution job as the scheduler routed it.
+    pub payload: Vec<u8>,
 }
 
 /// A job's place in the ledger: whoever holds it must settle it.
@@ -83,7 +112,7 @@ impl Ledger {
     /// the job will settle it.
     pub async fn enter(&self, job: &ExecutionJob, delivery: Delivery) -> Option<Ticket> {
         let key = (job.tenant.clone(), job.job_id.clone());
-        let arrival = Arrival { redelivered: delivery.redelivered, dispatched_at: sandcell_core::broker::dispatched_at(&delivery.properties) };
+        let arrival = Arrival { redelivered: delivery.redelivered, dispatched_at: broker::dispatched_at(&delivery.properties) };
         let returns = delivery_count(&delivery);
         let replaced = {
             let Ok(mut held) = self.held.lock() else {
@@ -91,9 +120,9 @@ impl Ledger {
                 return Some(Ticket { key: None, ledger: self.clone(), arrival, returns, hold: None });
             };
             match held.get_mut(&key) {
-                Some(current) => Some(std::mem::replace(current, delivery)),
+                Some(current) => Some(std::mem::replace(current, Source::Message(delivery))),
                 None => {
-                    held.insert(key.clone(), delivery);
+                    held.insert(key.clone(), Source::Message(delivery));
                     None
                 }
             }
@@ -103,11 +132,31 @@ impl Ledger {
             Some(old) => {
                 tracing::info!(tenant = %key.0, job_id = %key.1, "a copy of a job in flight here arrived; it will be settled with the running one");
                 self.metrics.redeliveries_absorbed.inc();
-                // On a closed channel this fails harmlessly; on a live one it retires the copy.
-                apply(&old, Disposition::Ack, &self.metrics).await;
+                // A message: on a closed channel this fails harmlessly; on a live one it retires
+                // the copy. A job read back from Postgres has nothing to retire.
+                if let Source::Message(old) = old {
+                    apply(&old, Disposition::Ack, &self.metrics).await;
+                }
                 None
             }
         }
+    }
+
+    /// Enter a session job read back from Postgres after a (re)connection. `None` when this
+    /// worker already holds the job (its delivery from before the reconnect waits in a mailbox
+    /// or runs): that one goes on and settles it.
+    pub fn enter_recovered(&self, job: &ExecutionJob, recovered: Recovered) -> Option<Ticket> {
+        let key = (job.tenant.clone(), job.job_id.clone());
+        // Not a redelivery: the claim takes it only while it is `queued`. Its dispatch is now.
+        let arrival = Arrival { redelivered: false, dispatched_at: Some(chrono::Utc::now()) };
+        let Ok(mut held) = self.held.lock() else {
+            return Some(Ticket { key: None, ledger: self.clone(), arrival, returns: 0, hold: None });
+        };
+        if held.contains_key(&key) {
+            return None;
+        }
+        held.insert(key.clone(), Source::Recovered(recovered));
+        Some(Ticket { key: Some(key), ledger: self.clone(), arrival, returns: 0, hold: None })
     }
 
     /// Jobs held now (running, waiting for a slot, or in a session's mailbox).
@@ -115,7 +164,7 @@ impl Ledger {
         self.held.lock().map(|h| h.len()).unwrap_or(0)
     }
 
-    fn take(&self, key: &Key) -> Option<Delivery> {
+    fn take(&self, key: &Key) -> Option<Source> {
         self.held.lock().ok().and_then(|mut h| h.remove(key))
     }
 }
@@ -131,7 +180,7 @@ impl Ticket {
     pub async fn settle(mut self, disposition: Disposition) {
         let Some(key) = self.key.take() else { return };
         match self.ledger.take(&key) {
-            Some(delivery) => apply(&delivery, disposition, &self.ledger.metrics).await,
+            Some(source) => source.settle(&key, disposition, &self.ledger.metrics).await,
             None => tracing::warn!(tenant = %key.0, job_id = %key.1, "a job left the ledger before it was settled"),
         }
     }
@@ -144,10 +193,40 @@ impl Drop for Ticket {
         let ledger = self.ledger.clone();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
-                if let Some(delivery) = ledger.take(&key) {
-                    apply(&delivery, Disposition::Requeue, &ledger.metrics).await;
+                if let Some(source) = ledger.take(&key) {
+                    source.settle(&key, Disposition::Requeue, &ledger.metrics).await;
                 }
             });
+        }
+    }
+}
+
+impl Source {
+    async fn settle(self, key: &Key, disposition: Disposition, metrics: &Metrics) {
+        match self {
+            Source::Message(delivery) => apply(&delivery, disposition, metrics).await,
+            Source::Recovered(_) if disposition == Disposition::Ack => {}
+            // As the broker would do with its message: a job whose handler failed goes back to
+            // this worker's queue (now persistent), one that can never run to the dead letters.
+            // Should that publish fail too, the job is still `queued` in Postgres, and the next
+            // connection reads it back.
+            Source::Recovered(r) => {
+                let props = broker::dispatch_properties(&format!("{}/{}", key.0, key.1));
+                let (exchange, routing_key) = match disposition {
+                    Disposition::DeadLetter => (broker::DEAD_LETTER_EXCHANGE, r.queue.as_str()),
+                    _ => ("", r.queue.as_str()),
+                };
+                if let Err(e) = broker::publish_to(&r.channel, exchange, routing_key, &r.payload, props).await {
+                    metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
+                    tracing::warn!(
+                        tenant = %key.0,
+                        job_id = %key.1,
+                        disposition = disposition.as_str(),
+                        error = format!("{e:#}"),
+                        "returning a job read back from Postgres to this worker's queue failed; the next connection reads it again"
+                    );
+                }
+            }
         }
     }
 }

@@ -57,6 +57,10 @@ pub struct Metrics {
     /// `sandcell_worker_redeliveries_absorbed_total`: copies of a job already in flight here
     /// that arrived (after a broker reconnect) and were not run again.
     pub redeliveries_absorbed: IntCounter,
+    /// `sandcell_worker_jobs_recovered_total`: session jobs routed here that were read back from
+    /// Postgres when this worker (re)connected to the broker (their messages are transient: a
+    /// broker restart drops those still queued) and handed to their sessions.
+    pub jobs_recovered: IntCounter,
     /// `sandcell_worker_sandbox_start_retries_total`: sandboxes that failed to start and were
     /// tried again.
     pub sandbox_start_retries: IntCounter,
@@ -112,9 +116,12 @@ impl Metrics {
             IntCounterVec::new(Opts::new("sandcell_worker_ack_failures_total", "Job messages whose ack/nack failed, by disposition"), &["disposition"])?;
         let redeliveries_absorbed =
             IntCounter::new("sandcell_worker_redeliveries_absorbed_total", "Copies of jobs already in flight here that were not run again")?;
+        let jobs_recovered =
+            IntCounter::new("sandcell_worker_jobs_recovered_total", "Session jobs read back from Postgres on a broker (re)connection and run")?;
         let sandbox_start_retries = IntCounter::new("sandcell_worker_sandbox_start_retries_total", "Sandboxes that failed to start and were tried again")?;
         registry.register(Box::new(ack_failures.clone()))?;
         registry.register(Box::new(redeliveries_absorbed.clone()))?;
+        registry.register(Box::new(jobs_recovered.clone()))?;
         registry.register(Box::new(sandbox_start_retries.clone()))?;
         let oneoff_sandboxes =
             IntCounterVec::new(Opts::new("sandcell_oneoff_sandboxes_total", "One-off jobs by how they got a sandbox: reused, new"), &["outcome"])?;
@@ -182,6 +189,7 @@ impl Metrics {
             kernel_restarts,
             ack_failures,
             redeliveries_absorbed,
+            jobs_recovered,
             sandbox_start_retries,
         })
     }

@@ -398,6 +398,25 @@ impl JobStore {
         row.map(|r| Ok(Claim { attempt: r.try_get("attempts")?, queued_at: r.try_get("queued_at")? })).transpose()
     }
 
+    /// The session jobs addressed to `worker_id`'s own queue that have not run (`queued`, not
+    /// parked), oldest first: each as `(tenant, job_id, execution job as routed)`. Their messages
+    /// are transient ([`crate::broker::session_dispatch_properties`]), so a broker restart drops
+    /// those still in the queue; the worker reads these whenever it (re)connects and runs them
+    /// before anything its queue delivers. Read through `jobs_unfinished`: the backlog of
+    /// unfinished jobs, once per connection, never per job.
+    pub async fn routed_to_worker(&self, worker_id: &str) -> Result<Vec<(String, String, Vec<u8>)>> {
+        let rows = sqlx::query(
+            "SELECT tenant, job_id, routed FROM jobs
+             WHERE status = 'queued' AND routed_to = $1 AND NOT parked AND routed IS NOT NULL
+             ORDER BY queued_at, job_id",
+        )
+        .bind(worker_id)
+        .fetch_all(&self.pool)
+        .await
+        .context("reading the jobs routed to this worker")?;
+        rows.into_iter().map(|r| Ok((r.try_get("tenant")?, r.try_get("job_id")?, r.try_get("routed")?))).collect()
+    }
+
     /// End `infrastructure_error/worker_lost` the jobs still `running` on a worker that is gone
     /// (it restarted, or its heartbeat is older than the given silence): their worker will never
     /// commit them. A redelivered copy of such a job is taken over by another worker only once
