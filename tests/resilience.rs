@@ -151,6 +151,43 @@ async fn a_sessions_jobs_dropped_from_its_workers_queue_by_a_broker_restart_run_
     assert_eq!(recovered, 5.0, "the five queued jobs were read back from Postgres");
 }
 
+/// With the usual prefetch a session's later jobs wait in its mailbox on the worker, not in the
+/// broker, when the broker restarts: the worker reads them back from Postgres on reconnecting,
+/// finds it holds them, and enters none twice; each runs once, in order.
+#[tokio::test]
+async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_order() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let t = tenant();
+    let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;
+    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
+    let sid = session_id(&opened);
+    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(8)\nn += 1\nprint(n)")];
+    subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
+    for s in &subs {
+        c.submit(s).await.unwrap();
+    }
+    let pool = service_db().await;
+    let running = eventually(Duration::from_secs(60), || async {
+        let status: String =
+            sqlx::query_scalar("SELECT status FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&subs[0].job_id).fetch_one(&pool).await.ok()?;
+        (status == "running").then_some(())
+    })
+    .await;
+    assert!(running.is_some(), "the first job never ran");
+    let recovered_before = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0);
+
+    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+    both_healthy_again().await;
+
+    for (i, s) in subs.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{}\n", i + 1), 1), "job {i}: {r:?}");
+    }
+    let recovered = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0) - recovered_before;
+    assert_eq!(recovered, 0.0, "jobs the worker held were entered again");
+}
+
 #[tokio::test]
 async fn a_database_restart_mid_run_loses_no_result() {
     let _serial = SERIAL.lock().await;

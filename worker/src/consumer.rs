@@ -159,15 +159,17 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     }
     let shared_ch = conn.create_channel().await.context("opening channel")?;
     broker::declare_topology(&shared_ch).await?;
+    let own_ch = conn.create_channel().await.context("opening channel")?;
+    let own_queue = broker::declare_worker_queue(&own_ch, &ctx.cfg.worker_id).await?;
+    // Before any consumer of this connection: the session jobs routed here, from Postgres.
+    let republish = broker::publisher_channel(&conn).await?;
+    recover_routed_jobs(ctx, &republish, &own_queue).await?;
     shared_ch.basic_qos(ctx.cfg.slots, BasicQosOptions::default()).await.context("setting prefetch")?;
     let mut shared = shared_ch
         .basic_consume(broker::JOBS_QUEUE.into(), name.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
         .await
         .context("consuming jobs")?;
-    let own_ch = conn.create_channel().await.context("opening channel")?;
-    let own_queue = broker::declare_worker_queue(&own_ch, &ctx.cfg.worker_id).await?;
     own_ch.basic_qos(ctx.cfg.session_prefetch, BasicQosOptions::default()).await.context("setting prefetch")?;
-    recover_routed_jobs(ctx, &own_ch, &own_queue).await?;
     let mut own = own_ch
         .basic_consume(own_queue.as_str().into(), format!("{name}-sessions").as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
         .await
@@ -235,14 +237,16 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
 }
 
 /// Hand this worker's sessions the jobs routed to it that have not run, read from Postgres, before
-/// anything its own queue delivers on this connection. Their messages are transient
+/// anything this connection delivers. Their messages are transient
 /// (`broker::session_dispatch_properties`): a broker restart drops those still in the queue, and
 /// Postgres holds each such job as it was routed. A job this worker already holds (its delivery
-/// from before the reconnect waits in a mailbox or runs) is left to that delivery; a copy the
-/// queue still delivers is absorbed by the ledger, or refused by the claim once the job ran.
-/// Jobs recorded from now on arrive through the queue, after these: a session's order holds.
-async fn recover_routed_jobs(ctx: &WorkerContext, ch: &lapin::Channel, queue: &str) -> Result<()> {
-    let routed = ctx.jobs.routed_to_worker(&ctx.cfg.worker_id).await.context("reading back the jobs routed to this worker")?;
+/// from before the reconnect waits in a mailbox or runs) is held from now on as read back: that
+/// delivery's channel is gone, and its message may be too. A copy the queue still delivers is
+/// absorbed by the ledger, or refused by the claim once the job ran. Jobs recorded from now on
+/// arrive through the queue, after these: a session's order holds. `republish`: a channel in
+/// confirm mode, on which a job read back whose handler fails is published again.
+async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, queue: &str) -> Result<()> {
+    let routed = sandcell_core::retry("reading back the jobs routed to this worker", 6, |_| ctx.jobs.routed_to_worker(&ctx.cfg.worker_id)).await?;
     let mut recovered = 0u64;
     for (tenant, job_id, payload) in routed {
         let job = match serde_json::from_slice::<ExecutionJob>(&payload) {
@@ -254,7 +258,7 @@ async fn recover_routed_jobs(ctx: &WorkerContext, ch: &lapin::Channel, queue: &s
                 continue;
             }
         };
-        let source = crate::ledger::Recovered { channel: ch.clone(), queue: queue.to_string(), payload };
+        let source = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), payload };
         if let Some(ticket) = ctx.ledger.enter_recovered(&job, source) {
             route_to_session(ctx, Work { job, ticket, claim: None }).await;
             recovered += 1;

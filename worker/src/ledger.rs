@@ -17,8 +17,8 @@
 //! - **a session job read back from Postgres is held like a delivery** ([`Ledger::enter_recovered`]):
 //!   session jobs travel in transient messages, so after a reconnect the worker reads the jobs
 //!   routed to it; one already held here is not entered twice, a copy the queue still delivers
-//!   takes its place (absorbed), and one whose handler fails is published again to this
-//!   worker's queue, as a returned message would be redelivered.
+//!   takes its place (absorbed), and one whose handler fails is published again, persistent, to
+//!   this worker's queue.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -142,9 +142,11 @@ impl Ledger {
         }
     }
 
-    /// Enter a session job read back from Postgres after a (re)connection. `None` when this
-    /// worker already holds the job (its delivery from before the reconnect waits in a mailbox
-    /// or runs): that one goes on and settles it.
+    /// Enter a session job read back from Postgres on a (re)connection. `None` when this worker
+    /// already holds the job (its delivery from before the reconnect waits in a mailbox or
+    /// runs): the handler holding it goes on, and settles it as read back, since that delivery's
+    /// channel is gone and a broker restart dropped its message (a message that survived takes
+    /// the place back when the queue redelivers it).
     pub fn enter_recovered(&self, job: &ExecutionJob, recovered: Recovered) -> Option<Ticket> {
         let key = (job.tenant.clone(), job.job_id.clone());
         // Not a redelivery: the claim takes it only while it is `queued`. Its dispatch is now.
@@ -152,7 +154,8 @@ impl Ledger {
         let Ok(mut held) = self.held.lock() else {
             return Some(Ticket { key: None, ledger: self.clone(), arrival, returns: 0, hold: None });
         };
-        if held.contains_key(&key) {
+        if let Some(current) = held.get_mut(&key) {
+            *current = Source::Recovered(recovered);
             return None;
         }
         held.insert(key.clone(), Source::Recovered(recovered));
@@ -208,8 +211,10 @@ impl Source {
             Source::Recovered(_) if disposition == Disposition::Ack => {}
             // As the broker would do with its message: a job whose handler failed goes back to
             // this worker's queue (now persistent), one that can never run to the dead letters.
-            // Should that publish fail too, the job is still `queued` in Postgres, and the next
-            // connection reads it back.
+            // A job not yet claimed runs from there; one claimed whose commit failed is not run
+            // again (its copy is no redelivery, and a session's job may have had effects, as
+            // when its worker dies): the sweeper ends it `stuck` once overdue. Should the publish
+            // fail too, the job is still in Postgres, and the next connection reads it back.
             Source::Recovered(r) => {
                 let props = broker::dispatch_properties(&format!("{}/{}", key.0, key.1));
                 let (exchange, routing_key) = match disposition {

@@ -116,8 +116,10 @@ impl Metrics {
             IntCounterVec::new(Opts::new("sandcell_worker_ack_failures_total", "Job messages whose ack/nack failed, by disposition"), &["disposition"])?;
         let redeliveries_absorbed =
             IntCounter::new("sandcell_worker_redeliveries_absorbed_total", "Copies of jobs already in flight here that were not run again")?;
-        let jobs_recovered =
-            IntCounter::new("sandcell_worker_jobs_recovered_total", "Session jobs read back from Postgres on a broker (re)connection and run")?;
+        let jobs_recovered = IntCounter::new(
+            "sandcell_worker_jobs_recovered_total",
+            "Session jobs read back from Postgres on a broker (re)connection and handed to their sessions",
+        )?;
         let sandbox_start_retries = IntCounter::new("sandcell_worker_sandbox_start_retries_total", "Sandboxes that failed to start and were tried again")?;
         registry.register(Box::new(ack_failures.clone()))?;
         registry.register(Box::new(redeliveries_absorbed.clone()))?;
