@@ -284,7 +284,7 @@ pub fn dispatch_properties(message_id: &str) -> BasicProperties {
 /// not the broker, holds it: the worker reads the jobs routed to it whenever it (re)connects
 /// (`JobStore::routed_to_worker`) and runs them before anything its queue delivers, which
 /// covers the messages a broker restart drops. A persistent message cost the broker a write and
-/// a sync for each job: ~0.3 ms of its CPU a job, a fifth of the 16-session throughput.
+/// a sync for each job: ~0.3 ms of its CPU a job (16 sessions ran 13 % faster without it).
 pub fn session_dispatch_properties(message_id: &str) -> BasicProperties {
     dispatch_properties(message_id).with_delivery_mode(1)
 }
