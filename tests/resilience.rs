@@ -130,7 +130,7 @@ async fn a_sessions_jobs_dropped_from_its_workers_queue_by_a_broker_restart_run_
         .expect("the session's worker");
     let queue = format!("sandcell.worker.{owner}");
 
-    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(8)\nn += 1\nprint(n)")];
+    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(20)\nn += 1\nprint(n)")];
     subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
     for s in &subs {
         c.submit(s).await.unwrap();
@@ -162,7 +162,7 @@ async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_
     let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;
     assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
     let sid = session_id(&opened);
-    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(8)\nn += 1\nprint(n)")];
+    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(20)\nn += 1\nprint(n)")];
     subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
     for s in &subs {
         c.submit(s).await.unwrap();
@@ -179,6 +179,10 @@ async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_
 
     sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
     both_healthy_again().await;
+    // The worker reconnected while the first job still ran: the others were held, not run.
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&subs[0].job_id).fetch_one(&pool).await.unwrap();
+    assert_eq!(status, "running", "the broker restart outlasted the first job: nothing was held across it");
 
     for (i, s) in subs.iter().enumerate() {
         let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();

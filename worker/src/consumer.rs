@@ -161,6 +161,9 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     broker::declare_topology(&shared_ch).await?;
     let own_ch = conn.create_channel().await.context("opening channel")?;
     let own_queue = broker::declare_worker_queue(&own_ch, &ctx.cfg.worker_id).await?;
+    // Live output goes out on a channel of this connection (declared with the topology): before
+    // the jobs read back below start, so that theirs is not dropped.
+    ctx.events.attach(conn.create_channel().await.context("opening the events channel")?);
     // Before any consumer of this connection: the session jobs routed here, from Postgres.
     let republish = broker::publisher_channel(&conn).await?;
     recover_routed_jobs(ctx, &republish, &own_queue).await?;
@@ -178,8 +181,6 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
     new_sessions.follow(ctx.session_capacity.available_permits()).await?;
     let mut room_check = tokio::time::interval(ROOM_CHECK);
     room_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Live output goes out on a channel of this connection (declared with the topology).
-    ctx.events.attach(conn.create_channel().await.context("opening the events channel")?);
     broker_up.store(true, Ordering::Relaxed);
     tracing::info!(worker_id = %ctx.cfg.worker_id, slots = ctx.cfg.slots, own_queue, "worker consuming");
     loop {

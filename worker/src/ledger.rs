@@ -221,7 +221,12 @@ impl Source {
                     Disposition::DeadLetter => (broker::DEAD_LETTER_EXCHANGE, r.queue.as_str()),
                     _ => ("", r.queue.as_str()),
                 };
-                if let Err(e) = broker::publish_to(&r.channel, exchange, routing_key, &r.payload, props).await {
+                // Bounded like a message's settle: a half-open connection must not stall the
+                // session whose task settles this.
+                let published = tokio::time::timeout(broker::SETTLE_WITHIN, broker::publish_to(&r.channel, exchange, routing_key, &r.payload, props))
+                    .await
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("no confirm from the broker within {} s", broker::SETTLE_WITHIN.as_secs())));
+                if let Err(e) = published {
                     metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
                     tracing::warn!(
                         tenant = %key.0,
@@ -264,14 +269,15 @@ pub async fn settle_undecodable(delivery: &Delivery, metrics: &Metrics) {
 
 async fn apply(delivery: &Delivery, disposition: Disposition, metrics: &Metrics) {
     if let Err(e) = sandcell_core::broker::settle(delivery, disposition).await {
-        // The channel closed (a broker restart): the broker redelivers the message, and the
-        // redelivery finds the job finished (ack) or in flight here (absorbed).
+        // The channel closed (a broker restart): the broker redelivers the message if it kept it
+        // (not a session job's transient one), and the redelivery finds the job finished (ack) or
+        // in flight here (absorbed).
         metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
         tracing::warn!(
             disposition = disposition.as_str(),
             delivery_tag = delivery.delivery_tag,
             error = format!("{e:#}"),
-            "settling a job's message failed; the broker will redeliver it"
+            "settling a job's message failed; the broker redelivers it if it kept it (a session job's transient message is gone after a broker restart)"
         );
     }
 }
