@@ -29,7 +29,7 @@ async fn both_healthy_again() {
 #[tokio::test]
 async fn jobs_run_after_a_broker_restart() {
     let _serial = SERIAL.lock().await;
-    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+    restart_broker();
     both_healthy_again().await;
     let c = client().await;
     let sub = python(&tenant(), "print('after broker restart')");
@@ -72,7 +72,7 @@ async fn a_broker_restart_does_not_rerun_jobs_running_on_a_healthy_worker() {
     let absorbed_before = worker_metric("sandcell_worker_redeliveries_absorbed_total").await.unwrap_or(0.0);
     // All four slots busy while the broker goes away and comes back.
     let subs = running_sleepers(&c, 4, 20).await;
-    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+    restart_broker();
     both_healthy_again().await;
     let mut results = Vec::new();
     for s in &subs {
@@ -108,6 +108,50 @@ fn messages_ready(queue: &str) -> Option<u64> {
     })
 }
 
+/// Stop and start the broker (its durable queues and persistent messages survive; transient
+/// messages do not), waiting until it is up again.
+fn restart_broker() {
+    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+}
+
+/// A session of a new tenant with `n = 0`: (tenant, session id).
+async fn counting_session(c: &sandcell_client::Client) -> (String, String) {
+    let t = tenant();
+    let opened = run(c, &open_session(&t, "n = 0", Some(600))).await;
+    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
+    let sid = session_id(&opened);
+    (t, sid)
+}
+
+/// Submit six jobs that count `n` up and print it: a first that sleeps 20 s (long enough to
+/// outlast a broker restart), then five at once, queued behind it.
+async fn submit_count_up(c: &sandcell_client::Client, t: &str, sid: &str) -> Vec<sandcell_protocol::Submission> {
+    let mut subs = vec![in_session(t, sid, "import time\ntime.sleep(20)\nn += 1\nprint(n)")];
+    subs.extend((0..5).map(|_| in_session(t, sid, "n += 1\nprint(n)")));
+    for s in &subs {
+        c.submit(s).await.unwrap();
+    }
+    subs
+}
+
+/// Each of `subs` succeeded once, printing 1, 2, 3, …: they ran in order.
+async fn assert_counted_once_in_order(c: &sandcell_client::Client, subs: &[sandcell_protocol::Submission]) {
+    for (i, s) in subs.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{}\n", i + 1), 1), "job {i}: {r:?}");
+    }
+}
+
+/// The worker's count of session jobs read back from Postgres.
+async fn jobs_recovered() -> f64 {
+    worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0)
+}
+
+/// A job's status as recorded.
+async fn job_status(pool: &sqlx::PgPool, sub: &sandcell_protocol::Submission) -> Option<String> {
+    sqlx::query_scalar("SELECT status FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&sub.tenant).bind(&sub.job_id).fetch_one(pool).await.ok()
+}
+
 /// A session's jobs travel to its worker in transient messages, so a broker restart drops those
 /// still in the worker's queue; the worker reads them back from Postgres when it reconnects.
 /// With a prefetch of one, a session's later jobs wait in the broker while its first runs: after
@@ -119,10 +163,7 @@ async fn a_sessions_jobs_dropped_from_its_workers_queue_by_a_broker_restart_run_
     restart_service("worker", &[("SANDCELL_SESSION_PREFETCH", "1")]);
     both_healthy_again().await;
     let c = client().await;
-    let t = tenant();
-    let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;
-    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
-    let sid = session_id(&opened);
+    let (t, sid) = counting_session(&c).await;
     let owner: String = sqlx::query_scalar("SELECT worker_id FROM sessions WHERE session_id = $1")
         .bind(&sid)
         .fetch_one(&service_db().await)
@@ -130,25 +171,17 @@ async fn a_sessions_jobs_dropped_from_its_workers_queue_by_a_broker_restart_run_
         .expect("the session's worker");
     let queue = format!("sandcell.worker.{owner}");
 
-    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(20)\nn += 1\nprint(n)")];
-    subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
-    for s in &subs {
-        c.submit(s).await.unwrap();
-    }
+    let subs = submit_count_up(&c, &t, &sid).await;
     // The first runs (it holds the one place of the prefetch); the others wait in the broker.
     let waiting = eventually(Duration::from_secs(60), || async { (messages_ready(&queue) == Some(5)).then_some(()) }).await;
     assert!(waiting.is_some(), "five jobs never waited in {queue} (ready: {:?})", messages_ready(&queue));
-    let recovered_before = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0);
+    let recovered_before = jobs_recovered().await;
 
-    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+    restart_broker();
     both_healthy_again().await;
 
-    for (i, s) in subs.iter().enumerate() {
-        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
-        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{}\n", i + 1), 1), "job {i}: {r:?}");
-    }
-    let recovered = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0) - recovered_before;
-    assert_eq!(recovered, 5.0, "the five queued jobs were read back from Postgres");
+    assert_counted_once_in_order(&c, &subs).await;
+    assert_eq!(jobs_recovered().await - recovered_before, 5.0, "the five queued jobs were read back from Postgres");
 }
 
 /// With the usual prefetch a session's later jobs wait in its mailbox on the worker, not in the
@@ -158,38 +191,20 @@ async fn a_sessions_jobs_dropped_from_its_workers_queue_by_a_broker_restart_run_
 async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_order() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let t = tenant();
-    let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;
-    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
-    let sid = session_id(&opened);
-    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(20)\nn += 1\nprint(n)")];
-    subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
-    for s in &subs {
-        c.submit(s).await.unwrap();
-    }
+    let (t, sid) = counting_session(&c).await;
+    let subs = submit_count_up(&c, &t, &sid).await;
     let pool = service_db().await;
-    let running = eventually(Duration::from_secs(60), || async {
-        let status: String =
-            sqlx::query_scalar("SELECT status FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&subs[0].job_id).fetch_one(&pool).await.ok()?;
-        (status == "running").then_some(())
-    })
-    .await;
+    let running = eventually(Duration::from_secs(60), || async { (job_status(&pool, &subs[0]).await? == "running").then_some(()) }).await;
     assert!(running.is_some(), "the first job never ran");
-    let recovered_before = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0);
+    let recovered_before = jobs_recovered().await;
 
-    sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup");
+    restart_broker();
     both_healthy_again().await;
     // The worker reconnected while the first job still ran: the others were held, not run.
-    let status: String =
-        sqlx::query_scalar("SELECT status FROM jobs WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&subs[0].job_id).fetch_one(&pool).await.unwrap();
-    assert_eq!(status, "running", "the broker restart outlasted the first job: nothing was held across it");
+    assert_eq!(job_status(&pool, &subs[0]).await.as_deref(), Some("running"), "the broker restart outlasted the first job: nothing was held across it");
 
-    for (i, s) in subs.iter().enumerate() {
-        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
-        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{}\n", i + 1), 1), "job {i}: {r:?}");
-    }
-    let recovered = worker_metric("sandcell_worker_jobs_recovered_total").await.unwrap_or(0.0) - recovered_before;
-    assert_eq!(recovered, 0.0, "jobs the worker held were entered again");
+    assert_counted_once_in_order(&c, &subs).await;
+    assert_eq!(jobs_recovered().await - recovered_before, 0.0, "jobs the worker held were entered again");
 }
 
 #[tokio::test]
