@@ -26,6 +26,20 @@ repo=$(repo_root)
 cd "$repo"
 bring_up_stack
 
+# Free disk, printed at each stage: a run that fills the disk fails everywhere at once (builds,
+# pip, Docker), and this line says when and where the space went. Under ~8 GB free at the start
+# the run is likely to run out (target/ ~4 GB, the venvs and images for the checks ~3 GB).
+docker_root=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+disk_report() {
+    local fs
+    fs=$(df -h --output=target,avail "$repo" "$docker_root" 2>/dev/null | tail -n +2 | sort -u | awk '{ printf "%s %s free; ", $1, $2 }')
+    echo "== disk ($1): ${fs}target/ $(du -sh "$repo/target" 2>/dev/null | cut -f1)"
+}
+disk_report start
+if [ "$(df -k --output=avail "$repo" | tail -n1)" -lt $((8 * 1024 * 1024)) ]; then
+    echo "== WARNING: under 8 GB free on $repo's filesystem: the run may run out of disk" >&2
+fi
+
 # A database of the run's own, dropped and created afresh: the stack's database may have been
 # migrated by another checkout (a branch's newer migrations make this checkout's binaries refuse
 # to start, by design), and no run should read an earlier run's rows. Roles are the cluster's,
@@ -64,6 +78,7 @@ fi
 
 echo "== building"
 cargo build --workspace --bins --tests --features sandcell-tests/e2e
+disk_report built
 
 # The Python SDK as a user installs it (a fresh virtualenv each run), and its type check.
 echo "== Python SDK: pip install ./clients/python[test], mypy --strict"
@@ -113,13 +128,16 @@ run_pass() {
         python3 -m unittest discover -s /tests -v || failed+=("driver tests under $runtime")
 
     echo "== [$runtime] cargo test ($scope)"
+    # Always the whole workspace, with a later pass's tests picked by --test: a narrower
+    # selection (`-p sandcell-tests`) unifies the dependencies' features differently, and cargo
+    # would build tokio, sqlx and the rest a second time (~1 GB of target/, minutes of the run).
     local packages=(--workspace) t
     if [ "$scope" != all ]; then
         # Every end-to-end test again, but chaos, capacity, fairness and fleet: they prove the
         # fleet's recovery, placement and dispatch order, which do not depend on the OCI runtime
-        # (and take minutes; fleet needs a fleet of its own, started once, under runc); and egress: the local stack registers runsc with --network=none, so a
-        # gVisor sandbox has no network even when its tenant is granted one.
-        packages=(-p sandcell-tests)
+        # (and take minutes; fleet needs a fleet of its own, started once, under runc); and
+        # egress: the local stack registers runsc with --network=none, so a gVisor sandbox has no
+        # network even when its tenant is granted one.
         for t in tests/*.rs; do
             case "$(basename "$t" .rs)" in build | chaos | capacity | fairness | egress | fleet) ;; *) packages+=(--test "$(basename "$t" .rs)") ;; esac
         done
@@ -179,7 +197,7 @@ run_pass() {
         # shellcheck disable=SC2086
         # The chaos run again, now over the fleet: a worker, a scheduler, a sandbox killed, the
         # broker and the database restarted, while sessions move.
-        SANDCELL_WORKER_DEAD_AFTER_S=12 cargo test -p sandcell-tests --features sandcell-tests/e2e,sandcell-tests/fleet --test fleet --test chaos --no-fail-fast ${CARGO_TEST_ARGS:-} -- --test-threads=1 || failed+=("fleet tests under $runtime")
+        SANDCELL_WORKER_DEAD_AFTER_S=12 cargo test --workspace --features sandcell-tests/e2e,sandcell-tests/fleet --test fleet --test chaos --no-fail-fast ${CARGO_TEST_ARGS:-} -- --test-threads=1 || failed+=("fleet tests under $runtime")
         stop_sandcell
     fi
 }
@@ -190,6 +208,7 @@ runtimes=${SANDCELL_TEST_RUNTIMES:-${SANDCELL_DOCKER_RUNTIMES:-runc}}
 scope=all
 for runtime in ${runtimes//,/ }; do
     run_pass "$runtime" "$scope"
+    disk_report "after the $runtime pass"
     scope=sandbox
 done
 
