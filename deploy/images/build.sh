@@ -11,21 +11,37 @@
 # The engine's Debian base is built once per package list (debootstrap from this machine's apt
 # sources, sandbox/build-image.sh's debian_rootfs) and kept as sandcell-engine-base:<hash>.
 #
-# Usage: deploy/images/build.sh [--save DIR] [--profile release|debug]
+# Usage: deploy/images/build.sh [--save DIR] [--profile release|debug] | --prune
 #   --save DIR   also `docker save` each image to DIR/<name>-<version>.tar.gz
 #   --profile    the cargo profile of the binaries (release; the test command's pod-fidelity
 #                check uses debug, the binaries it has just built, to spare a release build)
+#   --prune      only remove what earlier builds left untagged (prune_replaced below), and
+#                exit; every build does it at its end too
 # Env: SANDCELL_IMAGE_VERSION (default: the workspace's version from Cargo.toml).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
+
+# The images earlier builds left untagged: each build imports every image anew under the same
+# tag, and the one it replaces stays on disk, nameless (the bundle alone is ~750 MB: every run
+# of the test command left ~0.9 GB behind, until a machine that ran it often had no disk left).
+# Only sandcell's own (by the title label each carries); one a container still uses stays.
+prune_replaced() {
+    local name
+    for name in sandcell-scheduler sandcell-worker sandcell-sandbox-bundle sandcell-engine; do
+        docker image prune --force --filter "label=org.opencontainers.image.title=$name" >/dev/null ||
+            echo "images: could not remove the untagged $name images of earlier builds" >&2
+    done
+}
+
 save=""
 profile=release
 while [ $# -gt 0 ]; do
     case "$1" in
     --save) save=${2:?--save needs a directory}; shift 2 ;;
     --profile) profile=${2:?--profile needs release or debug}; shift 2 ;;
-    *) echo "build.sh: unknown argument $1 (--save DIR, --profile release|debug)" >&2; exit 2 ;;
+    --prune) prune_replaced; exit 0 ;;
+    *) echo "build.sh: unknown argument $1 (--save DIR, --profile release|debug, --prune)" >&2; exit 2 ;;
     esac
 done
 case "$profile" in release | debug) ;; *) echo "build.sh: --profile is release or debug, not $profile" >&2; exit 2 ;; esac
@@ -128,6 +144,7 @@ DOCKER_BUILDKIT=0 docker build --quiet --build-arg "BASE_TAG=$engine_base" \
     --label "org.opencontainers.image.version=$version" --label "org.opencontainers.image.title=sandcell-engine" \
     -t "sandcell-engine:$version" "$work/engine" >/dev/null
 report_size "sandcell-engine:$version"
+prune_replaced
 
 if [ -n "$save" ]; then
     mkdir -p "$save"

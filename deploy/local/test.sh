@@ -35,6 +35,8 @@ disk_report() {
     fs=$(df -h --output=target,avail "$repo" "$docker_root" 2>/dev/null | tail -n +2 | sort -u | awk '{ printf "%s %s free; ", $1, $2 }')
     echo "== disk ($1): ${fs}target/ $(du -sh "$repo/target" 2>/dev/null | cut -f1)"
 }
+# What earlier runs' image builds (the pod-fidelity check's) left untagged, ~0.9 GB a run.
+bash deploy/images/build.sh --prune
 disk_report start
 if [ "$(df -k --output=avail "$repo" | tail -n1)" -lt $((8 * 1024 * 1024)) ]; then
     echo "== WARNING: under 8 GB free on $repo's filesystem: the run may run out of disk" >&2
