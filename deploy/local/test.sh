@@ -28,11 +28,12 @@ bring_up_stack
 
 # Free disk, printed at each stage: a run that fills the disk fails everywhere at once (builds,
 # pip, Docker), and this line says when and where the space went. Under ~8 GB free at the start
-# the run is likely to run out (target/ ~4 GB, the venvs and images for the checks ~3 GB).
+# the run is likely to run out (target/ grows to ~4 GB with the checks' virtualenvs, the stack
+# and the images take ~3 GB).
 docker_root=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
 disk_report() {
     local fs
-    fs=$(df -h --output=target,avail "$repo" "$docker_root" 2>/dev/null | tail -n +2 | sort -u | awk '{ printf "%s %s free; ", $1, $2 }')
+    fs=$(df -h --output=target,avail "$repo" "$docker_root" 2>/dev/null | tail -n +2 | sort -u | awk '{ printf "%s %s free; ", $1, $2 }') || true
     echo "== disk ($1): ${fs}target/ $(du -sh "$repo/target" 2>/dev/null | cut -f1)"
 }
 # What earlier runs' image builds (the pod-fidelity check's) left untagged, ~0.9 GB a run.
