@@ -356,6 +356,16 @@ impl Disposition {
 /// worker stopped). Past this the settlement counts as failed, as on a closed channel.
 pub const SETTLE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// [`publish_to`], waiting at most [`SETTLE_WITHIN`] for the confirm: how a job held without a
+/// message (a session job read back from Postgres) is settled when its handler fails, bounded
+/// like [`settle`], so that a half-open connection cannot stall the session that settles it.
+pub async fn publish_within_settle(ch: &Channel, exchange: &str, routing_key: &str, body: &[u8], props: BasicProperties) -> Result<()> {
+    match tokio::time::timeout(SETTLE_WITHIN, publish_to(ch, exchange, routing_key, body, props)).await {
+        Ok(result) => result,
+        Err(_) => Err(anyhow!("publishing to {routing_key}: no confirm from the broker within {} s", SETTLE_WITHIN.as_secs())),
+    }
+}
+
 /// Ack, requeue or dead-letter `delivery`, waiting at most [`SETTLE_WITHIN`]. An error means the
 /// settlement did not reach the broker (its channel closed, or it went unanswered): the broker
 /// still holds the message and redelivers it once the connection is gone, so a caller logs and

@@ -221,12 +221,7 @@ impl Source {
                     Disposition::DeadLetter => (broker::DEAD_LETTER_EXCHANGE, r.queue.as_str()),
                     _ => ("", r.queue.as_str()),
                 };
-                // Bounded like a message's settle: a half-open connection must not stall the
-                // session whose task settles this.
-                let published = tokio::time::timeout(broker::SETTLE_WITHIN, broker::publish_to(&r.channel, exchange, routing_key, &r.payload, props))
-                    .await
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("no confirm from the broker within {} s", broker::SETTLE_WITHIN.as_secs())));
-                if let Err(e) = published {
+                if let Err(e) = broker::publish_within_settle(&r.channel, exchange, routing_key, &r.payload, props).await {
                     metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
                     tracing::warn!(
                         tenant = %key.0,
