@@ -463,7 +463,7 @@ async fn a_tenants_unfinished_job_figures_follow_every_way_a_job_is_recorded_hel
             }
         })
     };
-    store.claim(&t, &first, &worker, sandcell_core::jobs::Arrival::default(), Duration::from_secs(30)).await.expect("claim").expect("claimable");
+    store.claim(&t, &first, &worker, sandcell_core::jobs::Arrival::default(), Duration::from_secs(30), false).await.expect("claim").expect("claimable");
     figures((3, 1, 2), "a claim").await;
     sqlx::query("UPDATE jobs SET held_job = NULL, dispatched_at = now() WHERE tenant = $1 AND job_id = $2")
         .bind(&t)
@@ -622,4 +622,32 @@ async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_
     let (_, r) = record(python(&t, "5")).await;
     assert!(matches!(r, Recorded::OverQuota(_)), "the record did not read the kept bytes: {r:?}");
     assert_eq!(tenants.reserve_artifact_bytes(&t, &fourth, 1000).await.expect("reserve"), 0, "the reservation did not read the kept bytes");
+}
+
+/// A claim tried again in place after its first try failed (whose answer may have been lost
+/// after the claim was committed) takes the job back from its own worker, and from no other; a
+/// fresh claim never takes a running job.
+#[tokio::test]
+async fn a_claim_tried_again_takes_back_its_own_workers_running_job_and_no_other_workers() {
+    use sandcell_core::jobs::{Arrival, JobStore};
+    let db = service_db().await;
+    let store = JobStore::new(db.clone());
+    let t = tenant();
+    let sub = python(&t, "1");
+    let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
+    store.record_queued(&sub, &limits, "digest", None, Some(b"payload")).await.expect("record");
+    // Both workers beat, so that neither looks dead to the stack's sweeper meanwhile.
+    let sessions = sandcell_core::sessions::SessionStore::new(db.clone());
+    let (mine, other) = (unique("claiming-worker"), unique("other-worker"));
+    for w in [&mine, &other] {
+        sessions.heartbeat(w, 0, 0).await.expect("heartbeat");
+    }
+    let claim = |worker: String, again: bool| {
+        let (store, t, job_id) = (store.clone(), t.clone(), sub.job_id.clone());
+        async move { store.claim(&t, &job_id, &worker, Arrival::default(), Duration::from_secs(600), again).await.expect("claim").map(|c| c.attempt) }
+    };
+    assert_eq!(claim(mine.clone(), false).await, Some(1), "the first claim");
+    assert_eq!(claim(mine.clone(), false).await, None, "a fresh claim took a running job");
+    assert_eq!(claim(other.clone(), true).await, None, "a claim tried again took another worker's running job");
+    assert_eq!(claim(mine.clone(), true).await, Some(2), "a claim tried again did not take back its own worker's");
 }

@@ -207,6 +207,78 @@ async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_
     assert_eq!(jobs_recovered().await - recovered_before, 0.0, "jobs the worker held were entered again");
 }
 
+/// Makes the first claim of one job fail on the database, as a Postgres restart or a dropped
+/// connection would (SQLSTATE 57P01, `admin_shutdown`): a trigger on `jobs` that raises once,
+/// counted by a sequence (a sequence is not rolled back with the failed statement). Removed
+/// once the test has its answer (the run's database is dropped after the run in any case).
+struct FailFirstClaim {
+    name: String,
+}
+
+impl FailFirstClaim {
+    async fn install(pool: &sqlx::PgPool, job_id: &str) -> Self {
+        let name = format!("fail_claim_{}", job_id.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
+        let statements = [
+            format!("CREATE SEQUENCE {name}"),
+            format!(
+                "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                   IF nextval('{name}') = 1 THEN
+                     RAISE EXCEPTION 'injected: the first claim of this job fails' USING ERRCODE = '57P01';
+                   END IF;
+                   RETURN NEW;
+                 END $$"
+            ),
+            format!(
+                "CREATE TRIGGER {name} BEFORE UPDATE ON jobs FOR EACH ROW
+                 WHEN (OLD.job_id = '{job_id}' AND OLD.status = 'queued' AND NEW.status = 'running')
+                 EXECUTE FUNCTION {name}()"
+            ),
+        ];
+        for sql in statements {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("installing the injected claim failure");
+        }
+        FailFirstClaim { name }
+    }
+
+    /// How often the trigger fired (the failed claim counts one).
+    async fn fired(&self, pool: &sqlx::PgPool) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}", self.name)))
+            .fetch_one(pool)
+            .await
+            .expect("reading the injected failure's count")
+    }
+
+    async fn remove(self, pool: &sqlx::PgPool) {
+        let name = &self.name;
+        let sql = format!("DROP TRIGGER IF EXISTS {name} ON jobs; DROP FUNCTION IF EXISTS {name}(); DROP SEQUENCE IF EXISTS {name}");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("removing the injected claim failure");
+    }
+}
+
+/// A session job whose claim fails on the database (a blip: the next try succeeds) is tried
+/// again in place, not sent back through the broker, where it would land behind the session's
+/// later jobs already waiting on the worker and run after them: every cell runs once, in order.
+#[tokio::test]
+async fn a_sessions_job_whose_claim_fails_on_the_database_still_runs_in_order() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let (t, sid) = counting_session(&c).await;
+    // A first job long enough for the others to be waiting on the worker when the second's
+    // turn comes; the second's first claim fails.
+    let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(3)\nn += 1\nprint(n)")];
+    subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
+    let injected = FailFirstClaim::install(&pool, &subs[1].job_id).await;
+    for s in &subs {
+        c.submit(s).await.unwrap();
+    }
+    assert_counted_once_in_order(&c, &subs).await;
+    let fired = injected.fired(&pool).await;
+    injected.remove(&pool).await;
+    assert!(fired >= 2, "the injected failure fired {fired} times: the second job's claim never failed, or was not tried again");
+}
+
 #[tokio::test]
 async fn a_database_restart_mid_run_loses_no_result() {
     let _serial = SERIAL.lock().await;

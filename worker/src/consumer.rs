@@ -28,7 +28,10 @@
 //!   the broker redelivers it and the next claim runs it again (`attempts` counts the claims);
 //! - a redelivered job that is already finished is acked without running (claim refuses it);
 //! - only a redelivered message may take over a `running` job, and only from this worker's
-//!   earlier life or from a worker whose heartbeat stopped;
+//!   earlier life or from a worker whose heartbeat stopped (or a claim tried again in place,
+//!   whose first try's answer was lost: from this worker alone);
+//! - a job's database steps (claim, refusal, commit) are tried again in place for ~2 minutes
+//!   before its handler fails, so a database restart sends no job back through the broker;
 //! - a job claimed more than `SANDCELL_MAX_ATTEMPTS` times is failed with `too_many_attempts`.
 
 use std::sync::atomic::{AtomicBool, Ordering};

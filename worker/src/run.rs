@@ -235,7 +235,15 @@ pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival, 
 /// too often — the last is failed with `too_many_attempts` here).
 pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival) -> Result<Option<Claim>> {
     let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
-    let Some(claim) = ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, arrival, ctx.cfg.worker_dead_after).await? else {
+    // Tried again in place when the database fails (as a commit is), rather than returned to
+    // the queue: a session's job sent back would land behind the session's later jobs, and
+    // run after them. A try after the first may find its own claim, committed with the answer
+    // lost, and takes it.
+    let claimed = with_db_retries(tenant, job_id, "claiming the job", |attempt| {
+        ctx.jobs.claim(tenant, job_id, &ctx.cfg.worker_id, arrival, ctx.cfg.worker_dead_after, attempt > 1)
+    })
+    .await?;
+    let Some(claim) = claimed else {
         tracing::info!(tenant, job_id, redelivered = arrival.redelivered, "job already running, finished or unknown; not run again");
         return Ok(None);
     };
@@ -254,7 +262,7 @@ pub async fn claim(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival) ->
 /// Refuse a job that cannot run (its inputs or session are gone) and count it.
 pub async fn refuse(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason) -> Result<()> {
     tracing::info!(tenant = %job.tenant, job_id = %job.job_id, code = %reason.code, "job refused: {}", reason.message);
-    if ctx.jobs.refuse(&job.tenant, &job.job_id, reason).await? {
+    if with_db_retries(&job.tenant, &job.job_id, "refusing the job", |_| ctx.jobs.refuse(&job.tenant, &job.job_id, reason)).await? {
         ctx.events.job(job, 0).end(JobStatus::Rejected);
         ctx.metrics.jobs.with_label_values(&[JobStatus::Rejected.as_str()]).inc();
     }
@@ -420,7 +428,7 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
     if wanted > 0 {
         let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
         let granted =
-            with_db_retries(tenant, job_id, "reserving the tenant's artifact bytes", || ctx.tenants.reserve_artifact_bytes(tenant, job_id, wanted)).await?;
+            with_db_retries(tenant, job_id, "reserving the tenant's artifact bytes", |_| ctx.tenants.reserve_artifact_bytes(tenant, job_id, wanted)).await?;
         o.keep_within_quota(granted);
     }
     o.settle_display_paths();
@@ -461,22 +469,23 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
 /// Commit a result, retrying transient failures (the database restarting) for about two
 /// minutes; a permanent refusal is returned at once.
 async fn commit_with_retries(ctx: &WorkerContext, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
-    with_db_retries(tenant, job_id, "committing a result", || ctx.jobs.finish(tenant, job_id, fin)).await
+    with_db_retries(tenant, job_id, "committing a result", |_| ctx.jobs.finish(tenant, job_id, fin)).await
 }
 
-/// Run a database step of a job's commit until it succeeds, fails permanently, or has been
-/// tried [`COMMIT_TRIES`] times (a database restart takes seconds).
+/// Run a database step of a job (its claim, its refusal, its commit) until it succeeds, fails
+/// permanently, or has been tried [`DB_TRIES`] times (a database restart takes seconds); `step`
+/// is given the 1-based try number.
 async fn with_db_retries<T, F, Fut>(tenant: &str, job_id: &str, what: &str, mut step: F) -> Result<T>
 where
-    F: FnMut() -> Fut,
+    F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
     let mut delay = std::time::Duration::from_millis(200);
     let mut attempt = 1;
     loop {
-        match step().await {
+        match step(attempt).await {
             Ok(c) => return Ok(c),
-            Err(e) if sandcell_core::jobs::is_permanent(&e) || attempt >= COMMIT_TRIES => return Err(e.context(what.to_string())),
+            Err(e) if sandcell_core::jobs::is_permanent(&e) || attempt >= DB_TRIES => return Err(e.context(what.to_string())),
             Err(e) => {
                 tracing::warn!(tenant, job_id, attempt, error = format!("{e:#}"), "{what} failed; retrying");
                 tokio::time::sleep(delay).await;
@@ -487,8 +496,9 @@ where
     }
 }
 
-/// Tries of a commit before the job's message goes back to the queue (~2 minutes of backoff).
-const COMMIT_TRIES: u32 = 30;
+/// Tries of a job's database step before its handler fails and the job's message goes back to
+/// the queue (~2 minutes of backoff).
+const DB_TRIES: u32 = 30;
 
 #[cfg(test)]
 mod tests {

@@ -290,8 +290,10 @@ impl SessionTask {
         self.finish(end, mailbox).await;
     }
 
-    /// Run one job and settle its message. A job that failed (nothing committed) goes back to
-    /// the queue and leaves the session as it was: its redelivery runs here again.
+    /// Run one job and settle its message. The job's database steps are tried again in place
+    /// (~2 minutes), so through a database restart the session's later jobs wait behind it and
+    /// its cells run in order. A job that failed even so (nothing committed) goes back to the
+    /// queue and leaves the session as it was: its redelivery runs here again.
     async fn step(&mut self, work: Work) -> Option<End> {
         let Work { job, ticket, claim } = work;
         let ctx = self.ctx.clone();

@@ -359,8 +359,8 @@ impl JobStore {
     /// Claim a job for running. Returns the claim, or `None` if the job is already finished (a
     /// redelivery of work that was committed but not acked), unknown, or running where it may
     /// still finish. A fresh delivery never takes over a running job, so a job dispatched twice
-    /// by accident still runs once. With `takeover` (a redelivered message) a `running` job is
-    /// taken over only when its worker is this one (an earlier life of it died mid-job) or has
+    /// by accident still runs once. A redelivered message (`arrival.redelivered`) takes a `running` job
+    /// over only when its worker is this one (an earlier life of it died mid-job) or has
     /// not beaten for `dead_after`: after a broker restart, a job still running on a live worker
     /// is left to it.
     ///
@@ -371,16 +371,22 @@ impl JobStore {
     ///
     /// The claim also records when the job was dispatched (`arrival.dispatched_at`), unless the
     /// dispatcher noted it already.
-    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, arrival: Arrival, dead_after: Duration) -> Result<Option<Claim>> {
+    ///
+    /// `again`: this worker tried to claim this very delivery a moment ago and the try failed,
+    /// so its answer may have been lost after the claim was committed. Such a try may take over
+    /// a `running` job whose worker is this one (no handler here runs it: the ledger holds one
+    /// per job), and, unless the delivery is a redelivery, none other.
+    pub async fn claim(&self, tenant: &str, job_id: &str, worker_id: &str, arrival: Arrival, dead_after: Duration, again: bool) -> Result<Option<Claim>> {
         let mut sources = status_list(JobStatus::Running);
-        if !arrival.redelivered {
+        if !arrival.redelivered && !again {
             sources.retain(|s| s != JobStatus::Running.as_str());
         }
         let row = sqlx::query(
             "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1,
                              dispatched_at = COALESCE(dispatched_at, $6)
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($4) AND (NOT parked OR routed_to = $3)
-               AND (status <> 'running' OR worker_id IS NULL OR worker_id = $3 OR sandcell_worker_silent(jobs.worker_id, $5))
+               AND (status <> 'running' OR worker_id = $3
+                    OR ($7 AND (worker_id IS NULL OR sandcell_worker_silent(jobs.worker_id, $5))))
                AND (session_id IS NULL OR EXISTS (
                     SELECT 1 FROM sessions s WHERE s.session_id = jobs.session_id
                       AND (s.worker_id = $3 OR s.created_by_job = jobs.job_id OR s.adopting_job = jobs.job_id)))
@@ -392,6 +398,7 @@ impl JobStore {
         .bind(sources)
         .bind(millis(dead_after))
         .bind(arrival.dispatched_at)
+        .bind(arrival.redelivered)
         .fetch_optional(&self.pool)
         .await
         .context("claiming job")?;
