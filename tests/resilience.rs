@@ -207,8 +207,8 @@ async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_
     assert_eq!(jobs_recovered().await - recovered_before, 0.0, "jobs the worker held were entered again");
 }
 
-/// Makes the first claim of one job fail on the database, as a Postgres restart or a dropped
-/// connection would (SQLSTATE 57P01, `admin_shutdown`): a trigger on `jobs` that raises once,
+/// Makes the first `times` claims of one job fail on the database, as a Postgres restart or a
+/// dropped connection would (SQLSTATE 57P01, `admin_shutdown`): a trigger on `jobs` that raises,
 /// counted by a sequence (a sequence is not rolled back with the failed statement). Removed
 /// once the test has its answer (the run's database is dropped after the run in any case).
 struct FailFirstClaim {
@@ -216,15 +216,15 @@ struct FailFirstClaim {
 }
 
 impl FailFirstClaim {
-    async fn install(pool: &sqlx::PgPool, job_id: &str) -> Self {
+    async fn install(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
         let name = format!("fail_claim_{}", job_id.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
         let statements = [
             format!("CREATE SEQUENCE {name}"),
             format!(
                 "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
                  BEGIN
-                   IF nextval('{name}') = 1 THEN
-                     RAISE EXCEPTION 'injected: the first claim of this job fails' USING ERRCODE = '57P01';
+                   IF nextval('{name}') <= {times} THEN
+                     RAISE EXCEPTION 'injected: the first {times} claims of this job fail' USING ERRCODE = '57P01';
                    END IF;
                    RETURN NEW;
                  END $$"
@@ -269,7 +269,7 @@ async fn a_sessions_job_whose_claim_fails_on_the_database_still_runs_in_order() 
     // turn comes; the second's first claim fails.
     let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(3)\nn += 1\nprint(n)")];
     subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
-    let injected = FailFirstClaim::install(&pool, &subs[1].job_id).await;
+    let injected = FailFirstClaim::install(&pool, &subs[1].job_id, 1).await;
     for s in &subs {
         c.submit(s).await.unwrap();
     }
@@ -277,6 +277,25 @@ async fn a_sessions_job_whose_claim_fails_on_the_database_still_runs_in_order() 
     let fired = injected.fired(&pool).await;
     injected.remove(&pool).await;
     assert!(fired >= 2, "the injected failure fired {fired} times: the second job's claim never failed, or was not tried again");
+}
+
+/// A one-off job whose claim fails on the database more often than the broker returns a
+/// message before dead-lettering it (`DELIVERY_LIMIT`, 5) is tried again in place and runs
+/// once, when a requeue per failure would have dead-lettered it and left it never run.
+#[tokio::test]
+async fn a_one_off_job_whose_claim_fails_on_the_database_more_often_than_the_broker_requeues_still_runs_once() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let sub = python(&tenant(), "print(6 * 7)");
+    let times = u32::try_from(sandcell_core::broker::DELIVERY_LIMIT).unwrap() + 1;
+    let injected = FailFirstClaim::install(&pool, &sub.job_id, times).await;
+    c.submit(&sub).await.unwrap();
+    let r = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
+    let fired = injected.fired(&pool).await;
+    injected.remove(&pool).await;
+    assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "42\n", 1), "{r:?}");
+    assert_eq!(fired, i64::from(times) + 1, "the injected failures fired {fired} times");
 }
 
 #[tokio::test]
