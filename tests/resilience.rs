@@ -207,38 +207,49 @@ async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_
     assert_eq!(jobs_recovered().await - recovered_before, 0.0, "jobs the worker held were entered again");
 }
 
-/// Makes the first `times` claims of one job fail on the database, as a Postgres restart or a
-/// dropped connection would (SQLSTATE 57P01, `admin_shutdown`): a trigger on `jobs` that raises,
-/// counted by a sequence (a sequence is not rolled back with the failed statement). Removed
-/// once the test has its answer (the run's database is dropped after the run in any case).
-struct FailFirstClaim {
+/// A fault injected into Postgres for one job: a trigger on `jobs` that raises SQLSTATE 57P01
+/// (`admin_shutdown`, what a server shutting down answers its sessions) as one of the job's
+/// statements runs, counted by a sequence (a sequence is not rolled back with the failed
+/// statement). Removed once the test has its answer (the run's database is dropped after the run
+/// in any case).
+struct InjectedFailure {
     name: String,
 }
 
-impl FailFirstClaim {
-    async fn install(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
-        let name = format!("fail_claim_{}", job_id.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
+impl InjectedFailure {
+    /// The job's first `times` claims fail.
+    async fn claims(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
+        Self::install(pool, job_id, "UPDATE", "OLD.status = 'queued' AND NEW.status = 'running'", &format!("nextval('{{name}}') <= {times}")).await
+    }
+
+    /// The job's record fails for `outage`, as it would while the database is out.
+    async fn records_for(pool: &sqlx::PgPool, job_id: &str, outage: Duration) -> Self {
+        let until = format!("now() + interval '{} milliseconds'", outage.as_millis());
+        let until: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT ({until})::text"))).fetch_one(pool).await.expect("the outage's end");
+        Self::install(pool, job_id, "INSERT", "true", &format!("nextval('{{name}}') > 0 AND clock_timestamp() < '{until}'::timestamptz")).await
+    }
+
+    async fn install(pool: &sqlx::PgPool, job_id: &str, event: &str, when: &str, fail_if: &str) -> Self {
+        let name = format!("inject_{}", job_id.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
+        let fail_if = fail_if.replace("{name}", &name);
+        let row = if event == "INSERT" { "NEW" } else { "OLD" };
         let statements = [
             format!("CREATE SEQUENCE {name}"),
             format!(
                 "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
                  BEGIN
-                   IF nextval('{name}') <= {times} THEN
-                     RAISE EXCEPTION 'injected: the first {times} claims of this job fail' USING ERRCODE = '57P01';
+                   IF {fail_if} THEN
+                     RAISE EXCEPTION 'injected: this {event} of the job fails' USING ERRCODE = '57P01';
                    END IF;
                    RETURN NEW;
                  END $$"
             ),
-            format!(
-                "CREATE TRIGGER {name} BEFORE UPDATE ON jobs FOR EACH ROW
-                 WHEN (OLD.job_id = '{job_id}' AND OLD.status = 'queued' AND NEW.status = 'running')
-                 EXECUTE FUNCTION {name}()"
-            ),
+            format!("CREATE TRIGGER {name} BEFORE {event} ON jobs FOR EACH ROW WHEN ({row}.job_id = '{job_id}' AND {when}) EXECUTE FUNCTION {name}()"),
         ];
         for sql in statements {
-            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("installing the injected claim failure");
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("installing the injected failure");
         }
-        FailFirstClaim { name }
+        InjectedFailure { name }
     }
 
     /// How often the trigger fired (the failed claim counts one).
@@ -252,7 +263,7 @@ impl FailFirstClaim {
     async fn remove(self, pool: &sqlx::PgPool) {
         let name = &self.name;
         let sql = format!("DROP TRIGGER IF EXISTS {name} ON jobs; DROP FUNCTION IF EXISTS {name}(); DROP SEQUENCE IF EXISTS {name}");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("removing the injected claim failure");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("removing the injected failure");
     }
 }
 
@@ -269,7 +280,7 @@ async fn a_sessions_job_whose_claim_fails_on_the_database_still_runs_in_order() 
     // turn comes; the second's first claim fails.
     let mut subs = vec![in_session(&t, &sid, "import time\ntime.sleep(3)\nn += 1\nprint(n)")];
     subs.extend((0..5).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")));
-    let injected = FailFirstClaim::install(&pool, &subs[1].job_id, 1).await;
+    let injected = InjectedFailure::claims(&pool, &subs[1].job_id, 1).await;
     for s in &subs {
         c.submit(s).await.unwrap();
     }
@@ -289,13 +300,32 @@ async fn a_one_off_job_whose_claim_fails_on_the_database_more_often_than_the_bro
     let pool = service_db().await;
     let sub = python(&tenant(), "print(6 * 7)");
     let times = u32::try_from(sandcell_core::broker::DELIVERY_LIMIT).unwrap() + 1;
-    let injected = FailFirstClaim::install(&pool, &sub.job_id, times).await;
+    let injected = InjectedFailure::claims(&pool, &sub.job_id, times).await;
     c.submit(&sub).await.unwrap();
     let r = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
     let fired = injected.fired(&pool).await;
     injected.remove(&pool).await;
     assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "42\n", 1), "{r:?}");
     assert_eq!(fired, i64::from(times) + 1, "the injected failures fired {fired} times");
+}
+
+/// A submission that cannot be recorded because the database is out is held by the intake for
+/// as long as the outage lasts: here 50 s, longer than its returns to the queue would have
+/// lasted (6 tries a delivery, dead-lettered after `DELIVERY_LIMIT` returns: ~43 s), after which
+/// it was lost, never recorded. It is recorded and runs once when the database answers again.
+#[tokio::test]
+async fn a_submission_waits_out_a_database_outage_longer_than_the_broker_would_keep_returning_it() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let sub = python(&tenant(), "print(6 * 7)");
+    let injected = InjectedFailure::records_for(&pool, &sub.job_id, Duration::from_secs(50)).await;
+    c.submit(&sub).await.unwrap();
+    let r = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
+    let fired = injected.fired(&pool).await;
+    injected.remove(&pool).await;
+    assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "42\n", 1), "{r:?}");
+    assert!(fired > 6, "the record failed only {fired} times: the outage was not waited out");
 }
 
 #[tokio::test]

@@ -52,23 +52,49 @@ where
 /// Run `f` (given the 1-based try number) up to `tries` times with capped exponential backoff
 /// (200 ms doubling to 5 s), logging each failure; returns the last error when all tries fail.
 /// The one retry policy for transient service failures (broker, database, store).
-pub async fn retry<T, F, Fut>(what: &str, tries: u32, mut f: F) -> anyhow::Result<T>
+pub async fn retry<T, F, Fut>(what: &str, tries: u32, f: F) -> anyhow::Result<T>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    retry_classified(what, tries, |_| Failure::Transient, f).await
+}
+
+/// What a failure says about trying the same work again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// A later try may succeed: it counts against the tries.
+    Transient,
+    /// The service is out (for the database, `jobs::is_unavailable`): retried for as long as the
+    /// outage lasts, not counted. The work is not at fault, and giving it up would only send it
+    /// back through the broker, which dead-letters a message after a few returns.
+    Outage,
+    /// The same work can never succeed (for the database, `jobs::is_permanent`): given up at once.
+    Permanent,
+}
+
+/// [`retry`], with each failure's [`Failure`] as `classify` says: an outage is retried until the
+/// service is back, without counting against `tries`; a permanent failure is returned at once.
+pub async fn retry_classified<T, F, Fut>(what: &str, tries: u32, classify: fn(&anyhow::Error) -> Failure, mut f: F) -> anyhow::Result<T>
 where
     F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
     let mut delay = std::time::Duration::from_millis(200);
-    let mut attempt = 1;
+    let (mut attempt, mut counted) = (1, 1);
     loop {
-        match f(attempt).await {
+        let e = match f(attempt).await {
             Ok(v) => return Ok(v),
-            Err(e) if attempt < tries => {
-                tracing::warn!(target: "sandcell::retry", what, attempt, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                attempt += 1;
-            }
-            Err(e) => return Err(e.context(format!("{what}: giving up after {attempt} tries"))),
+            Err(e) => e,
+        };
+        let failure = classify(&e);
+        if failure == Failure::Permanent || (failure == Failure::Transient && counted >= tries) {
+            return Err(e.context(format!("{what}: giving up after {attempt} tries")));
         }
+        tracing::warn!(target: "sandcell::retry", what, attempt, ?failure, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "failed; retrying");
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(std::time::Duration::from_secs(5));
+        attempt += 1;
+        counted += u32::from(failure == Failure::Transient);
     }
 }

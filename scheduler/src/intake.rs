@@ -368,12 +368,15 @@ fn session_key(verdict: &Result<Submission, Rejection>) -> Option<String> {
 const FAILED_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
 /// Handle one delivery and settle it: the one place a submission is acked, requeued or
-/// dead-lettered. Infrastructure errors are retried a few times; then the message goes back to
-/// the queue for a later try — a failing submission never takes the consumer or any other
+/// dead-lettered. Infrastructure errors are retried a few times (an outage of the database for as
+/// long as it lasts); then the message goes back to the queue for a later try — a failing submission never takes the consumer or any other
 /// submission down.
 async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: Delivery, verdict: Result<Submission, Rejection>) {
     let started = Instant::now();
-    let handled = sandcell_core::retry("handling a submission", 6, |attempt| {
+    // While the database is unreachable the submission waits here, however long that takes: it
+    // is not at fault, the partition's later submissions could not be recorded either, and each
+    // return to the queue would bring it closer to the dead letters (`DELIVERY_LIMIT`).
+    let handled = sandcell_core::retry_classified("handling a submission", 6, outage_or_transient, |attempt| {
         // A retry of this very delivery, or a redelivery, may finish a dispatch it began.
         let may_redispatch = delivery.redelivered || attempt > 1;
         handle(cfg, jobs, metrics, publisher, &delivery, &verdict, may_redispatch)
@@ -390,6 +393,17 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
     // The redelivery of a submission whose settlement failed finds the job recorded.
     settle(&delivery, disposition, metrics, "a submission").await;
     metrics.intake_seconds.observe(started.elapsed().as_secs_f64());
+}
+
+/// How the intake tries a submission again: an outage of the database for as long as it lasts,
+/// anything else a few times (a refusal of the data included: it is recorded as the job's
+/// rejection when it can be, see `handle`).
+fn outage_or_transient(e: &anyhow::Error) -> sandcell_core::Failure {
+    if sandcell_core::jobs::is_unavailable(e) {
+        sandcell_core::Failure::Outage
+    } else {
+        sandcell_core::Failure::Transient
+    }
 }
 
 /// Who published a submission, as the broker vouches (`user_id` is checked by RabbitMQ against

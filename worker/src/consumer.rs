@@ -30,8 +30,9 @@
 //! - only a redelivered message may take over a `running` job, and only from this worker's
 //!   earlier life or from a worker whose heartbeat stopped (or a claim tried again in place,
 //!   whose first try's answer was lost: from this worker alone);
-//! - a job's database steps (claim, refusal, commit) are tried again in place for ~2 minutes
-//!   before its handler fails, so a database restart sends no job back through the broker;
+//! - a job's database steps (claim, refusal, commit) are tried again in place, for as long as an
+//!   outage of the database lasts and ~2 minutes for other failures, before its handler fails:
+//!   a database restart or outage sends no job back through the broker;
 //! - a job claimed more than `SANDCELL_MAX_ATTEMPTS` times is failed with `too_many_attempts`.
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -467,37 +467,27 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
 }
 
 /// Commit a result, retrying transient failures (the database restarting) for about two
-/// minutes; a permanent refusal is returned at once.
+/// minutes (an outage of the database for as long as it lasts); a permanent refusal is returned
+/// at once.
 async fn commit_with_retries(ctx: &WorkerContext, tenant: &str, job_id: &str, fin: &Finished) -> Result<bool> {
     with_db_retries(tenant, job_id, "committing a result", |_| ctx.jobs.finish(tenant, job_id, fin)).await
 }
 
 /// Run a database step of a job (its claim, its refusal, its commit) until it succeeds, fails
-/// permanently, or has been tried [`DB_TRIES`] times (a database restart takes seconds); `step`
-/// is given the 1-based try number.
-async fn with_db_retries<T, F, Fut>(tenant: &str, job_id: &str, what: &str, mut step: F) -> Result<T>
+/// permanently, or has failed [`DB_TRIES`] times for another reason than an outage of the
+/// database (`jobs::is_unavailable`: retried for as long as the outage lasts, since the job is
+/// not at fault and returning it to the queue would only bring it closer to the dead letters);
+/// `step` is given the 1-based try number.
+async fn with_db_retries<T, F, Fut>(tenant: &str, job_id: &str, what: &str, step: F) -> Result<T>
 where
     F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    let mut delay = std::time::Duration::from_millis(200);
-    let mut attempt = 1;
-    loop {
-        match step(attempt).await {
-            Ok(c) => return Ok(c),
-            Err(e) if sandcell_core::jobs::is_permanent(&e) || attempt >= DB_TRIES => return Err(e.context(what.to_string())),
-            Err(e) => {
-                tracing::warn!(tenant, job_id, attempt, error = format!("{e:#}"), "{what} failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                attempt += 1;
-            }
-        }
-    }
+    sandcell_core::retry_classified(&format!("{what} of job {tenant}/{job_id}"), DB_TRIES, sandcell_core::jobs::failure, step).await
 }
 
-/// Tries of a job's database step before its handler fails and the job's message goes back to
-/// the queue (~2 minutes of backoff).
+/// Failures of a job's database step, outages of the database aside, before its handler fails
+/// and the job's message goes back to the queue (~2 minutes of backoff).
 const DB_TRIES: u32 = 30;
 
 #[cfg(test)]

@@ -291,8 +291,8 @@ impl SessionTask {
     }
 
     /// Run one job and settle its message. The job's database steps are tried again in place
-    /// (~2 minutes), so through a database restart the session's later jobs wait behind it and
-    /// its cells run in order. A job that failed even so (nothing committed) goes back to the
+    /// (through an outage of the database for as long as it lasts), so the session's later jobs
+    /// wait behind it and its cells run in order. A job that failed even so (nothing committed) goes back to the
     /// queue and leaves the session as it was: its redelivery runs here again.
     async fn step(&mut self, work: Work) -> Option<End> {
         let Work { job, ticket, claim } = work;

@@ -120,6 +120,35 @@ pub struct SessionTouch {
     pub keep_alive_s: Option<u64>,
 }
 
+/// What a store error says about trying the same statement again ([`crate::retry_classified`]):
+/// [`is_permanent`], [`is_unavailable`] (an outage), or neither (transient).
+pub fn failure(e: &anyhow::Error) -> crate::Failure {
+    if is_permanent(e) {
+        crate::Failure::Permanent
+    } else if is_unavailable(e) {
+        crate::Failure::Outage
+    } else {
+        crate::Failure::Transient
+    }
+}
+
+/// Whether a store error says the database cannot be reached or cannot serve anyone right now:
+/// the connection failed or timed out, the server is shutting down or starting (SQLSTATE
+/// 57P01–57P03), a connection exception (class 08), or insufficient resources (class 53: too many
+/// connections, disk full). Nothing is wrong with the work at hand, and every other piece of work
+/// would fail the same way, so it waits for the database ([`crate::Failure::Outage`])
+/// rather than being given up on (for a message: returned, and dead-lettered after a few returns).
+/// A closed pool (the process is stopping) is not an outage.
+pub fn is_unavailable(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| match cause.downcast_ref::<sqlx::Error>() {
+        Some(sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut) => true,
+        Some(sqlx::Error::Database(db)) => {
+            db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("53") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03"))
+        }
+        _ => false,
+    })
+}
+
 /// Whether a store error is the database refusing the data itself (a data exception, an
 /// integrity or size violation, or a value that cannot be encoded) rather than a failure to
 /// reach it: retrying the same data cannot succeed.
@@ -551,8 +580,19 @@ pub(crate) async fn reject_stuck(tx: &mut sqlx::PgConnection, millis: i64, reaso
 
 #[cfg(test)]
 mod tests {
-    use super::is_permanent;
+    use super::{is_permanent, is_unavailable};
     use anyhow::Context;
+
+    #[test]
+    fn a_lost_connection_is_an_outage_and_a_data_error_or_a_closed_pool_is_not() {
+        let refused = sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused"));
+        assert!(is_unavailable(&anyhow::Error::from(refused).context("claiming job")));
+        let timed_out: anyhow::Error = Err::<(), _>(sqlx::Error::PoolTimedOut).context("beginning transaction").unwrap_err();
+        assert!(is_unavailable(&timed_out));
+        assert!(!is_unavailable(&anyhow::Error::from(sqlx::Error::PoolClosed)));
+        assert!(!is_unavailable(&anyhow::Error::from(sqlx::Error::Encode("value too large".into()))));
+        assert!(!is_unavailable(&anyhow::anyhow!("a failure of something else")));
+    }
 
     #[test]
     fn a_data_error_is_permanent_and_a_lost_connection_is_not() {
