@@ -219,32 +219,41 @@ struct InjectedFailure {
 impl InjectedFailure {
     /// The job's first `times` claims fail.
     async fn claims(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
-        Self::install(pool, job_id, "UPDATE", "OLD.status = 'queued' AND NEW.status = 'running'", &format!("nextval('{{name}}') <= {times}")).await
+        let when = format!("OLD.job_id = '{job_id}' AND OLD.status = 'queued' AND NEW.status = 'running'");
+        Self::install(pool, job_id, "UPDATE ON jobs", &when, &format!("nextval('{{name}}') <= {times}")).await
+    }
+
+    /// The first `times` binds of the session the job opens fail.
+    async fn binds(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
+        let when = format!("OLD.created_by_job = '{job_id}' AND OLD.state = 'starting' AND NEW.state = 'active'");
+        Self::install(pool, job_id, "UPDATE ON sessions", &when, &format!("nextval('{{name}}') <= {times}")).await
     }
 
     /// The job's record fails for `outage`, as it would while the database is out.
     async fn records_for(pool: &sqlx::PgPool, job_id: &str, outage: Duration) -> Self {
         let until = format!("now() + interval '{} milliseconds'", outage.as_millis());
         let until: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT ({until})::text"))).fetch_one(pool).await.expect("the outage's end");
-        Self::install(pool, job_id, "INSERT", "true", &format!("nextval('{{name}}') > 0 AND clock_timestamp() < '{until}'::timestamptz")).await
+        let when = format!("NEW.job_id = '{job_id}'");
+        Self::install(pool, job_id, "INSERT ON jobs", &when, &format!("nextval('{{name}}') > 0 AND clock_timestamp() < '{until}'::timestamptz")).await
     }
 
+    /// A trigger `BEFORE <event>` (e.g. `UPDATE ON jobs`) for the rows `when` names, raising while
+    /// `fail_if` holds (`{name}`: the trigger's own sequence).
     async fn install(pool: &sqlx::PgPool, job_id: &str, event: &str, when: &str, fail_if: &str) -> Self {
         let name = format!("inject_{}", job_id.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
         let fail_if = fail_if.replace("{name}", &name);
-        let row = if event == "INSERT" { "NEW" } else { "OLD" };
         let statements = [
             format!("CREATE SEQUENCE {name}"),
             format!(
                 "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
                  BEGIN
                    IF {fail_if} THEN
-                     RAISE EXCEPTION 'injected: this {event} of the job fails' USING ERRCODE = '57P01';
+                     RAISE EXCEPTION 'injected: this {event} fails' USING ERRCODE = '57P01';
                    END IF;
                    RETURN NEW;
                  END $$"
             ),
-            format!("CREATE TRIGGER {name} BEFORE {event} ON jobs FOR EACH ROW WHEN ({row}.job_id = '{job_id}' AND {when}) EXECUTE FUNCTION {name}()"),
+            format!("CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) EXECUTE FUNCTION {name}()"),
         ];
         for sql in statements {
             sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("installing the injected failure");
@@ -262,7 +271,7 @@ impl InjectedFailure {
 
     async fn remove(self, pool: &sqlx::PgPool) {
         let name = &self.name;
-        let sql = format!("DROP TRIGGER IF EXISTS {name} ON jobs; DROP FUNCTION IF EXISTS {name}(); DROP SEQUENCE IF EXISTS {name}");
+        let sql = format!("DROP FUNCTION IF EXISTS {name}() CASCADE; DROP SEQUENCE IF EXISTS {name}");
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("removing the injected failure");
     }
 }
@@ -288,6 +297,25 @@ async fn a_sessions_job_whose_claim_fails_on_the_database_still_runs_in_order() 
     let fired = injected.fired(&pool).await;
     injected.remove(&pool).await;
     assert!(fired >= 2, "the injected failure fired {fired} times: the second job's claim never failed, or was not tried again");
+}
+
+/// A session whose bind to its worker fails on the database (a blip: the next try succeeds)
+/// opens all the same; before, its opening job was refused (`session_lost`) and the session lost.
+#[tokio::test]
+async fn a_session_whose_bind_fails_on_the_database_still_opens() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let t = tenant();
+    let opening = open_session(&t, "n = 41", Some(600));
+    let injected = InjectedFailure::binds(&pool, &opening.job_id, 1).await;
+    let opened = run(&c, &opening).await;
+    let fired = injected.fired(&pool).await;
+    injected.remove(&pool).await;
+    assert_eq!(opened.status, JobStatus::Succeeded, "{opened:?}");
+    assert_eq!(fired, 2, "the injected failure fired {fired} times: the bind never failed, or was not tried again");
+    let next = run(&c, &in_session(&t, &session_id(&opened), "n + 1")).await;
+    assert_eq!(value(&next).as_deref(), Some("42"), "{next:?}");
 }
 
 /// A one-off job whose claim fails on the database more often than the broker returns a

@@ -86,9 +86,17 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
     let (tx, rx) = mpsc::unbounded_channel();
     let (cancel_tx, cancel) = tokio::sync::watch::channel(Vec::new());
     ctx.registry.insert(&session.id, &job.tenant, tx, cancel_tx);
+    let container = kernel.id().to_string();
     let bound = match &session.adopt {
-        None => ctx.sessions.bind(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await.map(|b| b.then_some(None)),
-        Some(_) => ctx.sessions.adopt(&session.id, &job.job_id, &ctx.cfg.worker_id, kernel.id()).await.map(|a| a.map(Some)),
+        // Tried again like a job's claim (an outage for as long as it lasts), rather than the
+        // opening job refused for a blip: a bind may be repeated (an active session whose opening
+        // job is this one binds again), so a try whose answer was lost does no harm.
+        None => sandcell_core::retry_classified("binding the session", 6, sandcell_core::jobs::failure, |_| {
+            ctx.sessions.bind(&session.id, &job.job_id, &ctx.cfg.worker_id, &container)
+        })
+        .await
+        .map(|b| b.then_some(None)),
+        Some(_) => ctx.sessions.adopt(&session.id, &job.job_id, &ctx.cfg.worker_id, &container).await.map(|a| a.map(Some)),
     };
     let adopted = match bound {
         Ok(Some(adopted)) => adopted,
