@@ -251,7 +251,10 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
 /// arrive through the queue, after these: a session's order holds. `republish`: a channel in
 /// confirm mode, on which a job read back whose handler fails is published again.
 async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, queue: &str) -> Result<()> {
-    let routed = sandcell_core::retry("reading back the jobs routed to this worker", 6, |_| ctx.jobs.routed_to_worker(&ctx.cfg.worker_id)).await?;
+    let routed = sandcell_core::retry_classified("reading back the jobs routed to this worker", 6, sandcell_core::jobs::failure, |_| {
+        ctx.jobs.routed_to_worker(&ctx.cfg.worker_id)
+    })
+    .await?;
     let mut recovered = 0u64;
     for (tenant, job_id, payload) in routed {
         let job = match serde_json::from_slice::<ExecutionJob>(&payload) {

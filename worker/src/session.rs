@@ -357,7 +357,10 @@ impl SessionTask {
         // Closed is recorded by the closing job's commit; the others here, first, so that a
         // job routed from now on is refused by the scheduler rather than sent here.
         if state != SessionState::Closed {
-            let ended = sandcell_core::retry("ending a session", 6, |_| ctx.sessions.end(&self.id, Some(&ctx.cfg.worker_id), state, reason.as_ref())).await;
+            let ended = sandcell_core::retry_classified("ending a session", 6, sandcell_core::jobs::failure, |_| {
+                ctx.sessions.end(&self.id, Some(&ctx.cfg.worker_id), state, reason.as_ref())
+            })
+            .await;
             if let Err(e) = ended {
                 tracing::error!(session_id = %self.id, error = format!("{e:#}"), "could not record the end of a session");
             }
