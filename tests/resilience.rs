@@ -356,6 +356,44 @@ async fn a_submission_waits_out_a_database_outage_longer_than_the_broker_would_k
     assert!(fired > 6, "the record failed only {fired} times: the outage was not waited out");
 }
 
+/// Postgres stopped for 20 s, with submissions published during the outage (one-off jobs, and
+/// jobs of a session counting up) and a job running through it: the real failures of an outage
+/// (connections refused, pools timing out) are waited out everywhere, and once Postgres is back
+/// every job runs once, the session's in order.
+#[tokio::test]
+async fn submissions_published_while_the_database_is_stopped_run_once_and_in_order_when_it_is_back() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let (t, sid) = counting_session(&c).await;
+    let running = running_sleepers(&c, 1, 4).await;
+    sh("pg_ctlcluster 15 main stop");
+    let restart = StartDatabase;
+    let counting: Vec<_> = (0..3).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")).collect();
+    let one_off: Vec<_> = (0..2).map(|i| python(&t, &format!("print({i} * 7)"))).collect();
+    for s in counting.iter().chain(&one_off) {
+        c.submit(s).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    drop(restart);
+    both_healthy_again().await;
+    let slept = c.wait(&running[0].tenant, &running[0].job_id, JOB_WAIT).await.unwrap();
+    assert_eq!((slept.status, slept.execution.stdout.as_str(), slept.attempts), (JobStatus::Succeeded, "sleeper 0\n", 1), "{slept:?}");
+    assert_counted_once_in_order(&c, &counting).await;
+    for (i, s) in one_off.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{}\n", i * 7), 1), "{r:?}");
+    }
+}
+
+/// Starts Postgres again when dropped, whatever the test's outcome.
+struct StartDatabase;
+
+impl Drop for StartDatabase {
+    fn drop(&mut self) {
+        sh("pg_ctlcluster 15 main start");
+    }
+}
+
 #[tokio::test]
 async fn a_database_restart_mid_run_loses_no_result() {
     let _serial = SERIAL.lock().await;
