@@ -278,7 +278,11 @@ fn spawn_in_lane(shared: &Shared, key: Option<String>, in_flight: mpsc::Sender<(
 async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, delivery: Delivery) {
     let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
     let trusted = matches!(publisher, Publisher::Trusted(_));
-    let answered = crate::uploads::answer(jobs.pool(), &store, &delivery.data, publisher.name(), trusted, cfg.max_upload_bytes, cfg.upload_url_ttl).await;
+    // An outage of the database is waited out, as for a submission; another failure returns it.
+    let answered = sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| {
+        crate::uploads::answer(jobs.pool(), &store, &delivery.data, publisher.name(), trusted, cfg.max_upload_bytes, cfg.upload_url_ttl)
+    })
+    .await;
     let outcome = answered.map(|grant| match &grant {
         Some(g) if g.status == "ready" => "upload_ready",
         Some(_) => "upload_rejected",
@@ -302,7 +306,7 @@ async fn settle(delivery: &Delivery, disposition: Disposition, metrics: &Metrics
 
 /// Settle a request that is not a submission (an upload request, a cancel): counted under its
 /// outcome and acked once answered; returned to the queue (after [`FAILED_REQUEUE_DELAY`]) when
-/// the database, the store or the broker failed.
+/// the database (other than by an outage, waited out), the store or the broker failed.
 async fn settle_request(delivery: &Delivery, metrics: &Metrics, what: &str, outcome: anyhow::Result<&'static str>) {
     let disposition = match outcome {
         Ok(outcome) => {
@@ -323,7 +327,12 @@ async fn settle_request(delivery: &Delivery, metrics: &Metrics, what: &str, outc
 async fn handle_cancel(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher_ch: &Channel, delivery: Delivery) {
     let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
     let trusted = matches!(publisher, Publisher::Trusted(_));
-    let outcome = crate::cancels::handle(jobs.pool(), publisher_ch, &delivery.data, publisher.name(), trusted).await.map(|o| o.label());
+    // An outage of the database is waited out, as for a submission; another failure returns it.
+    let outcome = sandcell_core::retry_classified("judging a cancel request", 1, outage_or_transient, |_| {
+        crate::cancels::handle(jobs.pool(), publisher_ch, &delivery.data, publisher.name(), trusted)
+    })
+    .await
+    .map(|o| o.label());
     settle_request(&delivery, metrics, "a cancel request", outcome).await;
 }
 
@@ -395,9 +404,8 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
     metrics.intake_seconds.observe(started.elapsed().as_secs_f64());
 }
 
-/// How the intake tries a submission again: an outage of the database for as long as it lasts,
-/// anything else a few times (a refusal of the data included: it is recorded as the job's
-/// rejection when it can be, see `handle`).
+/// How the intake tries a message again: an outage of the database for as long as it lasts,
+/// anything else as often as its handler allows (a refusal of the data included).
 fn outage_or_transient(e: &anyhow::Error) -> sandcell_core::Failure {
     if sandcell_core::jobs::is_unavailable(e) {
         sandcell_core::Failure::Outage

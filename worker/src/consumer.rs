@@ -403,9 +403,14 @@ async fn refuse_opening(ctx: &WorkerContext, job: &ExecutionJob, reason: &Reason
 /// Give a job to the session it names, or refuse it with the session's reason.
 async fn route_to_session(ctx: &WorkerContext, work: Work) {
     let Err(work) = ctx.registry.deliver(work) else { return };
-    let Work { job, ticket, .. } = *work;
-    let disposition = ledger::disposition_of(&job, refuse_unheld(ctx, &job).await).await;
-    ticket.settle(disposition).await;
+    // Refused in a task of its own: its database steps wait out an outage of the database, and
+    // the consumer calling this must go on meanwhile (a refused job keeps no order).
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let Work { job, ticket, .. } = *work;
+        let disposition = ledger::disposition_of(&job, refuse_unheld(&ctx, &job).await).await;
+        ticket.settle(disposition).await;
+    });
 }
 
 /// Refuse a job of a session this worker does not hold, with the session's own reason — unless

@@ -134,8 +134,9 @@ pub fn failure(e: &anyhow::Error) -> crate::Failure {
 
 /// Whether a store error says the database cannot be reached or cannot serve anyone right now:
 /// the connection failed or timed out, the server is shutting down or starting (SQLSTATE
-/// 57P01–57P03), a connection exception (class 08), or insufficient resources (class 53: too many
-/// connections, disk full). Nothing is wrong with the work at hand, and every other piece of work
+/// 57P01–57P03), a connection exception (class 08), too many connections (53300) or a full disk
+/// (53100). Not an out-of-memory or a configuration limit (53200, 53400), which one statement may
+/// cause on its own. Nothing is wrong with the work at hand, and every other piece of work
 /// would fail the same way, so it waits for the database ([`crate::Failure::Outage`])
 /// rather than being given up on (for a message: returned, and dead-lettered after a few returns).
 /// A closed pool (the process is stopping) is not an outage.
@@ -143,7 +144,7 @@ pub fn is_unavailable(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| match cause.downcast_ref::<sqlx::Error>() {
         Some(sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut) => true,
         Some(sqlx::Error::Database(db)) => {
-            db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("53") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03"))
+            db.code().is_some_and(|c| c.starts_with("08") || matches!(c.as_ref(), "53100" | "53300" | "57P01" | "57P02" | "57P03"))
         }
         _ => false,
     })
@@ -411,7 +412,10 @@ impl JobStore {
             sources.retain(|s| s != JobStatus::Running.as_str());
         }
         let row = sqlx::query(
-            "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(), attempts = attempts + 1,
+            // A claim taken back by a try in place (`again`, not a redelivery) is the same claim:
+            // it does not count as another attempt.
+            "UPDATE jobs SET status = 'running', worker_id = $3, started_at = now(),
+                             attempts = attempts + CASE WHEN status = 'running' AND worker_id = $3 AND NOT $7 THEN 0 ELSE 1 END,
                              dispatched_at = COALESCE(dispatched_at, $6)
              WHERE tenant = $1 AND job_id = $2 AND status = ANY($4) AND (NOT parked OR routed_to = $3)
                AND (status <> 'running' OR worker_id = $3
