@@ -378,8 +378,8 @@ const FAILED_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
 /// Handle one delivery and settle it: the one place a submission is acked, requeued or
 /// dead-lettered. Infrastructure errors are retried a few times (an outage of the database for as
-/// long as it lasts); then the message goes back to the queue for a later try — a failing submission never takes the consumer or any other
-/// submission down.
+/// long as it lasts); then the message goes back to the queue for a later try — a failing
+/// submission never takes the consumer or any other submission down.
 async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: Delivery, verdict: Result<Submission, Rejection>) {
     let started = Instant::now();
     // While the database is unreachable the submission waits here, however long that takes: it

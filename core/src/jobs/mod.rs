@@ -389,10 +389,10 @@ impl JobStore {
     /// Claim a job for running. Returns the claim, or `None` if the job is already finished (a
     /// redelivery of work that was committed but not acked), unknown, or running where it may
     /// still finish. A fresh delivery never takes over a running job, so a job dispatched twice
-    /// by accident still runs once. A redelivered message (`arrival.redelivered`) takes a `running` job
-    /// over only when its worker is this one (an earlier life of it died mid-job) or has
-    /// not beaten for `dead_after`: after a broker restart, a job still running on a live worker
-    /// is left to it.
+    /// by accident still runs once. A redelivered message (`arrival.redelivered`) takes a
+    /// `running` job over only when its worker is this one (an earlier life of it died mid-job)
+    /// or has not beaten for `dead_after`: after a broker restart, a job still running on a live
+    /// worker is left to it.
     ///
     /// A session job is claimed only by its session's worker, or by the worker opening or
     /// taking over the session with it: a copy left in the queue of a worker the session moved
