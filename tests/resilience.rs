@@ -299,6 +299,17 @@ async fn a_sessions_job_whose_claim_fails_on_the_database_still_runs_in_order() 
     assert!(fired >= 2, "the injected failure fired {fired} times: the second job's claim never failed, or was not tried again");
 }
 
+/// Submit `sub` (which prints 42) with `injected` in place, wait for its result and remove the
+/// injection; the job succeeded once. Returns how often the injected failure fired.
+async fn runs_once_printing_42(c: &sandcell_client::Client, pool: &sqlx::PgPool, sub: &sandcell_protocol::Submission, injected: InjectedFailure) -> i64 {
+    c.submit(sub).await.unwrap();
+    let r = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
+    let fired = injected.fired(pool).await;
+    injected.remove(pool).await;
+    assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "42\n", 1), "{r:?}");
+    fired
+}
+
 /// A session whose bind to its worker fails on the database (a blip: the next try succeeds)
 /// opens all the same; before, its opening job was refused (`session_lost`) and the session lost.
 #[tokio::test]
@@ -329,11 +340,7 @@ async fn a_one_off_job_whose_claim_fails_on_the_database_more_often_than_the_bro
     let sub = python(&tenant(), "print(6 * 7)");
     let times = u32::try_from(sandcell_core::broker::DELIVERY_LIMIT).unwrap() + 1;
     let injected = InjectedFailure::claims(&pool, &sub.job_id, times).await;
-    c.submit(&sub).await.unwrap();
-    let r = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
-    let fired = injected.fired(&pool).await;
-    injected.remove(&pool).await;
-    assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "42\n", 1), "{r:?}");
+    let fired = runs_once_printing_42(&c, &pool, &sub, injected).await;
     assert_eq!(fired, i64::from(times) + 1, "the injected failures fired {fired} times");
 }
 
@@ -348,11 +355,7 @@ async fn a_submission_waits_out_a_database_outage_longer_than_the_broker_would_k
     let pool = service_db().await;
     let sub = python(&tenant(), "print(6 * 7)");
     let injected = InjectedFailure::records_for(&pool, &sub.job_id, Duration::from_secs(50)).await;
-    c.submit(&sub).await.unwrap();
-    let r = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
-    let fired = injected.fired(&pool).await;
-    injected.remove(&pool).await;
-    assert_eq!((r.status, r.execution.stdout.as_str(), r.attempts), (JobStatus::Succeeded, "42\n", 1), "{r:?}");
+    let fired = runs_once_printing_42(&c, &pool, &sub, injected).await;
     assert!(fired > 6, "the record failed only {fired} times: the outage was not waited out");
 }
 

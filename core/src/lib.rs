@@ -75,7 +75,9 @@ pub enum Failure {
 
 /// [`retry`], with each failure's [`Failure`] as `classify` says: an outage is retried until the
 /// service is back, without counting against `tries`; a permanent failure is returned at once.
-pub async fn retry_classified<T, F, Fut>(what: &str, tries: u32, classify: fn(&anyhow::Error) -> Failure, mut f: F) -> anyhow::Result<T>
+/// `what` is written out only when a try fails (a job's step names its job without a `format!`
+/// on every call).
+pub async fn retry_classified<T, F, Fut>(what: impl std::fmt::Display, tries: u32, classify: fn(&anyhow::Error) -> Failure, mut f: F) -> anyhow::Result<T>
 where
     F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<T>>,
@@ -91,7 +93,7 @@ where
         if failure == Failure::Permanent || (failure == Failure::Transient && counted >= tries) {
             return Err(e.context(format!("{what}: giving up after {attempt} tries")));
         }
-        tracing::warn!(target: "sandcell::retry", what, attempt, ?failure, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "failed; retrying");
+        tracing::warn!(target: "sandcell::retry", %what, attempt, ?failure, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "failed; retrying");
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(std::time::Duration::from_secs(5));
         attempt += 1;

@@ -483,7 +483,20 @@ where
     F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    sandcell_core::retry_classified(&format!("{what} of job {tenant}/{job_id}"), DB_TRIES, sandcell_core::jobs::failure, step).await
+    sandcell_core::retry_classified(JobStep { what, tenant, job_id }, DB_TRIES, sandcell_core::jobs::failure, step).await
+}
+
+/// A job's database step as its retries name it: "<what> of job <tenant>/<job id>".
+struct JobStep<'a> {
+    what: &'a str,
+    tenant: &'a str,
+    job_id: &'a str,
+}
+
+impl std::fmt::Display for JobStep<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} of job {}/{}", self.what, self.tenant, self.job_id)
+    }
 }
 
 /// Failures of a job's database step, outages of the database aside, before its handler fails
