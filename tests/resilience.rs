@@ -207,26 +207,46 @@ async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_
     assert_eq!(jobs_recovered().await - recovered_before, 0.0, "jobs the worker held were entered again");
 }
 
-/// A fault injected into Postgres for one job: a trigger on `jobs` that raises SQLSTATE 57P01
-/// (`admin_shutdown`, what a server shutting down answers its sessions) as one of the job's
-/// statements runs, counted by a sequence (a sequence is not rolled back with the failed
+/// A fault injected into Postgres for one job: a trigger on `jobs` that raises a SQLSTATE
+/// ([`OUTAGE`] unless the constructor says otherwise) as one of the job's statements runs,
+/// counted by a sequence (a sequence is not rolled back with the failed
 /// statement). Removed once the test has its answer (the run's database is dropped after the run
 /// in any case).
 struct InjectedFailure {
     name: String,
 }
 
+/// SQLSTATE 57P01 (`admin_shutdown`): what a server shutting down answers its sessions, an outage.
+const OUTAGE: &str = "57P01";
+/// SQLSTATE 22000 (`data_exception`): a failure that is neither an outage nor worth a retry in place.
+const DATA_ERROR: &str = "22000";
+/// SQLSTATE 40001 (`serialization_failure`): a failure worth a few tries, not an outage.
+const SERIALIZATION_FAILURE: &str = "40001";
+
 impl InjectedFailure {
     /// The job's first `times` claims fail.
     async fn claims(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
         let when = format!("OLD.job_id = '{job_id}' AND OLD.status = 'queued' AND NEW.status = 'running'");
-        Self::install(pool, job_id, "UPDATE ON jobs", &when, &format!("nextval('{{name}}') <= {times}")).await
+        Self::install(pool, job_id, "UPDATE ON jobs", &when, &format!("nextval('{{name}}') <= {times}"), OUTAGE).await
+    }
+
+    /// Every claim of the job fails with `errcode`.
+    async fn every_claim(pool: &sqlx::PgPool, job_id: &str, errcode: &str) -> Self {
+        let when = format!("OLD.job_id = '{job_id}' AND OLD.status = 'queued' AND NEW.status = 'running'");
+        Self::install(pool, job_id, "UPDATE ON jobs", &when, "nextval('{name}') > 0", errcode).await
+    }
+
+    /// Every record of the job as `queued` (the intake's) fails with `errcode`; a record of its
+    /// rejection does not.
+    async fn every_record(pool: &sqlx::PgPool, job_id: &str, errcode: &str) -> Self {
+        let when = format!("NEW.job_id = '{job_id}' AND NEW.status = 'queued'");
+        Self::install(pool, job_id, "INSERT ON jobs", &when, "nextval('{name}') > 0", errcode).await
     }
 
     /// The first `times` binds of the session the job opens fail.
     async fn binds(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
         let when = format!("OLD.created_by_job = '{job_id}' AND OLD.state = 'starting' AND NEW.state = 'active'");
-        Self::install(pool, job_id, "UPDATE ON sessions", &when, &format!("nextval('{{name}}') <= {times}")).await
+        Self::install(pool, job_id, "UPDATE ON sessions", &when, &format!("nextval('{{name}}') <= {times}"), OUTAGE).await
     }
 
     /// The job's record fails for `outage`, as it would while the database is out.
@@ -234,12 +254,12 @@ impl InjectedFailure {
         let until = format!("now() + interval '{} milliseconds'", outage.as_millis());
         let until: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT ({until})::text"))).fetch_one(pool).await.expect("the outage's end");
         let when = format!("NEW.job_id = '{job_id}'");
-        Self::install(pool, job_id, "INSERT ON jobs", &when, &format!("nextval('{{name}}') > 0 AND clock_timestamp() < '{until}'::timestamptz")).await
+        Self::install(pool, job_id, "INSERT ON jobs", &when, &format!("nextval('{{name}}') > 0 AND clock_timestamp() < '{until}'::timestamptz"), OUTAGE).await
     }
 
-    /// A trigger `BEFORE <event>` (e.g. `UPDATE ON jobs`) for the rows `when` names, raising while
-    /// `fail_if` holds (`{name}`: the trigger's own sequence).
-    async fn install(pool: &sqlx::PgPool, job_id: &str, event: &str, when: &str, fail_if: &str) -> Self {
+    /// A trigger `BEFORE <event>` (e.g. `UPDATE ON jobs`) for the rows `when` names, raising
+    /// `errcode` while `fail_if` holds (`{name}`: the trigger's own sequence).
+    async fn install(pool: &sqlx::PgPool, job_id: &str, event: &str, when: &str, fail_if: &str, errcode: &str) -> Self {
         let name = format!("inject_{}", job_id.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
         let fail_if = fail_if.replace("{name}", &name);
         let statements = [
@@ -248,7 +268,7 @@ impl InjectedFailure {
                 "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
                  BEGIN
                    IF {fail_if} THEN
-                     RAISE EXCEPTION 'injected: this {event} fails' USING ERRCODE = '57P01';
+                     RAISE EXCEPTION 'injected: this {event} fails' USING ERRCODE = '{errcode}';
                    END IF;
                    RETURN NEW;
                  END $$"
@@ -357,6 +377,73 @@ async fn a_submission_waits_out_a_database_outage_longer_than_the_broker_would_k
     let injected = InjectedFailure::records_for(&pool, &sub.job_id, Duration::from_secs(50)).await;
     let fired = runs_once_printing_42(&c, &pool, &sub, injected).await;
     assert!(fired > 6, "the record failed only {fired} times: the outage was not waited out");
+}
+
+/// Wait for `sub`'s result with `injected` in place and remove the injection: the job was
+/// ended `rejected` with `too_many_attempts` by the scheduler's dead-letter recorder, saying
+/// its message was dead-lettered, and never ran. Returns how often the injected failure fired.
+async fn ends_too_many_attempts_unrun(c: &sandcell_client::Client, pool: &sqlx::PgPool, sub: &sandcell_protocol::Submission, injected: InjectedFailure) -> i64 {
+    let r = c.wait(&sub.tenant, &sub.job_id, DEAD_LETTER_WAIT).await;
+    let fired = injected.fired(pool).await;
+    injected.remove(pool).await;
+    let r = r.unwrap_or_else(|e| panic!("no outcome for a job whose message was dead-lettered (the failure fired {fired} times): {e:#}"));
+    let reason = r.reason.as_ref().unwrap_or_else(|| panic!("no reason: {r:?}"));
+    assert_eq!((r.status, reason.code), (JobStatus::Rejected, sandcell_protocol::ErrorCode::TooManyAttempts), "{r:?}");
+    assert!(reason.message.contains("dead-lettered"), "{r:?}");
+    assert_eq!((r.attempts, r.execution.stdout.as_str()), (0, ""), "{r:?}");
+    fired
+}
+
+/// Time for a message failing every delivery to be dead-lettered (6 deliveries; a submission's
+/// take up to 7 s each) and recorded.
+const DEAD_LETTER_WAIT: Duration = Duration::from_secs(150);
+
+/// A submission whose record fails every time, by a failure that is not an outage (here a
+/// serialization failure, injected), is returned to its partition until the broker dead-letters
+/// it (`DELIVERY_LIMIT`). Before, it was then lost: never recorded, its client waiting for ever.
+/// Now the scheduler records it `rejected` with `too_many_attempts` from its copy of the dead
+/// letter, and the client gets an answer.
+#[tokio::test]
+async fn a_submission_that_keeps_failing_to_be_recorded_ends_too_many_attempts_once_dead_lettered() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let sub = python(&tenant(), "print(6 * 7)");
+    let injected = InjectedFailure::every_record(&pool, &sub.job_id, SERIALIZATION_FAILURE).await;
+    c.submit(&sub).await.unwrap();
+    let fired = ends_too_many_attempts_unrun(&c, &pool, &sub, injected).await;
+    let deliveries = sandcell_core::broker::DELIVERY_LIMIT + 1;
+    assert!(fired >= 6 * deliveries, "the record failed {fired} times: fewer than 6 tries for each of {deliveries} deliveries");
+}
+
+/// An execution job whose claim fails every time (a data error, injected) is returned to the
+/// jobs queue until the broker dead-letters it. Before, it stayed `queued`: a one-off job until
+/// the sweeper's `SANDCELL_STUCK_AFTER_S` (an hour), and this one, opening a session, until
+/// `SANDCELL_SESSION_START_WAIT_S` (60 s) refused it with `capacity`, blaming a full fleet (what
+/// this test saw against the old code). Now the dead-letter recorder ends it at once, saying
+/// why, and the session it was opening fails with it.
+#[tokio::test]
+async fn an_opening_job_that_keeps_failing_to_be_claimed_ends_too_many_attempts_with_its_session_once_dead_lettered() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let t = tenant();
+    let opening = open_session(&t, "n = 41", Some(600));
+    let injected = InjectedFailure::every_claim(&pool, &opening.job_id, DATA_ERROR).await;
+    c.submit(&opening).await.unwrap();
+    let fired = ends_too_many_attempts_unrun(&c, &pool, &opening, injected).await;
+    let deliveries = sandcell_core::broker::DELIVERY_LIMIT + 1;
+    assert!(fired >= deliveries, "the claim failed {fired} times: fewer than the {deliveries} deliveries before a dead letter");
+    let session: Option<String> = sqlx::query_scalar("SELECT state FROM sessions WHERE tenant = $1 AND created_by_job = $2")
+        .bind(&t)
+        .bind(&opening.job_id)
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+    assert_eq!(session.as_deref(), Some("failed"), "the session the dead-lettered job was opening");
+    // The worker is none the worse: the next job runs.
+    let next = run(&c, &python(&t, "print(6 * 7)")).await;
+    assert_eq!((next.status, next.execution.stdout.as_str()), (JobStatus::Succeeded, "42\n"), "{next:?}");
 }
 
 /// Postgres stopped for 20 s, with submissions published during the outage (one-off jobs, and

@@ -18,7 +18,10 @@
 //!   priority, so the broker offers a new session to the worker with the most room first;
 //! - `sandcell.worker.<id>` (classic, one per worker, declared by that worker): the scheduler
 //!   routes every job of a session to the queue of the worker that holds the session;
-//! - `sandcell.dlx` (fanout exchange) → `sandcell.dead` (quorum): poison messages, kept for operators.
+//! - `sandcell.dlx` (fanout exchange) → `sandcell.dead` (quorum): poison messages, kept for
+//!   operators; and → `sandcell.dead.outcomes` (quorum, declared by the scheduler,
+//!   [`declare_dead_letter_outcomes`]): a copy of each, from which the scheduler records the
+//!   outcome of the job it carried.
 
 use anyhow::{anyhow, Context, Result};
 use lapin::options::{
@@ -55,6 +58,10 @@ pub const NEW_SESSIONS_QUEUE: &str = "sandcell.sessions.new";
 pub const DEAD_LETTER_EXCHANGE: &str = "sandcell.dlx";
 /// Queue collecting dead-lettered messages.
 pub const DEAD_LETTER_QUEUE: &str = "sandcell.dead";
+/// The scheduler's copy of every dead letter: it records the outcome of the job a dead letter
+/// carried (a client would otherwise wait for it for ever), while [`DEAD_LETTER_QUEUE`] keeps
+/// the message for operators.
+pub const DEAD_LETTER_OUTCOMES_QUEUE: &str = "sandcell.dead.outcomes";
 /// A message returned to a quorum queue more often than this is dead-lettered
 /// (a consumer that crashes on it every time cannot loop forever).
 pub const DELIVERY_LIMIT: i64 = 5;
@@ -253,6 +260,67 @@ async fn declare_quorum(ch: &Channel, name: &str, dead_letter: bool, single_acti
     Ok(())
 }
 
+/// Declare the scheduler's copy of the dead letters ([`DEAD_LETTER_OUTCOMES_QUEUE`]), bound to
+/// the dead-letter exchange. It has no dead-letter exchange of its own (a message it cannot
+/// take would come back to it), but a delivery limit: a copy returned more than
+/// [`DELIVERY_LIMIT`] times is dropped; the operators' copy stays in [`DEAD_LETTER_QUEUE`].
+pub async fn declare_dead_letter_outcomes(ch: &Channel) -> Result<()> {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
+    ch.queue_declare(DEAD_LETTER_OUTCOMES_QUEUE.into(), QueueDeclareOptions { durable: true, ..Default::default() }, args)
+        .await
+        .with_context(|| format!("declaring queue {DEAD_LETTER_OUTCOMES_QUEUE}"))?;
+    ch.queue_bind(DEAD_LETTER_OUTCOMES_QUEUE.into(), DEAD_LETTER_EXCHANGE.into(), "".into(), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .context("binding the scheduler's copy of the dead letters")?;
+    Ok(())
+}
+
+/// Where and why a message was dead-lettered: the broker's `x-first-death-*` headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Death {
+    /// The queue the message died in (`sandcell.submissions.3`, `sandcell.jobs`, …).
+    pub queue: String,
+    /// Why: `delivery_limit` (returned more than [`DELIVERY_LIMIT`] times), `rejected` (a
+    /// consumer dead-lettered it), `expired`, `maxlen`.
+    pub reason: String,
+    /// The exchange the message had been published to before it died.
+    pub exchange: String,
+}
+
+impl Death {
+    /// Read the headers of a dead letter. A message without them was published to the
+    /// dead-letter exchange directly (only a worker may: a job it read back from Postgres and
+    /// could not run), with its queue as the routing key.
+    pub fn of(delivery: &lapin::message::Delivery) -> Death {
+        Death::from_headers(delivery.properties.headers().as_ref(), delivery.routing_key.as_str())
+    }
+
+    fn from_headers(headers: Option<&FieldTable>, routing_key: &str) -> Death {
+        let headers = headers.map(|h| h.inner());
+        let text = |key: &str| match headers.and_then(|h| h.get(key)) {
+            Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            Some(AMQPValue::ShortString(s)) => Some(s.as_str().to_owned()),
+            _ => None,
+        };
+        match (text("x-first-death-queue"), text("x-first-death-reason")) {
+            (Some(queue), Some(reason)) => Death { queue, reason, exchange: text("x-first-death-exchange").unwrap_or_default() },
+            _ => Death { queue: routing_key.to_owned(), reason: "rejected".to_owned(), exchange: String::new() },
+        }
+    }
+
+    /// Whether it died in an intake partition (or the legacy submissions queue).
+    pub fn in_intake(&self) -> bool {
+        self.queue == LEGACY_SUBMISSIONS_QUEUE || self.queue.starts_with("sandcell.submissions.")
+    }
+
+    /// Whether it died in a queue of execution jobs: the shared ones or a worker's.
+    pub fn in_jobs_queue(&self) -> bool {
+        self.queue == JOBS_QUEUE || self.queue == NEW_SESSIONS_QUEUE || self.queue.starts_with("sandcell.worker.")
+    }
+}
+
 /// A channel in confirm mode, for publishing.
 pub async fn publisher_channel(conn: &Connection) -> Result<Channel> {
     let ch = conn.create_channel().await.context("opening a publisher channel")?;
@@ -387,6 +455,29 @@ pub async fn settle(delivery: &lapin::message::Delivery, disposition: Dispositio
 
 #[cfg(test)]
 mod tests {
+    use super::Death;
+    use lapin::types::{AMQPValue, FieldTable};
+
+    #[test]
+    fn a_dead_letter_says_where_and_why_it_died_and_one_published_to_the_exchange_names_its_queue() {
+        let mut headers = FieldTable::default();
+        headers.insert("x-first-death-queue".into(), AMQPValue::LongString("sandcell.submissions.3".into()));
+        headers.insert("x-first-death-reason".into(), AMQPValue::LongString("delivery_limit".into()));
+        headers.insert("x-first-death-exchange".into(), AMQPValue::LongString("sandcell.intake".into()));
+        let death = Death::from_headers(Some(&headers), "job-1");
+        assert_eq!((death.queue.as_str(), death.reason.as_str(), death.exchange.as_str()), ("sandcell.submissions.3", "delivery_limit", "sandcell.intake"));
+        assert!(death.in_intake() && !death.in_jobs_queue());
+        let direct = Death::from_headers(None, "sandcell.worker.w1");
+        assert_eq!((direct.queue.as_str(), direct.reason.as_str()), ("sandcell.worker.w1", "rejected"));
+        assert!(direct.in_jobs_queue() && !direct.in_intake());
+        for queue in [super::JOBS_QUEUE, super::NEW_SESSIONS_QUEUE] {
+            assert!(Death::from_headers(None, queue).in_jobs_queue(), "{queue}");
+        }
+        // A tenant's own queue is neither.
+        let theirs = Death::from_headers(None, "sandcell.live.acme.q");
+        assert!(!theirs.in_intake() && !theirs.in_jobs_queue());
+    }
+
     #[test]
     fn a_tenants_queue_namespace_is_its_own() {
         let (configure, write, read) = super::tenant_permissions("acme");

@@ -465,6 +465,38 @@ impl SessionStore {
         Ok((jobs, sessions.len() as u64))
     }
 
+    /// End a job whose message the broker dead-lettered ([`crate::jobs::reject_undelivered`]):
+    /// `rejected` with `reason` if it was still `queued`; and a session it was opening, still
+    /// `starting`, becomes `failed` with it, its other jobs refused. Returns whether the job
+    /// ended here (false: it had ended, was running, or its copy waits in Postgres).
+    pub async fn end_undelivered(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
+        let reason = sandcell_protocol::storable::json(reason)?;
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let Some(session) = crate::jobs::reject_undelivered(&mut tx, tenant, job_id, &reason).await? else {
+            return Ok(false);
+        };
+        if let Some(session) = session {
+            let failed: Vec<String> = sqlx::query_scalar(
+                "UPDATE sessions SET state = 'failed', ended_at = now(), end_reason = $4
+                 WHERE session_id = $1 AND tenant = $2 AND created_by_job = $3 AND state = 'starting' AND state = ANY($5)
+                 RETURNING session_id",
+            )
+            .bind(&session)
+            .bind(tenant)
+            .bind(job_id)
+            .bind(&reason)
+            .bind(states(SessionState::Failed))
+            .fetch_all(&mut *tx)
+            .await
+            .context("failing the session a dead-lettered job was opening")?;
+            if !failed.is_empty() {
+                crate::jobs::refuse_jobs_of_sessions(&mut tx, &failed, &reason).await?;
+            }
+        }
+        tx.commit().await.context("committing a dead-lettered job")?;
+        Ok(true)
+    }
+
     /// Refuse new sessions no worker took: sessions still `starting` whose opening job was
     /// dispatched (recorded, for a job the dispatcher did not hold: its dispatch is noted only
     /// by the worker that claims it) more than `wait` ago and is still `queued` (a worker without room for another

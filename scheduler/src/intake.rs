@@ -417,7 +417,7 @@ fn outage_or_transient(e: &anyhow::Error) -> sandcell_core::Failure {
 /// Who published a submission, as the broker vouches (`user_id` is checked by RabbitMQ against
 /// the connection's user; a message without one was published by someone who did not say).
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Publisher {
+pub(crate) enum Publisher {
     /// No `user_id`: nobody to attribute the message to.
     Unknown,
     /// An operator-trusted user (`SANDCELL_TRUSTED_PUBLISHERS`): the body names the tenant.
@@ -427,7 +427,7 @@ enum Publisher {
 }
 
 impl Publisher {
-    fn of(delivery: &Delivery, trusted: &std::collections::HashSet<String>) -> Publisher {
+    pub(crate) fn of(delivery: &Delivery, trusted: &std::collections::HashSet<String>) -> Publisher {
         Publisher::from_user_id(delivery.properties.user_id().as_ref().map(|u| u.as_str()), trusted)
     }
 
@@ -439,7 +439,7 @@ impl Publisher {
         }
     }
 
-    fn name(&self) -> Option<&str> {
+    pub(crate) fn name(&self) -> Option<&str> {
         match self {
             Publisher::Unknown => None,
             Publisher::Trusted(u) | Publisher::Tenant(u) => Some(u),
@@ -471,7 +471,7 @@ async fn handle(
 
 /// What the intake does with a judged delivery, given who published it.
 #[derive(Debug, PartialEq)]
-enum Decision {
+pub(crate) enum Decision {
     /// A valid submission whose tenant is its publisher's (or named by a trusted publisher).
     Accept(Box<Submission>),
     /// Recorded as an intake rejection: under the publishing tenant whenever there is one.
@@ -481,7 +481,7 @@ enum Decision {
 /// The identity rules: a message without `user_id` is refused; a tenant's broker user can only
 /// submit as that tenant; a trusted publisher names the tenant in the body; a refusal is recorded
 /// under the publishing tenant, never under the one its body claims.
-fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision {
+pub(crate) fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision {
     match (verdict, from) {
         (_, Publisher::Unknown) => {
             let reason = Reason::new(ErrorCode::Unauthenticated, "the message has no user_id property: publish with user_id set to your broker user");

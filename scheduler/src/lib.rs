@@ -12,10 +12,13 @@
 //!   the sessions of workers whose heartbeat stopped `moving`, and ends what waited too long;
 //! - [`uploads`] answers tenants' upload requests (which arrive through the intake too) with
 //!   presigned PUT URLs under their own upload prefix;
+//! - [`dead_letters`] records the outcome of a job whose message the broker dead-lettered (a
+//!   submission or an execution job returned to its queue too often), from a copy of each;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 
 mod cancels;
+mod dead_letters;
 mod dispatch;
 mod intake;
 mod metrics;
@@ -152,6 +155,8 @@ pub async fn run(cfg: Config) -> Result<()> {
     let limits = sweeper::SweepLimits { worker_dead_after: cfg.worker_dead_after, stuck_after: cfg.stuck_after, session_start_wait: cfg.session_start_wait };
     let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, limits));
     let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));
+    let rules = dead_letters::Rules { trusted_publishers: cfg.trusted_publishers.clone(), intake: cfg.intake.clone() };
+    let recorder = tokio::spawn(dead_letters::run(cfg.services.amqp_url.clone(), rules, jobs.clone(), metrics.clone()));
     let shutdown = CancellationToken::new();
     let stop_grace = cfg.stop_grace;
     let mut intake = tokio::spawn(intake::run(cfg, jobs, store_for_uploads, metrics, broker_up, shutdown.clone()));
@@ -160,6 +165,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
         r = sweeper => r.context("sweeper task panicked"),
         r = dispatcher => r.context("dispatcher task panicked"),
+        r = recorder => r.context("dead-letter recorder task panicked"),
         r = &mut intake => r.context("intake task panicked"),
         signal = sandcell_core::telemetry::stop_signal() => {
             // Stop taking submissions, finish those taken, close the partitions' channels (the

@@ -29,6 +29,12 @@ pub struct Metrics {
     /// `sandcell_parked_jobs_released_total`: jobs of moving sessions published by the
     /// dispatcher (those sent to take a session over, and those that followed it).
     pub parked_released: prometheus::IntCounter,
+    /// `sandcell_dead_letters_total{outcome}`: dead letters whose outcome the recorder wrote
+    /// (`submission_rejected`, `job_rejected`, `intake_rejection`), found written
+    /// (`recorded_at_intake`), left alone (`left_alone`: the job was
+    /// running, ended, or its copy waits in Postgres), or that carried no job (`request`,
+    /// `undecodable`, `not_published_to_intake`, `other`).
+    pub dead_letters: IntCounterVec,
 }
 
 impl Metrics {
@@ -58,6 +64,8 @@ impl Metrics {
         registry.register(Box::new(partitions_held.clone()))?;
         let parked_released = prometheus::IntCounter::new("sandcell_parked_jobs_released_total", "Jobs of moving sessions published by the dispatcher")?;
         registry.register(Box::new(parked_released.clone()))?;
+        let dead_letters = IntCounterVec::new(Opts::new("sandcell_dead_letters_total", "Dead letters by the outcome the scheduler recorded"), &["outcome"])?;
+        registry.register(Box::new(dead_letters.clone()))?;
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
@@ -68,6 +76,9 @@ impl Metrics {
         }
         for what in ["job", "session", "session_capacity", "moving_session", "job_of_dead_worker", "job_overdue"] {
             stuck_ended.with_label_values(&[what]);
+        }
+        for outcome in crate::dead_letters::OUTCOMES {
+            dead_letters.with_label_values(&[outcome]);
         }
         for status in JobStatus::ALL {
             jobs.with_label_values(&[status.as_str()]);
@@ -83,6 +94,7 @@ impl Metrics {
             held_dispatched,
             partitions_held,
             parked_released,
+            dead_letters,
         })
     }
 }

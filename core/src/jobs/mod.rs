@@ -582,6 +582,26 @@ pub(crate) async fn reject_stuck(tx: &mut sqlx::PgConnection, millis: i64, reaso
     Ok(n)
 }
 
+/// End a job whose message the broker dead-lettered, in the session store's transaction
+/// ([`crate::sessions::SessionStore::end_undelivered`]): still `queued`, and neither held nor
+/// parked (their copy is in Postgres, and the dispatcher publishes it), it can no longer reach
+/// a worker, so it becomes `rejected`. Returns its session when it ended here.
+pub(crate) async fn reject_undelivered(tx: &mut sqlx::PgConnection, tenant: &str, job_id: &str, reason: &serde_json::Value) -> Result<Option<Option<String>>> {
+    debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected));
+    let ended: Option<Option<String>> = sqlx::query_scalar(
+        "UPDATE jobs SET status = 'rejected', reason = $3, finished_at = now()
+         WHERE tenant = $1 AND job_id = $2 AND status = 'queued' AND held_job IS NULL AND NOT parked
+         RETURNING session_id",
+    )
+    .bind(tenant)
+    .bind(job_id)
+    .bind(reason)
+    .fetch_optional(tx)
+    .await
+    .context("ending a dead-lettered job")?;
+    Ok(ended)
+}
+
 #[cfg(test)]
 mod tests {
     use super::{is_permanent, is_unavailable};

@@ -1,0 +1,217 @@
+//! The dead-letter recorder: the outcome of a job whose message the broker gave up on.
+//!
+//! A quorum queue dead-letters a message returned to it more than `DELIVERY_LIMIT` times (its
+//! handler failed each time, by something other than an outage, which is waited out). Before
+//! this, such a submission was never recorded (its client waited for ever) and such an
+//! execution job stayed `queued` until the sweeper's `SANDCELL_STUCK_AFTER_S` (an hour).
+//! Now the scheduler consumes a copy of every dead letter (`sandcell.dead.outcomes`; the
+//! operators' copy stays in `sandcell.dead`) and records what became of the job:
+//! - a **submission** (died in an intake partition) is judged by the intake's own identity
+//!   rules ([`crate::intake::decide`]): a valid one is recorded `rejected` with
+//!   `too_many_attempts` (or, recorded already and still `queued`, ended so); an invalid one with
+//!   recoverable ids gets the rejection its first delivery should have recorded; any other is
+//!   recorded in `intake_rejections`. One the intake itself dead-lettered (`rejected`: it was
+//!   unattributable, and recorded then) is left alone;
+//! - an **execution job** (died in `sandcell.jobs`, `sandcell.sessions.new` or a worker's queue)
+//!   still `queued` is ended `rejected` with `too_many_attempts`, with the session it was opening;
+//!   one that is running or ended is left to its worker and the sweeper;
+//! - anything else (a cancel or upload request, an undecodable job) is counted and logged.
+//!
+//! Invariants: recording is idempotent (a job already ended keeps its outcome), so two
+//! schedulers consuming the queue, or a copy redelivered, change nothing; the outcome of a
+//! submission is attributed exactly as the intake would have; an outage of the database is
+//! waited out, and any other failure returns the copy (dropped after `DELIVERY_LIMIT` returns).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use sandcell_core::broker::{self, Death, Disposition};
+use sandcell_core::jobs::JobStore;
+use sandcell_core::sessions::SessionStore;
+use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, IntakeLimits, Reason};
+
+use crate::intake::{decide, Decision, Publisher};
+use crate::metrics::Metrics;
+
+/// What the recorder needs of the scheduler's settings.
+#[derive(Clone)]
+pub struct Rules {
+    /// `SANDCELL_TRUSTED_PUBLISHERS`: who may name a submission's tenant in its body.
+    pub trusted_publishers: HashSet<String>,
+    /// The intake's size bounds, to judge a dead-lettered submission as the intake does.
+    pub intake: IntakeLimits,
+}
+
+/// Every outcome label of `sandcell_dead_letters_total`.
+pub const OUTCOMES: [&str; 9] = [
+    "submission_rejected",
+    "job_rejected",
+    "intake_rejection",
+    "left_alone",
+    "recorded_at_intake",
+    "request",
+    "undecodable",
+    "not_published_to_intake",
+    "other",
+];
+
+/// Copies handled at once (they are few, and each is a statement or two).
+const PREFETCH: u16 = 8;
+
+/// Record the outcomes of dead letters for ever, reconnecting after broker failures.
+pub async fn run(amqp_url: String, rules: Rules, jobs: JobStore, metrics: Metrics) {
+    let sessions = SessionStore::new(jobs.pool().clone());
+    loop {
+        let conn = sandcell_core::retry_forever("rabbitmq", |_| broker::connect(&amqp_url, "sandcell-scheduler-dead-letters")).await;
+        if let Err(e) = consume(&conn, &rules, &jobs, &sessions, &metrics).await {
+            tracing::warn!(error = format!("{e:#}"), "the dead-letter recorder's consumer ended; reconnecting");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn consume(conn: &lapin::Connection, rules: &Rules, jobs: &JobStore, sessions: &SessionStore, metrics: &Metrics) -> Result<()> {
+    let ch = conn.create_channel().await.context("opening the dead-letter recorder's channel")?;
+    broker::declare_topology(&ch).await?;
+    broker::declare_dead_letter_outcomes(&ch).await?;
+    ch.basic_qos(PREFETCH, BasicQosOptions::default()).await.context("setting prefetch")?;
+    let mut deliveries = ch
+        .basic_consume(
+            broker::DEAD_LETTER_OUTCOMES_QUEUE.into(),
+            "sandcell-scheduler-dead-letters".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("consuming {}", broker::DEAD_LETTER_OUTCOMES_QUEUE))?;
+    tracing::info!(queue = broker::DEAD_LETTER_OUTCOMES_QUEUE, "dead-letter recorder consuming");
+    while let Some(delivery) = deliveries.next().await {
+        let delivery = delivery.context("receiving a dead letter")?;
+        handle(&delivery, rules, jobs, sessions, metrics).await;
+    }
+    anyhow::bail!("the broker cancelled the consumer of {}", broker::DEAD_LETTER_OUTCOMES_QUEUE)
+}
+
+/// Record one dead letter's outcome and settle its copy: the one place this recorder acks or
+/// returns a message.
+async fn handle(delivery: &Delivery, rules: &Rules, jobs: &JobStore, sessions: &SessionStore, metrics: &Metrics) {
+    let death = Death::of(delivery);
+    let carried = Carried::of(delivery, &death, rules);
+    let recorded =
+        sandcell_core::retry_classified("recording a dead letter's outcome", 3, outage_or_transient, |_| record(&carried, &death, delivery, jobs, sessions))
+            .await;
+    let disposition = match recorded {
+        Ok(outcome) => {
+            metrics.dead_letters.with_label_values(&[outcome]).inc();
+            tracing::warn!(queue = %death.queue, reason = %death.reason, outcome, carried = ?carried.key(), "dead letter recorded");
+            Disposition::Ack
+        }
+        Err(e) => {
+            tracing::error!(queue = %death.queue, reason = %death.reason, carried = ?carried.key(), error = format!("{e:#}"), "recording a dead letter's outcome failed; returning its copy");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            Disposition::Requeue
+        }
+    };
+    if let Err(e) = broker::settle(delivery, disposition).await {
+        metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
+        tracing::warn!(disposition = disposition.as_str(), error = format!("{e:#}"), "settling a dead letter's copy failed; the broker will redeliver it");
+    }
+}
+
+/// The intake's rule for the database: an outage is waited out, anything else tried again.
+fn outage_or_transient(e: &anyhow::Error) -> sandcell_core::Failure {
+    if sandcell_core::jobs::is_unavailable(e) {
+        sandcell_core::Failure::Outage
+    } else {
+        sandcell_core::Failure::Transient
+    }
+}
+
+/// What a dead letter carried, as far as its outcome is concerned.
+#[derive(Debug)]
+enum Carried {
+    /// A submission, judged as the intake judges one.
+    Submission(Decision),
+    /// An execution job.
+    Job { tenant: String, job_id: String },
+    /// Something recorded already, or nothing that has an outcome: counted under this label.
+    Nothing(&'static str),
+}
+
+impl Carried {
+    fn of(delivery: &Delivery, death: &Death, rules: &Rules) -> Carried {
+        let kind = delivery.properties.kind().as_ref().map(|k| k.as_str());
+        if death.in_intake() {
+            if crate::uploads::is_upload_request(kind) || crate::cancels::is_cancel_request(kind) {
+                return Carried::Nothing("request");
+            }
+            // The intake dead-letters only what it could attribute to no job, having recorded it.
+            if death.reason == "rejected" {
+                return Carried::Nothing("recorded_at_intake");
+            }
+            // Only a publish to the intake is a submission (as the intake itself checks).
+            if death.exchange != broker::INTAKE_EXCHANGE {
+                return Carried::Nothing("not_published_to_intake");
+            }
+            let from = Publisher::of(delivery, &rules.trusted_publishers);
+            return Carried::Submission(decide(parse_submission(&delivery.data, &rules.intake), &from));
+        }
+        if death.in_jobs_queue() {
+            return match serde_json::from_slice::<ExecutionJob>(&delivery.data) {
+                Ok(job) => Carried::Job { tenant: job.tenant, job_id: job.job_id },
+                Err(_) => Carried::Nothing("undecodable"),
+            };
+        }
+        Carried::Nothing("other")
+    }
+
+    /// `(tenant, job_id)` of the job it carried, for the logs.
+    fn key(&self) -> Option<(&str, &str)> {
+        match self {
+            Carried::Submission(Decision::Accept(sub)) => Some((&sub.tenant, &sub.job_id)),
+            Carried::Submission(Decision::Reject(rej)) => rej.recoverable_key(),
+            Carried::Job { tenant, job_id } => Some((tenant, job_id)),
+            Carried::Nothing(_) => None,
+        }
+    }
+}
+
+/// Why a job whose message was dead-lettered did not run.
+fn undelivered(death: &Death) -> Reason {
+    let why = if death.reason == "delivery_limit" {
+        format!("its message was returned to {} more than {} times without being handled, and dead-lettered", death.queue, broker::DELIVERY_LIMIT)
+    } else {
+        format!("its message was dead-lettered from {} ({})", death.queue, death.reason)
+    };
+    Reason::new(ErrorCode::TooManyAttempts, why)
+}
+
+/// Record the outcome; returns its label.
+async fn record(carried: &Carried, death: &Death, delivery: &Delivery, jobs: &JobStore, sessions: &SessionStore) -> Result<&'static str> {
+    match carried {
+        Carried::Nothing(label) => Ok(label),
+        Carried::Submission(Decision::Accept(sub)) => {
+            let reason = undelivered(death);
+            if jobs.record_rejection(&sub.tenant, &sub.job_id, &reason).await? {
+                return Ok("submission_rejected");
+            }
+            // Recorded before its handling failed: end it unless it went further.
+            Ok(if sessions.end_undelivered(&sub.tenant, &sub.job_id, &reason).await? { "job_rejected" } else { "left_alone" })
+        }
+        Carried::Submission(Decision::Reject(rej)) => match rej.recoverable_key() {
+            Some((tenant, job_id)) => Ok(if jobs.record_rejection(tenant, job_id, &rej.reason).await? { "submission_rejected" } else { "left_alone" }),
+            None => {
+                let message_id = delivery.properties.message_id().as_ref().map(|m| m.as_str());
+                let publisher = delivery.properties.user_id().as_ref().map(|u| u.as_str());
+                jobs.record_intake_rejection(message_id, publisher, &rej.reason, &delivery.data).await?;
+                Ok("intake_rejection")
+            }
+        },
+        Carried::Job { tenant, job_id } => Ok(if sessions.end_undelivered(tenant, job_id, &undelivered(death)).await? { "job_rejected" } else { "left_alone" }),
+    }
+}
