@@ -652,3 +652,41 @@ async fn a_claim_tried_again_takes_back_its_own_workers_running_job_and_no_other
     // The same claim taken back: not another attempt.
     assert_eq!(claim(mine.clone(), true).await, Some(1), "a claim tried again did not take back its own worker's");
 }
+
+/// Taking a moving session over may be tried again, as a bind may: a try whose answer was lost
+/// (the session taken, the reply not received) is answered the same by the same job, worker and
+/// container, and nobody else takes it: not another worker, and not the same worker with
+/// another container (a second kernel would not hold the session). Before, the second try found
+/// the session active and refused the job, and the session was lost.
+#[tokio::test]
+async fn taking_a_session_over_may_be_tried_again_by_the_same_job_worker_and_container_and_by_no_one_else() {
+    let db = service_db().await;
+    let sessions = sandcell_core::sessions::SessionStore::new(db.clone());
+    let (t, sid, gone, mine, other) = (tenant(), unique("s"), unique("gone-worker"), unique("adopting-worker"), unique("other-worker"));
+    sqlx::query("INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes) VALUES ($1, 100, 100, 1000000)")
+        .bind(&t)
+        .execute(&db)
+        .await
+        .expect("tenant");
+    sqlx::query("INSERT INTO sessions (session_id, tenant, state, keep_alive_s, worker_id, container_id, created_by_job) VALUES ($1, $2, 'active', 600, $3, 'c0', 'opener')")
+        .bind(&sid)
+        .bind(&t)
+        .bind(&gone)
+        .execute(&db)
+        .await
+        .expect("session");
+    let moved = sessions.orphan_worker(&gone, sandcell_protocol::MoveCause::WorkerLost, "the test says so").await.expect("orphan");
+    assert_eq!(moved, 1);
+    sqlx::query("UPDATE sessions SET adopting_job = 'adopter' WHERE session_id = $1").bind(&sid).execute(&db).await.expect("adopting job");
+    let adopt = |worker: String, container: &'static str| {
+        let (sessions, sid) = (sessions.clone(), sid.clone());
+        async move { sessions.adopt(&sid, "adopter", &worker, container).await.expect("adopt").map(|a| a.from_worker) }
+    };
+    assert_eq!(adopt(mine.clone(), "c1").await.as_deref(), Some(gone.as_str()), "the first try");
+    assert_eq!(adopt(mine.clone(), "c1").await.as_deref(), Some(gone.as_str()), "the same try again");
+    assert_eq!(adopt(other.clone(), "c1").await, None, "another worker took a session taken over");
+    assert_eq!(adopt(mine.clone(), "c2").await, None, "another container of the same worker took it");
+    let (state, worker, container): (String, String, String) =
+        sqlx::query_as("SELECT state, worker_id, container_id FROM sessions WHERE session_id = $1").bind(&sid).fetch_one(&db).await.expect("session row");
+    assert_eq!((state.as_str(), worker.as_str(), container.as_str()), ("active", mine.as_str(), "c1"));
+}

@@ -323,11 +323,18 @@ impl SessionStore {
     /// Make `worker_id` the new owner of a moving session, as the worker running the job sent
     /// to take it over (`adopting_job`). Returns where it came from, or `None` when the session
     /// can no longer be taken over (it ended, or another job was sent meanwhile).
+    ///
+    /// Repeatable, as [`SessionStore::bind`] is: a try whose answer was lost (committed, the
+    /// reply not received) is answered the same by the next try of the same job, worker and
+    /// container, which finds the session active there with this job as its last taking-over
+    /// job (`adopting_job` is kept until the session moves again; while it is active nothing
+    /// reads it). Any other worker or container gets `None`.
     pub async fn adopt(&self, session_id: &str, job_id: &str, worker_id: &str, container_id: &str) -> Result<Option<Adopted>> {
         let row = sqlx::query(
-            "UPDATE sessions SET state = 'active', worker_id = $3, container_id = $4, adopting_job = NULL, last_activity_at = now(),
+            "UPDATE sessions SET state = 'active', worker_id = $3, container_id = $4, last_activity_at = now(),
                     expires_at = now() + keep_alive_s * interval '1 second'
-             WHERE session_id = $1 AND adopting_job = $2 AND state = 'moving'
+             WHERE session_id = $1 AND adopting_job = $2
+               AND (state = 'moving' OR (state = 'active' AND worker_id = $3 AND container_id = $4))
              RETURNING moved_from, move_cause, keep_alive_s,
                        CASE WHEN snapshot_move = moves THEN snapshot_key END AS snapshot_key,
                        CASE WHEN snapshot_move = moves THEN variables_lost END AS variables_lost",

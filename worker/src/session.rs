@@ -96,7 +96,12 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
         })
         .await
         .map(|b| b.then_some(None)),
-        Some(_) => ctx.sessions.adopt(&session.id, &job.job_id, &ctx.cfg.worker_id, &container).await.map(|a| a.map(Some)),
+        // Repeatable the same way (the same job, worker and container take it over again).
+        Some(_) => sandcell_core::retry_classified("taking the session over", 6, sandcell_core::jobs::failure, |_| {
+            ctx.sessions.adopt(&session.id, &job.job_id, &ctx.cfg.worker_id, &container)
+        })
+        .await
+        .map(|a| a.map(Some)),
     };
     let adopted = match bound {
         Ok(Some(adopted)) => adopted,

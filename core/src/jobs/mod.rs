@@ -422,7 +422,7 @@ impl JobStore {
                     OR ($7 AND (worker_id IS NULL OR sandcell_worker_silent(jobs.worker_id, $5))))
                AND (session_id IS NULL OR EXISTS (
                     SELECT 1 FROM sessions s WHERE s.session_id = jobs.session_id
-                      AND (s.worker_id = $3 OR s.created_by_job = jobs.job_id OR s.adopting_job = jobs.job_id)))
+                      AND (s.worker_id = $3 OR s.created_by_job = jobs.job_id OR (s.state = 'moving' AND s.adopting_job = jobs.job_id))))
              RETURNING attempts, queued_at",
         )
         .bind(tenant)
