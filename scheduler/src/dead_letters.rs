@@ -35,7 +35,7 @@ use sandcell_core::jobs::JobStore;
 use sandcell_core::sessions::SessionStore;
 use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, IntakeLimits, Reason};
 
-use crate::intake::{decide, Decision, Publisher};
+use crate::intake::{decide, outage_or_transient, Decision, Publisher};
 use crate::metrics::Metrics;
 
 /// What the recorder needs of the scheduler's settings.
@@ -120,15 +120,6 @@ async fn handle(delivery: &Delivery, rules: &Rules, jobs: &JobStore, sessions: &
     if let Err(e) = broker::settle(delivery, disposition).await {
         metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
         tracing::warn!(disposition = disposition.as_str(), error = format!("{e:#}"), "settling a dead letter's copy failed; the broker will redeliver it");
-    }
-}
-
-/// The intake's rule for the database: an outage is waited out, anything else tried again.
-fn outage_or_transient(e: &anyhow::Error) -> sandcell_core::Failure {
-    if sandcell_core::jobs::is_unavailable(e) {
-        sandcell_core::Failure::Outage
-    } else {
-        sandcell_core::Failure::Transient
     }
 }
 

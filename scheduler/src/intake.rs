@@ -406,7 +406,7 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
 
 /// How the intake tries a message again: an outage of the database for as long as it lasts,
 /// anything else as often as its handler allows (a refusal of the data included).
-fn outage_or_transient(e: &anyhow::Error) -> sandcell_core::Failure {
+pub(crate) fn outage_or_transient(e: &anyhow::Error) -> sandcell_core::Failure {
     if sandcell_core::jobs::is_unavailable(e) {
         sandcell_core::Failure::Outage
     } else {
