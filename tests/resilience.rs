@@ -446,6 +446,33 @@ async fn an_opening_job_that_keeps_failing_to_be_claimed_ends_too_many_attempts_
     assert_eq!((next.status, next.execution.stdout.as_str()), (JobStatus::Succeeded, "42\n"), "{next:?}");
 }
 
+/// A session's job whose claim fails every time (a data error, injected: in place, tries do
+/// not help) is dead-lettered rather than returned to its worker's queue: that queue is one
+/// per worker, shared by all its sessions, and the broker bounds no returns there, so the job
+/// came back for ever. The scheduler records it `rejected` with `too_many_attempts`; the
+/// session's later jobs run after it, in order, and another tenant's session on the same worker
+/// is not held up.
+#[tokio::test]
+async fn a_sessions_job_that_keeps_failing_to_be_claimed_is_dead_lettered_and_the_sessions_later_jobs_run_in_order() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let (t, sid) = counting_session(&c).await;
+    let (other, other_sid) = counting_session(&c).await;
+    let subs: Vec<_> = (0..4).map(|_| in_session(&t, &sid, "n += 1\nprint(n)")).collect();
+    let injected = InjectedFailure::every_claim(&pool, &subs[1].job_id, DATA_ERROR).await;
+    for s in &subs {
+        c.submit(s).await.unwrap();
+    }
+    let neighbour = run(&c, &in_session(&other, &other_sid, "n += 1\nprint(n)")).await;
+    ends_too_many_attempts_unrun(&c, &pool, &subs[1], injected).await;
+    assert_eq!((neighbour.status, neighbour.execution.stdout.as_str()), (JobStatus::Succeeded, "1\n"), "another tenant's session: {neighbour:?}");
+    for (s, n) in [(&subs[0], 1), (&subs[2], 2), (&subs[3], 3)] {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.unwrap();
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, format!("{n}\n"), 1), "{r:?}");
+    }
+}
+
 /// Postgres stopped for 20 s, with submissions published during the outage (one-off jobs, and
 /// jobs of a session counting up) and a job running through it: the real failures of an outage
 /// (connections refused, pools timing out) end to end; once Postgres is back every job runs

@@ -277,7 +277,7 @@ pub async fn declare_dead_letter_outcomes(ch: &Channel) -> Result<()> {
     Ok(())
 }
 
-/// Where and why a message was dead-lettered: the broker's `x-first-death-*` headers.
+/// Where and why a message was last dead-lettered: the newest entry of its `x-death` header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Death {
     /// The queue the message died in (`sandcell.submissions.3`, `sandcell.jobs`, …).
@@ -285,29 +285,41 @@ pub struct Death {
     /// Why: `delivery_limit` (returned more than [`DELIVERY_LIMIT`] times), `rejected` (a
     /// consumer dead-lettered it), `expired`, `maxlen`.
     pub reason: String,
-    /// The exchange the message had been published to before it died.
+    /// The exchange the message had been published to before it died (as the entry says: one
+    /// a publisher forged keeps its own, so this is no proof of anything).
     pub exchange: String,
 }
 
 impl Death {
-    /// Read the headers of a dead letter. A message without them was published to the
-    /// dead-letter exchange directly (only a worker may: a job it read back from Postgres and
-    /// could not run), with its queue as the routing key.
+    /// Read the headers of a dead letter. Each time the broker dead-letters a message it puts
+    /// the entry of that queue and reason first in `x-death`, writing both itself, even into
+    /// an `x-death` its publisher sent; the `x-first-death-*` headers it leaves as a publisher
+    /// set them, so they are not read (a tenant could name `sandcell.jobs` there). A message
+    /// without `x-death` was published to the dead-letter exchange directly, which only a
+    /// worker may (a job it read back from Postgres and could not run), with its queue as the
+    /// routing key.
     pub fn of(delivery: &lapin::message::Delivery) -> Death {
         Death::from_headers(delivery.properties.headers().as_ref(), delivery.routing_key.as_str())
     }
 
     fn from_headers(headers: Option<&FieldTable>, routing_key: &str) -> Death {
-        let headers = headers.map(|h| h.inner());
-        let text = |key: &str| match headers.and_then(|h| h.get(key)) {
-            Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-            Some(AMQPValue::ShortString(s)) => Some(s.as_str().to_owned()),
+        let Some(x_death) = headers.and_then(|h| h.inner().get("x-death")) else {
+            return Death { queue: routing_key.to_owned(), reason: "rejected".to_owned(), exchange: String::new() };
+        };
+        let newest = match x_death {
+            AMQPValue::FieldArray(entries) => match entries.as_slice().first() {
+                Some(AMQPValue::FieldTable(entry)) => Some(entry.inner()),
+                _ => None,
+            },
             _ => None,
         };
-        match (text("x-first-death-queue"), text("x-first-death-reason")) {
-            (Some(queue), Some(reason)) => Death { queue, reason, exchange: text("x-first-death-exchange").unwrap_or_default() },
-            _ => Death { queue: routing_key.to_owned(), reason: "rejected".to_owned(), exchange: String::new() },
-        }
+        let text = |key: &str| match newest.and_then(|e| e.get(key)) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            Some(AMQPValue::ShortString(s)) => s.as_str().to_owned(),
+            _ => String::new(),
+        };
+        // Unreadable (not what the broker writes): a death in no queue of ours.
+        Death { queue: text("queue"), reason: text("reason"), exchange: text("exchange") }
     }
 
     /// Whether it died in an intake partition (or the legacy submissions queue).
@@ -456,17 +468,31 @@ pub async fn settle(delivery: &lapin::message::Delivery, disposition: Dispositio
 #[cfg(test)]
 mod tests {
     use super::Death;
-    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::types::{AMQPValue, FieldArray, FieldTable};
+
+    fn entry(queue: &str, reason: &str) -> AMQPValue {
+        let mut e = FieldTable::default();
+        e.insert("queue".into(), AMQPValue::LongString(queue.into()));
+        e.insert("reason".into(), AMQPValue::LongString(reason.into()));
+        e.insert("exchange".into(), AMQPValue::LongString("sandcell.intake".into()));
+        AMQPValue::FieldTable(e)
+    }
 
     #[test]
-    fn a_dead_letter_says_where_and_why_it_died_and_one_published_to_the_exchange_names_its_queue() {
+    fn a_dead_letter_says_where_and_why_it_last_died_and_one_published_to_the_exchange_names_its_queue() {
         let mut headers = FieldTable::default();
-        headers.insert("x-first-death-queue".into(), AMQPValue::LongString("sandcell.submissions.3".into()));
-        headers.insert("x-first-death-reason".into(), AMQPValue::LongString("delivery_limit".into()));
-        headers.insert("x-first-death-exchange".into(), AMQPValue::LongString("sandcell.intake".into()));
+        // The newest entry first, as the broker writes it; a forged first-death header is not read.
+        let entries = FieldArray::from(vec![entry("sandcell.submissions.3", "delivery_limit"), entry("sandcell.live.acme.q", "expired")]);
+        headers.insert("x-death".into(), AMQPValue::FieldArray(entries));
+        headers.insert("x-first-death-queue".into(), AMQPValue::LongString("sandcell.jobs".into()));
         let death = Death::from_headers(Some(&headers), "job-1");
         assert_eq!((death.queue.as_str(), death.reason.as_str(), death.exchange.as_str()), ("sandcell.submissions.3", "delivery_limit", "sandcell.intake"));
         assert!(death.in_intake() && !death.in_jobs_queue());
+        // An x-death that is not the broker's: a death in no queue of ours.
+        let mut forged = FieldTable::default();
+        forged.insert("x-death".into(), AMQPValue::LongString("sandcell.jobs".into()));
+        let unreadable = Death::from_headers(Some(&forged), "sandcell.jobs");
+        assert!(!unreadable.in_intake() && !unreadable.in_jobs_queue(), "{unreadable:?}");
         let direct = Death::from_headers(None, "sandcell.worker.w1");
         assert_eq!((direct.queue.as_str(), direct.reason.as_str()), ("sandcell.worker.w1", "rejected"));
         assert!(direct.in_jobs_queue() && !direct.in_intake());

@@ -6,21 +6,32 @@
 //! execution job stayed `queued` until the sweeper's `SANDCELL_STUCK_AFTER_S` (an hour).
 //! Now the scheduler consumes a copy of every dead letter (`sandcell.dead.outcomes`; the
 //! operators' copy stays in `sandcell.dead`) and records what became of the job:
-//! - a **submission** (died in an intake partition) is judged by the intake's own identity
-//!   rules ([`crate::intake::decide`]): a valid one is recorded `rejected` with
-//!   `too_many_attempts` (or, recorded already and still `queued`, ended so); an invalid one with
-//!   recoverable ids gets the rejection its first delivery should have recorded; any other is
-//!   recorded in `intake_rejections`. One the intake itself dead-lettered (`rejected`: it was
-//!   unattributable, and recorded then) is left alone;
-//! - an **execution job** (died in `sandcell.jobs`, `sandcell.sessions.new` or a worker's queue)
-//!   still `queued` is ended `rejected` with `too_many_attempts`, with the session it was opening;
-//!   one that is running or ended is left to its worker and the sweeper;
-//! - anything else (a cancel or upload request, an undecodable job) is counted and logged.
+//! - a **submission** returned to its intake partition too often (`delivery_limit`) is judged
+//!   by the intake's own identity rules ([`crate::intake::decide`]): a valid one never recorded
+//!   is recorded `rejected` with `too_many_attempts`; an invalid one with recoverable ids gets
+//!   the rejection its first delivery should have recorded; any other is recorded in
+//!   `intake_rejections`. A job recorded already is left alone: it may be waiting in a workers'
+//!   queue (the intake notes no dispatch); if not, the stuck sweep ends it. One the intake
+//!   itself dead-lettered (`rejected`: unattributable, and recorded then) is left alone too;
+//! - an **execution job** returned too often to a shared queue, or dead-lettered by a worker (a
+//!   session's job that failed even when tried again in place: its worker's queue bounds no
+//!   returns), still `queued`, is ended `rejected` with `too_many_attempts`, with the session it
+//!   was opening; one running or ended is left to its worker and the sweeper;
+//! - anything else (a cancel or upload request, an undecodable job, a message that expired or
+//!   overflowed) is counted and logged.
+//!
+//! Where and why a message died is read from the newest entry of its `x-death` header, which
+//! the broker writes itself ([`Death`]); only trusted publishers can write to the dead-letter
+//! exchange, and a tenant's message dies only in the intake, where its tenant is the broker
+//! user that published it. So no tenant's message can end another tenant's job.
 //!
 //! Invariants: recording is idempotent (a job already ended keeps its outcome), so two
-//! schedulers consuming the queue, or a copy redelivered, change nothing; the outcome of a
-//! submission is attributed exactly as the intake would have; an outage of the database is
-//! waited out, and any other failure returns the copy (dropped after `DELIVERY_LIMIT` returns).
+//! schedulers consuming the queue, or a copy redelivered, change nothing; an outage of the
+//! database is waited out, and any other failure returns the copy (dropped after
+//! `DELIVERY_LIMIT` returns). Not guaranteed: that every dead letter is seen. Quorum queues
+//! dead-letter at most once (a copy may be lost in a broker restart or a leader change), and
+//! copies of dead letters from before the first scheduler declared `sandcell.dead.outcomes` were
+//! never made; such jobs are ended by the stuck sweep (`SANDCELL_STUCK_AFTER_S`).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -141,9 +152,13 @@ impl Carried {
             if crate::uploads::is_upload_request(kind) || crate::cancels::is_cancel_request(kind) {
                 return Carried::Nothing("request");
             }
-            // The intake dead-letters only what it could attribute to no job, having recorded it.
-            if death.reason == "rejected" {
-                return Carried::Nothing("recorded_at_intake");
+            match death.reason.as_str() {
+                // The intake dead-letters only what it could attribute to no job, having recorded it.
+                "rejected" => return Carried::Nothing("recorded_at_intake"),
+                // Handled and failed on every delivery. (One that expired or overflowed was never
+                // handled: the intake may have dropped it on purpose.)
+                "delivery_limit" => {}
+                _ => return Carried::Nothing("other"),
             }
             // Only a publish to the intake is a submission (as the intake itself checks).
             if death.exchange != broker::INTAKE_EXCHANGE {
@@ -152,7 +167,9 @@ impl Carried {
             let from = Publisher::of(delivery, &rules.trusted_publishers);
             return Carried::Submission(decide(parse_submission(&delivery.data, &rules.intake), &from));
         }
-        if death.in_jobs_queue() {
+        // Returned too often to a shared queue, or dead-lettered by a worker (a job of a session
+        // that failed even when tried again in place).
+        if death.in_jobs_queue() && matches!(death.reason.as_str(), "delivery_limit" | "rejected") {
             return match serde_json::from_slice::<ExecutionJob>(&delivery.data) {
                 Ok(job) => Carried::Job { tenant: job.tenant, job_id: job.job_id },
                 Err(_) => Carried::Nothing("undecodable"),
@@ -177,7 +194,7 @@ fn undelivered(death: &Death) -> Reason {
     let why = if death.reason == "delivery_limit" {
         format!("its message was returned to {} more than {} times without being handled, and dead-lettered", death.queue, broker::DELIVERY_LIMIT)
     } else {
-        format!("its message was dead-lettered from {} ({})", death.queue, death.reason)
+        format!("its worker could not handle it, even when tried again in place, and dead-lettered its message from {}", death.queue)
     };
     Reason::new(ErrorCode::TooManyAttempts, why)
 }
@@ -186,13 +203,11 @@ fn undelivered(death: &Death) -> Reason {
 async fn record(carried: &Carried, death: &Death, delivery: &Delivery, jobs: &JobStore, sessions: &SessionStore) -> Result<&'static str> {
     match carried {
         Carried::Nothing(label) => Ok(label),
+        // A job recorded before its handling failed is left alone: it may wait in a workers'
+        // queue (the intake notes no dispatch), or be another submission's with the same id. If
+        // it never reached a worker, the stuck sweep ends it.
         Carried::Submission(Decision::Accept(sub)) => {
-            let reason = undelivered(death);
-            if jobs.record_rejection(&sub.tenant, &sub.job_id, &reason).await? {
-                return Ok("submission_rejected");
-            }
-            // Recorded before its handling failed: end it unless it went further.
-            Ok(if sessions.end_undelivered(&sub.tenant, &sub.job_id, &reason).await? { "job_rejected" } else { "left_alone" })
+            Ok(if jobs.record_rejection(&sub.tenant, &sub.job_id, &undelivered(death)).await? { "submission_rejected" } else { "left_alone" })
         }
         Carried::Submission(Decision::Reject(rej)) => match rej.recoverable_key() {
             Some((tenant, job_id)) => Ok(if jobs.record_rejection(tenant, job_id, &rej.reason).await? { "submission_rejected" } else { "left_alone" }),

@@ -36,18 +36,37 @@ pub use sandcell_core::broker::Disposition;
 /// outage does not spin the job through the broker.
 const FAILED_REQUEUE_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// The disposition of a handler's result: a handler that failed committed nothing, so its
-/// message goes back to the queue, after a pause. The one rule for failed handlers, one-off,
-/// opening or in a session: a job never takes the consumer, the session or another job down.
+/// The disposition of a handler's result, the one rule for failed handlers (one-off, opening or
+/// in a session: a job never takes the consumer, the session or another job down). A handler
+/// fails only after its database steps were tried again in place (an outage of the database for
+/// as long as it lasts), and then:
+/// - a job of a shared queue (one-off, opening or taking over a session) goes back to it, after
+///   a pause: the broker dead-letters it after `DELIVERY_LIMIT` returns;
+/// - a job of an existing session is dead-lettered at once. It came through its worker's
+///   queue, one per worker and shared by all its sessions, where the broker bounds no returns
+///   (a job failing for good came back for ever), and a redelivery may run a cell that had run
+///   already, after the session's later ones. Its session goes on; the scheduler records the
+///   job `rejected/too_many_attempts` from the dead letter (the sweeper ends it, had it been
+///   claimed).
 pub async fn disposition_of(job: &ExecutionJob, result: anyhow::Result<Disposition>) -> Disposition {
     match result {
         Ok(d) => d,
+        Err(e) if in_existing_session(job) => {
+            tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "a session's job handler failed; dead-lettering the job");
+            Disposition::DeadLetter
+        }
         Err(e) => {
             tracing::error!(tenant = %job.tenant, job_id = %job.job_id, error = format!("{e:#}"), "job handler failed; returning the job to the queue");
             tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
             Disposition::Requeue
         }
     }
+}
+
+/// Whether a job runs in a session that exists already (neither opening nor taking one over):
+/// such jobs travel on their worker's own queue.
+fn in_existing_session(job: &ExecutionJob) -> bool {
+    job.session.as_ref().is_some_and(|s| !s.new && s.adopt.is_none())
 }
 
 /// `(tenant, job_id)`: a job's identity.
