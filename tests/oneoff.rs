@@ -299,7 +299,6 @@ async fn a_warm_sandbox_waits_in_the_idle_cpu_class_and_runs_its_first_job_at_fu
         eprintln!("this host has no idle CPU class (cpu.idle): nothing to check");
         return;
     }
-    let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
     let warm = || containers_labelled("sandcell.pool=1");
     // A warm sandbox waits in the idle class: its start (the pool's refill) takes only CPU no
     // job wants. (Those the pool handed out keep its label, at full weight: some must be idle.)
@@ -312,19 +311,30 @@ async fn a_warm_sandbox_waits_in_the_idle_cpu_class_and_runs_its_first_job_at_fu
     // has, and its sandbox then waits for the tenant's next job so. (The other tests take warm
     // sandboxes too: a job that got a started one is tried again.)
     let c = client().await;
+    let (r, id) = run_on_a_warm_sandbox(&c, "'taken'").await;
+    assert_eq!(value(&r).as_deref(), Some("'taken'"), "{r:?}");
+    let class = cpu_class(&id).expect("the job's container's cgroup");
+    assert_eq!(class, CpuClass { idle: false, full_weight: true }, "the job's sandbox kept the background's class or weight");
+}
+
+/// Run `code` as a new tenant's one-off job until one takes a sandbox of the warm pool (the
+/// other tests take them too; a job that got a started one is tried again), each try once the
+/// pool holds a ready one (its refills wait for a lull in the worker's slots, which the other
+/// tests' jobs may fill for a while). Returns the job's result and its container.
+async fn run_on_a_warm_sandbox(c: &sandcell_client::Client, code: &str) -> (sandcell_protocol::JobResult, String) {
+    let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
     for _ in 0..10 {
-        let job = python(&tenant(), "'taken'");
-        let r = run(&c, &job).await;
-        assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("'taken'")), "{r:?}");
+        let ready = eventually(JOB_WAIT, || async { worker_metric("sandcell_warm_pool_size").await.filter(|n| *n >= 1.0) }).await;
+        assert!(ready.is_some(), "the warm pool held no ready sandbox within {JOB_WAIT:?}");
+        let job = python(&tenant(), code);
+        let r = run(c, &job).await;
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
         let id = container(&job).await;
         let labels =
             docker.inspect_container(&id, None::<bollard::query_parameters::InspectContainerOptions>).await.expect("inspect").config.and_then(|c| c.labels);
         if labels.is_some_and(|l| l.get("sandcell.pool").is_some_and(|v| v == "1")) {
-            let class = cpu_class(&id).expect("the job's container's cgroup");
-            assert_eq!(class, CpuClass { idle: false, full_weight: true }, "the job's sandbox kept the background's class or weight");
-            return;
+            return (r, id);
         }
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
     panic!("no job took a warm sandbox in ten tries");
 }
@@ -337,24 +347,10 @@ async fn a_one_off_job_that_takes_a_warm_sandbox_finds_it_prepared_for_forked_jo
     // The warm pool's kernels make their one-off preparation (immortal objects, huge pages) in
     // their start: the first job forked from one already finds the preloaded objects immortal,
     // where it used to run before that preparation (made after its job, in its tenant's burst).
-    let docker = bollard::Docker::connect_with_defaults().expect("docker").negotiate_version().await.expect("docker version");
     let c = client().await;
     let probe = "import sys, numpy\nmine = object()\n[sys.getrefcount(o) >= 2**32 - 1 for o in (numpy.add, mine)]";
-    for _ in 0..10 {
-        // A new tenant: its first job takes a warm sandbox if one is ready, else starts one.
-        let job = python(&tenant(), probe);
-        let r = run(&c, &job).await;
-        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-        let id = container(&job).await;
-        let labels =
-            docker.inspect_container(&id, None::<bollard::query_parameters::InspectContainerOptions>).await.expect("inspect").config.and_then(|c| c.labels);
-        if labels.is_some_and(|l| l.get("sandcell.pool").is_some_and(|v| v == "1")) {
-            assert_eq!(value(&r).as_deref(), Some("[True, False]"), "the warm sandbox's first job ran before its preparation: {r:?}");
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-    }
-    panic!("no job took a warm sandbox in ten tries");
+    let (r, _) = run_on_a_warm_sandbox(&c, probe).await;
+    assert_eq!(value(&r).as_deref(), Some("[True, False]"), "the warm sandbox's first job ran before its preparation: {r:?}");
 }
 
 #[tokio::test]

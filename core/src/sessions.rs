@@ -477,12 +477,12 @@ impl SessionStore {
     /// `starting`, becomes `failed` with it, its other jobs refused. Returns whether the job
     /// ended here (false: it had ended, was running, or its copy waits in Postgres).
     pub async fn end_undelivered(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
-        let reason = sandcell_protocol::storable::json(reason)?;
+        let reason = storable::json(reason)?;
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
-        let Some(session) = crate::jobs::reject_undelivered(&mut tx, tenant, job_id, &reason).await? else {
+        let crate::jobs::Undelivered::Rejected { session_id } = crate::jobs::reject_undelivered(&mut tx, tenant, job_id, &reason).await? else {
             return Ok(false);
         };
-        if let Some(session) = session {
+        if let Some(session) = session_id {
             let failed: Vec<String> = sqlx::query_scalar(
                 "UPDATE sessions SET state = 'failed', ended_at = now(), end_reason = $4
                  WHERE session_id = $1 AND tenant = $2 AND created_by_job = $3 AND state = 'starting' AND state = ANY($5)

@@ -12,8 +12,9 @@
 //!   the sessions of workers whose heartbeat stopped `moving`, and ends what waited too long;
 //! - [`uploads`] answers tenants' upload requests (which arrive through the intake too) with
 //!   presigned PUT URLs under their own upload prefix;
-//! - [`dead_letters`] records the outcome of a job whose message the broker dead-lettered (a
-//!   submission or an execution job returned to its queue too often), from a copy of each;
+//! - [`dead_letters`] records the outcome of a job whose message was dead-lettered (a
+//!   submission or an execution job returned to its queue too often, or a session's job its
+//!   worker gave up on), from a copy of each;
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 

@@ -582,11 +582,19 @@ pub(crate) async fn reject_stuck(tx: &mut sqlx::PgConnection, millis: i64, reaso
     Ok(n)
 }
 
-/// End a job whose message the broker dead-lettered, in the session store's transaction
+/// What [`reject_undelivered`] did.
+pub(crate) enum Undelivered {
+    /// Ended `rejected`; it ran in this session, if any.
+    Rejected { session_id: Option<String> },
+    /// Left alone: it ended or runs already, its copy waits in Postgres, or it is unknown.
+    LeftAlone,
+}
+
+/// End a job whose message was dead-lettered, in the session store's transaction
 /// ([`crate::sessions::SessionStore::end_undelivered`]): still `queued`, and neither held nor
 /// parked (their copy is in Postgres, and the dispatcher publishes it), it can no longer reach
-/// a worker, so it becomes `rejected`. Returns its session when it ended here.
-pub(crate) async fn reject_undelivered(tx: &mut sqlx::PgConnection, tenant: &str, job_id: &str, reason: &serde_json::Value) -> Result<Option<Option<String>>> {
+/// a worker, so it becomes `rejected`.
+pub(crate) async fn reject_undelivered(tx: &mut sqlx::PgConnection, tenant: &str, job_id: &str, reason: &serde_json::Value) -> Result<Undelivered> {
     debug_assert!(JobStatus::Queued.can_become(JobStatus::Rejected));
     let ended: Option<Option<String>> = sqlx::query_scalar(
         "UPDATE jobs SET status = 'rejected', reason = $3, finished_at = now()
@@ -599,7 +607,7 @@ pub(crate) async fn reject_undelivered(tx: &mut sqlx::PgConnection, tenant: &str
     .fetch_optional(tx)
     .await
     .context("ending a dead-lettered job")?;
-    Ok(ended)
+    Ok(ended.map_or(Undelivered::LeftAlone, |session_id| Undelivered::Rejected { session_id }))
 }
 
 #[cfg(test)]
