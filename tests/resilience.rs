@@ -243,6 +243,13 @@ impl InjectedFailure {
         Self::install(pool, job_id, "INSERT ON jobs", &when, "nextval('{name}') > 0", errcode).await
     }
 
+    /// Every record of a `ready` grant for the upload fails with `errcode`; a `rejected` one
+    /// does not.
+    async fn every_ready_grant(pool: &sqlx::PgPool, upload_id: &str, errcode: &str) -> Self {
+        let when = format!("NEW.upload_id = '{upload_id}' AND NEW.grant_doc->>'status' = 'ready'");
+        Self::install(pool, upload_id, "INSERT ON uploads", &when, "nextval('{name}') > 0", errcode).await
+    }
+
     /// The first `times` binds of the session the job opens fail.
     async fn binds(pool: &sqlx::PgPool, job_id: &str, times: u32) -> Self {
         let when = format!("OLD.created_by_job = '{job_id}' AND OLD.state = 'starting' AND NEW.state = 'active'");
@@ -414,6 +421,41 @@ async fn a_submission_that_keeps_failing_to_be_recorded_ends_too_many_attempts_o
     let fired = ends_too_many_attempts_unrun(&c, &pool, &sub, injected).await;
     let deliveries = sandcell_core::broker::DELIVERY_LIMIT + 1;
     assert!(fired >= 6 * deliveries, "the record failed {fired} times: fewer than 6 tries for each of {deliveries} deliveries");
+}
+
+/// An upload request whose grant fails to be recorded every time (a data error, injected) is
+/// returned to its intake partition until the broker dead-letters it. Before, its client then
+/// waited for a grant for ever (the dead letter was only counted). Now the scheduler answers it
+/// `rejected` with `too_many_attempts` from its copy of the dead letter, and a new request is
+/// granted once the fault is gone.
+#[tokio::test]
+async fn an_upload_request_that_keeps_failing_to_be_answered_is_rejected_too_many_attempts_once_dead_lettered() {
+    use sandcell_protocol::upload::{UploadFile, UploadRequest};
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let pool = service_db().await;
+    let t = tenant();
+    let request =
+        |upload_id: String| UploadRequest { tenant: t.clone(), upload_id, files: vec![UploadFile { path: "data/big.csv".into(), size_bytes: 1 << 20 }] };
+    let failing = request(unique("up"));
+    let injected = InjectedFailure::every_ready_grant(&pool, &failing.upload_id, DATA_ERROR).await;
+    c.request_upload(&failing).await.unwrap();
+    let grant = eventually(DEAD_LETTER_WAIT, || async { c.upload_grant(&t, &failing.upload_id).await.ok().flatten() }).await;
+    let fired = injected.fired(&pool).await;
+    injected.remove(&pool).await;
+    let grant = grant.unwrap_or_else(|| panic!("no answer to an upload request whose message was dead-lettered (the failure fired {fired} times)"));
+    let reason = grant.reason.as_ref().unwrap_or_else(|| panic!("no reason: {grant:?}"));
+    assert_eq!((grant.status.as_str(), reason.code), ("rejected", sandcell_protocol::ErrorCode::TooManyAttempts), "{grant:?}");
+    assert!(reason.message.contains("dead-lettered") && grant.files.is_empty(), "{grant:?}");
+    let deliveries = sandcell_core::broker::DELIVERY_LIMIT + 1;
+    assert!(fired >= deliveries, "the grant failed {fired} times: fewer than the {deliveries} deliveries before a dead letter");
+
+    // The intake is none the worse: a new request is granted.
+    let granted = request(unique("up"));
+    c.request_upload(&granted).await.unwrap();
+    let fresh = eventually(Duration::from_secs(30), || async { c.upload_grant(&t, &granted.upload_id).await.ok().flatten() }).await;
+    let fresh = fresh.expect("a new upload request is answered once the fault is gone");
+    assert_eq!((fresh.status.as_str(), fresh.files.len()), ("ready", 1), "{fresh:?}");
 }
 
 /// An execution job whose claim fails every time (a data error, injected) is returned to the

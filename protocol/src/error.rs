@@ -191,7 +191,7 @@ impl ErrorCode {
             ErrorCode::DriverProtocol => "The sandbox ended or spoke out of protocol before reporting a result (infrastructure, or code that killed its own interpreter).",
             ErrorCode::InputFileRejected => "The sandbox refused to write an input file into the workspace.",
             ErrorCode::StorageFailed => "Output files could not be stored in the object store (infrastructure).",
-            ErrorCode::TooManyAttempts => "The job was claimed `SANDCELL_MAX_ATTEMPTS` times without completing (`infrastructure_error`), or sandcell failed to handle its message on every try (returned to its queue more than 5 times; a session's job: once, after its tries in place) and dead-lettered it (`rejected`: it never ran).",
+            ErrorCode::TooManyAttempts => "The job was claimed `SANDCELL_MAX_ATTEMPTS` times without completing (`infrastructure_error`), or sandcell failed to handle its message on every try (returned to its queue more than 5 times; a session's job: once, after its tries in place) and dead-lettered it (`rejected`: it never ran). An upload request's grant is `rejected` with it likewise.",
             ErrorCode::ArtifactExpired => "The artifact's TTL has passed and it was deleted from the object store.",
             ErrorCode::Unauthenticated => "The message has no `user_id` property, so the broker did not vouch for its publisher; it is recorded for operators and dead-lettered.",
             ErrorCode::TenantMismatch => "The body's `tenant` differs from the broker user that published it (only operator-trusted publishers may name another tenant); recorded under the publisher's tenant.",

@@ -17,7 +17,10 @@
 //!   session's job that failed even when tried again in place: its worker's queue bounds no
 //!   returns), still `queued`, is ended `rejected` with `too_many_attempts`, with the session it
 //!   was opening; one running or ended is left to its worker and the sweeper;
-//! - anything else (a cancel or upload request, an undecodable job, a message that expired or
+//! - an **upload request** returned to its intake partition too often is answered with a
+//!   `rejected` grant with `too_many_attempts`, attributed by the intake's own rules
+//!   ([`crate::uploads::attribute`]), unless a grant was recorded already;
+//! - anything else (a cancel request, an undecodable job, a message that expired or
 //!   overflowed) is counted and logged.
 //!
 //! Where and why a message died is read from the newest entry of its `x-death` header, which
@@ -59,9 +62,10 @@ pub struct Rules {
 }
 
 /// Every outcome label of `sandcell_dead_letters_total`.
-pub const OUTCOMES: [&str; 9] = [
+pub const OUTCOMES: [&str; 10] = [
     "submission_rejected",
     "job_rejected",
+    "upload_rejected",
     "intake_rejection",
     "left_alone",
     "recorded_at_intake",
@@ -141,6 +145,8 @@ enum Carried {
     Submission(Decision),
     /// An execution job.
     Job { tenant: String, job_id: String },
+    /// An upload request, attributed as the intake attributes one.
+    Upload { tenant: String, upload_id: String },
     /// Something recorded already, or nothing that has an outcome: counted under this label.
     Nothing(&'static str),
 }
@@ -149,8 +155,21 @@ impl Carried {
     fn of(delivery: &Delivery, death: &Death, rules: &Rules) -> Carried {
         let kind = delivery.properties.kind().as_ref().map(|k| k.as_str());
         if death.in_intake() {
-            if crate::uploads::is_upload_request(kind) || crate::cancels::is_cancel_request(kind) {
+            if crate::cancels::is_cancel_request(kind) {
                 return Carried::Nothing("request");
+            }
+            if crate::uploads::is_upload_request(kind) {
+                // Handled and failed on every delivery, and published to the intake (as the
+                // intake itself checks): its client still waits for a grant.
+                if death.reason != "delivery_limit" || death.exchange != broker::INTAKE_EXCHANGE {
+                    return Carried::Nothing("request");
+                }
+                let from = Publisher::of(delivery, &rules.trusted_publishers);
+                let trusted = matches!(from, Publisher::Trusted(_));
+                return match from.name().and_then(|p| crate::uploads::attribute(&delivery.data, p, trusted)) {
+                    Some(a) => Carried::Upload { tenant: a.tenant, upload_id: a.upload_id },
+                    None => Carried::Nothing("request"),
+                };
             }
             match death.reason.as_str() {
                 // The intake dead-letters only what it could attribute to no job, having recorded it.
@@ -184,6 +203,7 @@ impl Carried {
             Carried::Submission(Decision::Accept(sub)) => Some((&sub.tenant, &sub.job_id)),
             Carried::Submission(Decision::Reject(rej)) => rej.recoverable_key(),
             Carried::Job { tenant, job_id } => Some((tenant, job_id)),
+            Carried::Upload { tenant, upload_id } => Some((tenant, upload_id)),
             Carried::Nothing(_) => None,
         }
     }
@@ -219,5 +239,12 @@ async fn record(carried: &Carried, death: &Death, delivery: &Delivery, jobs: &Jo
             }
         },
         Carried::Job { tenant, job_id } => Ok(if sessions.end_undelivered(tenant, job_id, &undelivered(death)).await? { "job_rejected" } else { "left_alone" }),
+        // The first answer recorded stands (a grant is recorded once): one recorded before the
+        // handling failed is kept.
+        Carried::Upload { tenant, upload_id } => {
+            let ours = crate::uploads::rejected(tenant, upload_id, undelivered(death));
+            let kept = crate::uploads::record(jobs.pool(), &ours).await?;
+            Ok(if kept == ours { "upload_rejected" } else { "left_alone" })
+        }
     }
 }

@@ -17,6 +17,31 @@ pub fn is_upload_request(kind: Option<&str>) -> bool {
     kind == Some(UPLOAD_MESSAGE_TYPE)
 }
 
+/// Whom an upload request is for, by the intake's identity rules: its tenant (the publisher,
+/// unless `trusted`, which names the tenant in the body) and its upload id, with the request as
+/// parsed. `None` for a message that names no recoverable `(tenant, upload_id)`: a trusted
+/// publisher's unparsable body names nobody.
+pub(crate) struct Attributed {
+    pub tenant: String,
+    pub upload_id: String,
+    pub request: Result<UploadRequest, serde_json::Error>,
+}
+
+/// See [`Attributed`]: the one place an upload request's identity is read, for its answer and
+/// for its dead letter.
+pub(crate) fn attribute(body: &[u8], publisher: &str, trusted: bool) -> Option<Attributed> {
+    let request = serde_json::from_slice::<UploadRequest>(body);
+    let (tenant, upload_id) = match &request {
+        Ok(r) => (if trusted { r.tenant.clone() } else { publisher.to_string() }, r.upload_id.clone()),
+        // Under the publisher's own name when it is a tenant; a trusted publisher's broken
+        // message names nobody.
+        Err(_) if trusted => return None,
+        Err(_) => (publisher.to_string(), serde_json::from_slice::<serde_json::Value>(body).ok()?["upload_id"].as_str()?.to_string()),
+    };
+    let valid = sandcell_protocol::submission::is_valid_job_id(&upload_id) && sandcell_protocol::submission::is_valid_tenant(&tenant);
+    valid.then_some(Attributed { tenant, upload_id, request })
+}
+
 /// Answer one upload request from `publisher` (`trusted`: it may name any tenant). Returns what
 /// was recorded, or `None` for a message that names no recoverable `(tenant, upload_id)` (then
 /// it is only counted and logged).
@@ -29,45 +54,33 @@ pub async fn answer(
     max_bytes: u64,
     ttl: Duration,
 ) -> Result<Option<UploadGrant>> {
-    let Some(publisher) = publisher else { return Ok(None) };
-    let request: UploadRequest = match serde_json::from_slice(body) {
+    let Some(Attributed { tenant, upload_id, request }) = publisher.and_then(|p| attribute(body, p, trusted)) else { return Ok(None) };
+    let request = match request {
         Ok(r) => r,
         Err(e) => {
-            // Under the publisher's own name when it is a tenant; a trusted publisher's broken
-            // message names nobody.
-            let ids = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|v| v["upload_id"].as_str().map(String::from));
-            return match (trusted, ids) {
-                (false, Some(upload_id)) if sandcell_protocol::submission::is_valid_job_id(&upload_id) => {
-                    let grant = rejected(publisher, &upload_id, Reason::new(ErrorCode::MalformedJson, format!("not an upload request: {e}")));
-                    record(pool, &grant).await.map(Some)
-                }
-                _ => Ok(None),
-            };
+            let reason = Reason::new(ErrorCode::MalformedJson, format!("not an upload request: {e}"));
+            return record(pool, &rejected(&tenant, &upload_id, reason)).await.map(Some);
         }
     };
-    let tenant = if trusted { request.tenant.clone() } else { publisher.to_string() };
-    if !sandcell_protocol::submission::is_valid_job_id(&request.upload_id) || !sandcell_protocol::submission::is_valid_tenant(&tenant) {
-        return Ok(None);
-    }
     if !trusted && request.tenant != tenant {
         let reason = Reason::new(ErrorCode::TenantMismatch, format!("published by tenant {tenant}, the request names {:?}", request.tenant));
-        return record(pool, &rejected(&tenant, &request.upload_id, reason)).await.map(Some);
+        return record(pool, &rejected(&tenant, &upload_id, reason)).await.map(Some);
     }
     if let Err(reason) = request.check(max_bytes) {
-        return record(pool, &rejected(&tenant, &request.upload_id, reason)).await.map(Some);
+        return record(pool, &rejected(&tenant, &upload_id, reason)).await.map(Some);
     }
     let mut files = Vec::with_capacity(request.files.len());
     for f in &request.files {
-        let s3_key = upload_key(&tenant, &request.upload_id, &f.path);
+        let s3_key = upload_key(&tenant, &upload_id, &f.path);
         let put_url = store.presign_put(&s3_key, ttl, f.size_bytes).await?;
         files.push(UploadTarget { path: f.path.clone(), s3_key, put_url, size_bytes: f.size_bytes });
     }
     let expires_at = chrono::Utc::now() + chrono::Duration::from_std(ttl).unwrap_or_default();
-    let grant = UploadGrant { tenant, upload_id: request.upload_id, status: "ready".into(), reason: None, files, expires_at: Some(expires_at) };
+    let grant = UploadGrant { tenant, upload_id, status: "ready".into(), reason: None, files, expires_at: Some(expires_at) };
     record(pool, &grant).await.map(Some)
 }
 
-fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadGrant {
+pub(crate) fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadGrant {
     UploadGrant {
         tenant: tenant.to_string(),
         upload_id: upload_id.to_string(),
@@ -78,6 +91,47 @@ fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadGrant {
     }
 }
 
-async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
+pub(crate) async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
     sandcell_core::uploads::record(pool, grant).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(tenant: &str, upload_id: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({"tenant": tenant, "upload_id": upload_id, "files": [{"path": "a.csv", "size_bytes": 1}]})).unwrap()
+    }
+
+    #[test]
+    fn a_tenants_request_is_its_own_whatever_tenant_it_names() {
+        let a = attribute(&body("acme", "up-1"), "acme", false).unwrap();
+        assert_eq!((a.tenant.as_str(), a.upload_id.as_str()), ("acme", "up-1"));
+        assert!(a.request.is_ok());
+        // Naming another tenant is judged by the answer (tenant_mismatch), under the publisher.
+        let a = attribute(&body("globex", "up-1"), "acme", false).unwrap();
+        assert_eq!((a.tenant.as_str(), a.request.unwrap().tenant.as_str()), ("acme", "globex"));
+    }
+
+    #[test]
+    fn a_trusted_publisher_names_the_tenant_in_the_body() {
+        let a = attribute(&body("acme", "up-1"), "backend", true).unwrap();
+        assert_eq!((a.tenant.as_str(), a.upload_id.as_str()), ("acme", "up-1"));
+    }
+
+    #[test]
+    fn a_broken_request_is_attributed_to_its_tenant_publisher_and_to_no_one_from_a_trusted_one() {
+        let broken = br#"{"upload_id": "up-1", "files": "many"}"#;
+        let a = attribute(broken, "acme", false).unwrap();
+        assert_eq!((a.tenant.as_str(), a.upload_id.as_str()), ("acme", "up-1"));
+        assert!(a.request.is_err());
+        assert!(attribute(broken, "backend", true).is_none());
+        assert!(attribute(b"not json", "acme", false).is_none());
+    }
+
+    #[test]
+    fn an_invalid_upload_id_or_tenant_names_no_one() {
+        assert!(attribute(&body("acme", "../up"), "acme", false).is_none());
+        assert!(attribute(&body("bad tenant", "up-1"), "backend", true).is_none());
+    }
 }

@@ -95,6 +95,24 @@ impl Client {
         Ok(())
     }
 
+    /// Ask for presigned PUT URLs for large input files (`docs/protocol.md` §1a); returns once
+    /// the broker confirmed the request. The answer is read with [`Client::upload_grant`].
+    pub async fn request_upload(&self, req: &sandcell_protocol::upload::UploadRequest) -> Result<(), ClientError> {
+        use sandcell_protocol::upload::UPLOAD_MESSAGE_TYPE;
+        let body = serde_json::to_vec(req).context("serializing an upload request")?;
+        let mut props = broker::json_properties(&req.upload_id).with_type(UPLOAD_MESSAGE_TYPE.into());
+        if let Some(user) = &self.user {
+            props = props.with_user_id(user.as_str().into());
+        }
+        broker::publish_to(&self.publisher, broker::INTAKE_EXCHANGE, &req.upload_id, &body, props).await?;
+        Ok(())
+    }
+
+    /// The scheduler's answer to an upload request, once there is one.
+    pub async fn upload_grant(&self, tenant: &str, upload_id: &str) -> Result<Option<sandcell_protocol::upload::UploadGrant>, ClientError> {
+        Ok(reads::upload_grant(&self.db, tenant, upload_id).await?)
+    }
+
     /// Publish raw bytes as a submission (for testing how sandcell treats bad input).
     pub async fn submit_raw(&self, body: &[u8], message_id: Option<&str>) -> Result<(), ClientError> {
         self.submit_raw_as(body, message_id, self.user.as_deref()).await
