@@ -376,14 +376,11 @@ impl SessionTask {
         while let Ok(mail) = mailbox.try_recv() {
             let Mail::Job(work) = mail else { continue };
             let work = *work;
-            let disposition = match run::refuse(&ctx, &work.job, &refusal).await {
-                Ok(()) => Disposition::Ack,
-                Err(e) => {
-                    // Redelivered, it finds the session gone and is refused again.
-                    tracing::error!(job_id = %work.job.job_id, error = format!("{e:#}"), "could not refuse a job of an ended session");
-                    Disposition::Requeue
-                }
-            };
+            // A refusal that failed is settled by the one rule for failed handlers: a job of
+            // this session dead-lettered (its worker's queue bounds no returns), an opening one
+            // returned to its shared queue.
+            let refused = run::refuse(&ctx, &work.job, &refusal).await.map(|()| Disposition::Ack);
+            let disposition = ledger::disposition_of(&work.job, refused).await;
             work.ticket.settle(disposition).await;
         }
         if let Some(k) = self.kernel.take() {
