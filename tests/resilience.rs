@@ -432,9 +432,10 @@ async fn a_submission_that_keeps_failing_to_be_recorded_ends_too_many_attempts_o
 async fn an_upload_request_that_keeps_failing_to_be_answered_is_rejected_too_many_attempts_once_dead_lettered() {
     use sandcell_protocol::upload::{UploadFile, UploadRequest};
     let _serial = SERIAL.lock().await;
-    let c = client().await;
+    // As a tenant, publishing under its own broker user (a trusted backend names the tenant).
+    let tt = TestTenant::create(None).await;
+    let (c, t) = (tt.client().await, tt.name.clone());
     let pool = service_db().await;
-    let t = tenant();
     let request =
         |upload_id: String| UploadRequest { tenant: t.clone(), upload_id, files: vec![UploadFile { path: "data/big.csv".into(), size_bytes: 1 << 20 }] };
     let failing = request(unique("up"));

@@ -17,9 +17,10 @@
 //!   session's job that failed even when tried again in place: its worker's queue bounds no
 //!   returns), still `queued`, is ended `rejected` with `too_many_attempts`, with the session it
 //!   was opening; one running or ended is left to its worker and the sweeper;
-//! - an **upload request** returned to its intake partition too often is answered with a
-//!   `rejected` grant with `too_many_attempts`, attributed by the intake's own rules
-//!   ([`crate::uploads::attribute`]), unless a grant was recorded already;
+//! - an **upload request** returned to its intake partition too often is answered, unless a
+//!   grant was recorded already, as its first delivery should have been when the intake refuses
+//!   it, else `rejected` with `too_many_attempts` (attributed and judged by the intake's own
+//!   rules, [`crate::uploads::attribute`] and [`crate::uploads::judge`]);
 //! - anything else (a cancel request, an undecodable job, a message that expired or
 //!   overflowed) is counted and logged.
 //!
@@ -59,6 +60,8 @@ pub struct Rules {
     pub trusted_publishers: HashSet<String>,
     /// The intake's size bounds, to judge a dead-lettered submission as the intake does.
     pub intake: IntakeLimits,
+    /// `SANDCELL_MAX_UPLOAD_FILE_BYTES`: to judge a dead-lettered upload request likewise.
+    pub max_upload_bytes: u64,
 }
 
 /// Every outcome label of `sandcell_dead_letters_total`.
@@ -145,8 +148,9 @@ enum Carried {
     Submission(Decision),
     /// An execution job.
     Job { tenant: String, job_id: String },
-    /// An upload request, attributed as the intake attributes one.
-    Upload { tenant: String, upload_id: String },
+    /// An upload request, attributed as the intake attributes one, with the intake's refusal
+    /// of it if it has one.
+    Upload { tenant: String, upload_id: String, refusal: Option<Reason> },
     /// Something recorded already, or nothing that has an outcome: counted under this label.
     Nothing(&'static str),
 }
@@ -158,19 +162,6 @@ impl Carried {
             if crate::cancels::is_cancel_request(kind) {
                 return Carried::Nothing("request");
             }
-            if crate::uploads::is_upload_request(kind) {
-                // Handled and failed on every delivery, and published to the intake (as the
-                // intake itself checks): its client still waits for a grant.
-                if death.reason != "delivery_limit" || death.exchange != broker::INTAKE_EXCHANGE {
-                    return Carried::Nothing("request");
-                }
-                let from = Publisher::of(delivery, &rules.trusted_publishers);
-                let trusted = matches!(from, Publisher::Trusted(_));
-                return match from.name().and_then(|p| crate::uploads::attribute(&delivery.data, p, trusted)) {
-                    Some(a) => Carried::Upload { tenant: a.tenant, upload_id: a.upload_id },
-                    None => Carried::Nothing("request"),
-                };
-            }
             match death.reason.as_str() {
                 // The intake dead-letters only what it could attribute to no job, having recorded it.
                 "rejected" => return Carried::Nothing("recorded_at_intake"),
@@ -179,11 +170,22 @@ impl Carried {
                 "delivery_limit" => {}
                 _ => return Carried::Nothing("other"),
             }
-            // Only a publish to the intake is a submission (as the intake itself checks).
+            // Only a publish to the intake is a submission or an upload request (as the intake
+            // itself checks).
             if death.exchange != broker::INTAKE_EXCHANGE {
                 return Carried::Nothing("not_published_to_intake");
             }
             let from = Publisher::of(delivery, &rules.trusted_publishers);
+            if crate::uploads::is_upload_request(kind) {
+                // Its client still waits for a grant: the one its first delivery should have
+                // recorded (a refusal), or `too_many_attempts`.
+                let trusted = matches!(from, Publisher::Trusted(_));
+                let Some(a) = from.name().and_then(|p| crate::uploads::attribute(&delivery.data, p, trusted)) else {
+                    return Carried::Nothing("request");
+                };
+                let refusal = crate::uploads::judge(&a, trusted, rules.max_upload_bytes).err();
+                return Carried::Upload { tenant: a.tenant, upload_id: a.upload_id, refusal };
+            }
             return Carried::Submission(decide(parse_submission(&delivery.data, &rules.intake), &from));
         }
         // Returned too often to a shared queue, or dead-lettered by a worker (a job of a session
@@ -203,7 +205,7 @@ impl Carried {
             Carried::Submission(Decision::Accept(sub)) => Some((&sub.tenant, &sub.job_id)),
             Carried::Submission(Decision::Reject(rej)) => rej.recoverable_key(),
             Carried::Job { tenant, job_id } => Some((tenant, job_id)),
-            Carried::Upload { tenant, upload_id } => Some((tenant, upload_id)),
+            Carried::Upload { tenant, upload_id, .. } => Some((tenant, upload_id)),
             Carried::Nothing(_) => None,
         }
     }
@@ -241,10 +243,10 @@ async fn record(carried: &Carried, death: &Death, delivery: &Delivery, jobs: &Jo
         Carried::Job { tenant, job_id } => Ok(if sessions.end_undelivered(tenant, job_id, &undelivered(death)).await? { "job_rejected" } else { "left_alone" }),
         // The first answer recorded stands (a grant is recorded once): one recorded before the
         // handling failed is kept.
-        Carried::Upload { tenant, upload_id } => {
-            let ours = crate::uploads::rejected(tenant, upload_id, undelivered(death));
-            let kept = crate::uploads::record(jobs.pool(), &ours).await?;
-            Ok(if kept == ours { "upload_rejected" } else { "left_alone" })
+        Carried::Upload { tenant, upload_id, refusal } => {
+            let reason = refusal.clone().unwrap_or_else(|| undelivered(death));
+            let recorded = sandcell_core::uploads::record_if_none(jobs.pool(), &crate::uploads::rejected(tenant, upload_id, reason)).await?;
+            Ok(if recorded { "upload_rejected" } else { "left_alone" })
         }
     }
 }

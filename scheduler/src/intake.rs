@@ -314,7 +314,8 @@ async fn settle_request(delivery: &Delivery, metrics: &Metrics, what: &str, outc
             Disposition::Ack
         }
         Err(e) => {
-            tracing::error!(error = format!("{e:#}"), request = what, "a request could not be handled; returning it to the queue");
+            let message_id = delivery.properties.message_id().as_ref().map(|m| m.as_str());
+            tracing::error!(error = format!("{e:#}"), request = what, message_id, "a request could not be handled; returning it to the queue");
             tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
             Disposition::Requeue
         }

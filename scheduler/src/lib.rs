@@ -156,7 +156,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let limits = sweeper::SweepLimits { worker_dead_after: cfg.worker_dead_after, stuck_after: cfg.stuck_after, session_start_wait: cfg.session_start_wait };
     let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, limits));
     let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));
-    let rules = dead_letters::Rules { trusted_publishers: cfg.trusted_publishers.clone(), intake: cfg.intake.clone() };
+    let rules = dead_letters::Rules { trusted_publishers: cfg.trusted_publishers.clone(), intake: cfg.intake.clone(), max_upload_bytes: cfg.max_upload_bytes };
     let recorder = tokio::spawn(dead_letters::run(cfg.services.amqp_url.clone(), rules, jobs.clone(), metrics.clone()));
     let shutdown = CancellationToken::new();
     let stop_grace = cfg.stop_grace;

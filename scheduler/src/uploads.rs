@@ -42,6 +42,20 @@ pub(crate) fn attribute(body: &[u8], publisher: &str, trusted: bool) -> Option<A
     valid.then_some(Attributed { tenant, upload_id, request })
 }
 
+/// The request of an attributed upload request, or why the intake refuses it: not an upload
+/// request, naming a tenant its publisher may not, or failing its checks (files, paths, sizes
+/// up to `max_bytes`). The one judgement of an upload request, for its answer and its dead
+/// letter.
+pub(crate) fn judge(attributed: &Attributed, trusted: bool, max_bytes: u64) -> Result<&UploadRequest, Reason> {
+    let request = attributed.request.as_ref().map_err(|e| Reason::new(ErrorCode::MalformedJson, format!("not an upload request: {e}")))?;
+    if !trusted && request.tenant != attributed.tenant {
+        let reason = format!("published by tenant {}, the request names {:?}", attributed.tenant, request.tenant);
+        return Err(Reason::new(ErrorCode::TenantMismatch, reason));
+    }
+    request.check(max_bytes)?;
+    Ok(request)
+}
+
 /// Answer one upload request from `publisher` (`trusted`: it may name any tenant). Returns what
 /// was recorded, or `None` for a message that names no recoverable `(tenant, upload_id)` (then
 /// it is only counted and logged).
@@ -54,29 +68,20 @@ pub async fn answer(
     max_bytes: u64,
     ttl: Duration,
 ) -> Result<Option<UploadGrant>> {
-    let Some(Attributed { tenant, upload_id, request }) = publisher.and_then(|p| attribute(body, p, trusted)) else { return Ok(None) };
-    let request = match request {
+    let Some(attributed) = publisher.and_then(|p| attribute(body, p, trusted)) else { return Ok(None) };
+    let request = match judge(&attributed, trusted, max_bytes) {
         Ok(r) => r,
-        Err(e) => {
-            let reason = Reason::new(ErrorCode::MalformedJson, format!("not an upload request: {e}"));
-            return record(pool, &rejected(&tenant, &upload_id, reason)).await.map(Some);
-        }
+        Err(reason) => return record(pool, &rejected(&attributed.tenant, &attributed.upload_id, reason)).await.map(Some),
     };
-    if !trusted && request.tenant != tenant {
-        let reason = Reason::new(ErrorCode::TenantMismatch, format!("published by tenant {tenant}, the request names {:?}", request.tenant));
-        return record(pool, &rejected(&tenant, &upload_id, reason)).await.map(Some);
-    }
-    if let Err(reason) = request.check(max_bytes) {
-        return record(pool, &rejected(&tenant, &upload_id, reason)).await.map(Some);
-    }
+    let Attributed { tenant, upload_id, .. } = &attributed;
     let mut files = Vec::with_capacity(request.files.len());
     for f in &request.files {
-        let s3_key = upload_key(&tenant, &upload_id, &f.path);
+        let s3_key = upload_key(tenant, upload_id, &f.path);
         let put_url = store.presign_put(&s3_key, ttl, f.size_bytes).await?;
         files.push(UploadTarget { path: f.path.clone(), s3_key, put_url, size_bytes: f.size_bytes });
     }
     let expires_at = chrono::Utc::now() + chrono::Duration::from_std(ttl).unwrap_or_default();
-    let grant = UploadGrant { tenant, upload_id, status: "ready".into(), reason: None, files, expires_at: Some(expires_at) };
+    let grant = UploadGrant { tenant: tenant.clone(), upload_id: upload_id.clone(), status: "ready".into(), reason: None, files, expires_at: Some(expires_at) };
     record(pool, &grant).await.map(Some)
 }
 
@@ -91,7 +96,7 @@ pub(crate) fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadG
     }
 }
 
-pub(crate) async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
+async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
     sandcell_core::uploads::record(pool, grant).await
 }
 
@@ -127,6 +132,20 @@ mod tests {
         assert!(a.request.is_err());
         assert!(attribute(broken, "backend", true).is_none());
         assert!(attribute(b"not json", "acme", false).is_none());
+    }
+
+    #[test]
+    fn the_judgement_refuses_a_broken_request_another_tenants_name_and_a_failed_check() {
+        let code = |body: &[u8], trusted| {
+            let attributed = attribute(body, if trusted { "backend" } else { "acme" }, trusted).unwrap();
+            judge(&attributed, trusted, 1 << 20).map(|_| ()).map_err(|r| r.code)
+        };
+        assert!(code(&body("acme", "up-1"), false).is_ok());
+        assert!(code(&body("globex", "up-1"), true).is_ok(), "a trusted publisher may name any tenant");
+        assert_eq!(code(br#"{"upload_id": "up-1"}"#, false).err(), Some(ErrorCode::MalformedJson));
+        assert_eq!(code(&body("globex", "up-1"), false).err(), Some(ErrorCode::TenantMismatch));
+        let too_big = br#"{"tenant": "acme", "upload_id": "up-1", "files": [{"path": "a.csv", "size_bytes": 2097152}]}"#;
+        assert!(code(too_big, false).is_err(), "over the size bound");
     }
 
     #[test]

@@ -376,9 +376,9 @@ impl SessionTask {
         while let Ok(mail) = mailbox.try_recv() {
             let Mail::Job(work) = mail else { continue };
             let work = *work;
-            // A refusal that failed is settled by the one rule for failed handlers: a job of
-            // this session dead-lettered (its worker's queue bounds no returns), an opening one
-            // returned to its shared queue.
+            // A refusal that failed is settled by the one rule for failed handlers: a job of an
+            // existing session (all a mailbox holds) is dead-lettered, since its worker's queue
+            // bounds no returns.
             let refused = run::refuse(&ctx, &work.job, &refusal).await.map(|()| Disposition::Ack);
             let disposition = ledger::disposition_of(&work.job, refused).await;
             work.ticket.settle(disposition).await;
