@@ -25,10 +25,12 @@
 //! `/sys/fs/cgroup`), writable for the peak's reset — true for a worker running on the host
 //! as root, or in a pod with `/sys/fs/cgroup` mounted. Where a file cannot be found, that
 //! figure goes unreported (`null`); nothing else depends on it. The files are tiny kernel
-//! counters, read synchronously.
+//! counters, read synchronously, each through a descriptor opened once for the container's
+//! life and read from its start (a path lookup, an open and a close cost ~9 us a file here,
+//! a read from an open descriptor ~1 us; a cell reads five).
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -90,7 +92,7 @@ impl CpuWeight {
 /// Where a container's counters live.
 #[derive(Debug, Default)]
 pub struct Cgroup {
-    pids_events: Option<PathBuf>,
+    pids_events: Option<File>,
     cpu: Option<CpuCounter>,
     peak: Option<PeakMemory>,
 }
@@ -99,16 +101,17 @@ pub struct Cgroup {
 #[derive(Debug)]
 enum CpuCounter {
     /// cgroup v1 `cpuacct.usage`: nanoseconds.
-    V1(PathBuf),
+    V1(File),
     /// cgroup v2 `cpu.stat`: `usage_usec`.
-    V2(PathBuf),
+    V2(File),
 }
 
 /// The container's memory high-water mark.
 #[derive(Debug)]
 enum PeakMemory {
-    /// cgroup v1 `memory.max_usage_in_bytes`.
-    V1(PathBuf),
+    /// cgroup v1 `memory.max_usage_in_bytes`: reset by writing 0 to its path, read through
+    /// its descriptor.
+    V1(PathBuf, File),
     /// cgroup v2 `memory.peak`, open: its reset holds for this descriptor only.
     V2(File),
 }
@@ -143,11 +146,12 @@ impl Cgroup {
         let v2_dirs = [root.join("docker").join(container_id), root.join("system.slice").join(format!("docker-{container_id}.scope"))];
         let v1 = |controller: &str, file: &str| Some(root.join(controller).join("docker").join(container_id).join(file)).filter(|p| p.is_file());
         let v2 = |file: &str| v2_dirs.iter().map(|d| d.join(file)).find(|p| p.is_file());
+        let open = |p: PathBuf| File::open(p).ok();
 
-        let pids_events = v1("pids", "pids.events").or_else(|| v2("pids.events"));
-        let cpu = v1("cpuacct", "cpuacct.usage").map(CpuCounter::V1).or_else(|| v2("cpu.stat").map(CpuCounter::V2));
+        let pids_events = v1("pids", "pids.events").or_else(|| v2("pids.events")).and_then(open);
+        let cpu = v1("cpuacct", "cpuacct.usage").and_then(open).map(CpuCounter::V1).or_else(|| v2("cpu.stat").and_then(open).map(CpuCounter::V2));
         let peak = v1("memory", "memory.max_usage_in_bytes")
-            .map(PeakMemory::V1)
+            .and_then(|p| File::open(&p).ok().map(|f| PeakMemory::V1(p, f)))
             .or_else(|| v2("memory.peak").and_then(|p| File::options().read(true).write(true).open(p).ok()).map(PeakMemory::V2));
         if pids_events.is_none() || cpu.is_none() || peak.is_none() {
             tracing::debug!(
@@ -165,8 +169,8 @@ impl Cgroup {
     /// Start measuring a cell: reset the memory high-water mark, read the counters.
     pub fn start(&mut self) -> Meter {
         let peak_reset = match &mut self.peak {
-            Some(PeakMemory::V1(path)) => std::fs::write(path, "0").is_ok(),
-            Some(PeakMemory::V2(file)) => file.write_all(b"reset\n").is_ok(),
+            Some(PeakMemory::V1(path, _)) => std::fs::write(path, "0").is_ok(),
+            Some(PeakMemory::V2(file)) => file.write_all_at(b"reset\n", 0).is_ok(),
             None => false,
         };
         Meter { started: Instant::now(), cpu_ns: self.cpu_ns(), peak_reset, pids_refusals: self.pids_refusals() }
@@ -188,28 +192,43 @@ impl Cgroup {
     }
 
     fn pids_refusals(&self) -> Option<u64> {
-        let text = std::fs::read_to_string(self.pids_events.as_ref()?).ok()?;
-        parse_pids_events(&text)
+        parse_pids_events(read_from_start(self.pids_events.as_ref()?, &mut [0; COUNTER_BYTES])?)
     }
 
     fn cpu_ns(&self) -> Option<u64> {
+        let buf = &mut [0; COUNTER_BYTES];
         match self.cpu.as_ref()? {
-            CpuCounter::V1(path) => std::fs::read_to_string(path).ok()?.trim().parse().ok(),
-            CpuCounter::V2(path) => parse_cpu_stat_usec(&std::fs::read_to_string(path).ok()?).map(|us| us.saturating_mul(1000)),
+            CpuCounter::V1(file) => read_from_start(file, buf)?.trim().parse().ok(),
+            CpuCounter::V2(file) => parse_cpu_stat_usec(read_from_start(file, buf)?).map(|us| us.saturating_mul(1000)),
         }
     }
 
     fn peak_bytes(&mut self) -> Option<u64> {
-        match self.peak.as_mut()? {
-            PeakMemory::V1(path) => std::fs::read_to_string(path).ok()?.trim().parse().ok(),
-            PeakMemory::V2(file) => {
-                let mut text = String::new();
-                file.seek(SeekFrom::Start(0)).ok()?;
-                file.read_to_string(&mut text).ok()?;
-                text.trim().parse().ok()
-            }
+        let file = match self.peak.as_ref()? {
+            PeakMemory::V1(_, file) | PeakMemory::V2(file) => file,
+        };
+        read_from_start(file, &mut [0; COUNTER_BYTES])?.trim().parse().ok()
+    }
+}
+
+/// Room for a counter file's text: the longest, v2's `cpu.stat`, is a few hundred bytes.
+const COUNTER_BYTES: usize = 4096;
+
+/// A counter file's text as the kernel makes it now: read from its start through `file`, into
+/// `buf`. `None` if it cannot be read (the cgroup is gone) or does not fit.
+fn read_from_start<'b>(file: &File, buf: &'b mut [u8]) -> Option<&'b str> {
+    let mut len = 0;
+    loop {
+        match file.read_at(&mut buf[len..], len as u64) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(_) => return None,
+        }
+        if len == buf.len() {
+            return None;
         }
     }
+    std::str::from_utf8(&buf[..len]).ok()
 }
 
 fn parse_pids_events(text: &str) -> Option<u64> {
@@ -266,5 +285,37 @@ mod tests {
         let r = cg.read(&meter);
         std::fs::remove_dir_all(&root).unwrap();
         assert_eq!((r.cpu_ms, r.peak_memory_bytes, r.pids_refused), (Some(250.0), Some(4096), Some(3)));
+    }
+
+    #[test]
+    fn a_cell_is_measured_against_its_start_in_cgroup_v2_through_descriptors_opened_once() {
+        let root = std::env::temp_dir().join(format!("sandcell-cgroup-v2-test-{}", std::process::id()));
+        let dir = root.join("docker").join("c2");
+        std::fs::create_dir_all(&dir).unwrap();
+        let cpu_stat = |usec: u64| format!("usage_usec {usec}\nuser_usec 1\nsystem_usec 2\nnr_periods 0\nnr_throttled 0\nthrottled_usec 0\n");
+        std::fs::write(dir.join("pids.events"), "max 0\n").unwrap();
+        std::fs::write(dir.join("cpu.stat"), cpu_stat(2_000_000)).unwrap();
+        std::fs::write(dir.join("memory.peak"), "999999\n").unwrap();
+        let mut cg = Cgroup::locate(&root, "c2");
+        let meter = cg.start();
+        assert!(std::fs::read_to_string(dir.join("memory.peak")).unwrap().starts_with("reset\n"), "the peak is reset at the start, through its descriptor");
+        // The files change in place, as the kernel's counters do; the descriptors see it.
+        for (name, text) in [("pids.events", "max 1\n".to_string()), ("cpu.stat", cpu_stat(2_012_500)), ("memory.peak", "8192\n".to_string())] {
+            std::fs::OpenOptions::new().write(true).open(dir.join(name)).unwrap().write_all_at(text.as_bytes(), 0).unwrap();
+            std::fs::OpenOptions::new().write(true).open(dir.join(name)).unwrap().set_len(text.len() as u64).unwrap();
+        }
+        let r = cg.read(&meter);
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!((r.cpu_ms, r.peak_memory_bytes, r.pids_refused), (Some(12.5), Some(8192), Some(1)));
+    }
+
+    #[test]
+    fn a_counter_longer_than_its_buffer_is_not_read() {
+        let path = std::env::temp_dir().join(format!("sandcell-cgroup-long-{}", std::process::id()));
+        std::fs::write(&path, "x".repeat(100)).unwrap();
+        let file = File::open(&path).unwrap();
+        assert_eq!(read_from_start(&file, &mut [0; 100]), None);
+        assert_eq!(read_from_start(&file, &mut [0; 101]).map(str::len), Some(100));
+        std::fs::remove_file(&path).unwrap();
     }
 }
