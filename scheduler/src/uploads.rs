@@ -17,18 +17,20 @@ pub fn is_upload_request(kind: Option<&str>) -> bool {
     kind == Some(UPLOAD_MESSAGE_TYPE)
 }
 
-/// Whom an upload request is for, by the intake's identity rules: its tenant (the publisher,
-/// unless `trusted`, which names the tenant in the body) and its upload id, with the request as
-/// parsed. `None` for a message that names no recoverable `(tenant, upload_id)`: a trusted
-/// publisher's unparsable body names nobody.
+/// Whom an upload request is for, by the intake's identity rules, with the request as parsed.
 pub(crate) struct Attributed {
+    /// The publisher, unless it is trusted: then the tenant the body names.
     pub tenant: String,
+    /// The request's id.
     pub upload_id: String,
+    /// The body, parsed (a tenant's broken request is still attributed: it gets a refusal).
     pub request: Result<UploadRequest, serde_json::Error>,
 }
 
-/// See [`Attributed`]: the one place an upload request's identity is read, for its answer and
-/// for its dead letter.
+/// Attribute an upload request from `publisher` (`trusted`: it may name any tenant): the one
+/// place an upload request's identity is read, for its answer and for its dead letter. `None`
+/// for a message that names no valid `(tenant, upload_id)`: a trusted publisher's unparsable
+/// body names nobody.
 pub(crate) fn attribute(body: &[u8], publisher: &str, trusted: bool) -> Option<Attributed> {
     let request = serde_json::from_slice::<UploadRequest>(body);
     let (tenant, upload_id) = match &request {
