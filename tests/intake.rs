@@ -690,3 +690,31 @@ async fn taking_a_session_over_may_be_tried_again_by_the_same_job_worker_and_con
         sqlx::query_as("SELECT state, worker_id, container_id FROM sessions WHERE session_id = $1").bind(&sid).fetch_one(&db).await.expect("session row");
     assert_eq!((state.as_str(), worker.as_str(), container.as_str()), ("active", mine.as_str(), "c1"));
 }
+
+/// An upload grant is recorded once. The same `(tenant, upload_id)` answered again (a retried
+/// request, or the rejection of a dead-lettered copy) gets the first answer back, and is told
+/// that its own was not recorded.
+#[tokio::test]
+async fn an_upload_grant_is_recorded_once_and_a_later_answer_is_told_it_was_not() {
+    use sandcell_protocol::upload::UploadGrant;
+    let db = service_db().await;
+    let (t, id) = (tenant(), unique("up"));
+    let grant = |status: &str, reason: Option<sandcell_protocol::Reason>| UploadGrant {
+        tenant: t.clone(),
+        upload_id: id.clone(),
+        status: status.into(),
+        reason,
+        files: vec![],
+        expires_at: None,
+    };
+    let first = grant("ready", None);
+    let late = grant("rejected", Some(sandcell_protocol::Reason::new(ErrorCode::TooManyAttempts, "a late second answer")));
+    let recorded = sandcell_core::uploads::record(&db, &first).await.expect("first answer");
+    assert!(recorded.inserted, "the first answer is the one recorded");
+    assert_eq!(recorded.grant, first);
+    let again = sandcell_core::uploads::record(&db, &late).await.expect("second answer");
+    assert!(!again.inserted, "a second answer is not recorded");
+    assert_eq!(again.grant, first, "the first answer stands and is returned");
+    let read = sandcell_core::reads::upload_grant(&db, &t, &id).await.expect("reading the grant");
+    assert_eq!(read, Some(first));
+}

@@ -5,14 +5,25 @@ use anyhow::{Context, Result};
 use sandcell_protocol::upload::UploadGrant;
 use sqlx::postgres::PgPool;
 
-/// Record an upload grant; the same `(tenant, upload_id)` asked again keeps its first answer,
-/// which is returned.
-pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
+/// The answer that stands for a `(tenant, upload_id)` after [`record`].
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    /// The grant recorded first: this call's, or one recorded before it.
+    pub grant: UploadGrant,
+    /// Whether this call's grant was the one recorded (`false`: an earlier answer stands).
+    pub inserted: bool,
+}
+
+/// Record an upload grant unless the `(tenant, upload_id)` has one: the same request asked
+/// again keeps its first answer, which is returned, with whether this call recorded it.
+pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
     let doc = serde_json::to_value(grant).context("encoding an upload grant")?;
-    let kept: serde_json::Value = sqlx::query_scalar(
+    // The no-op update makes a conflict return the standing row; `xmax = 0` holds only for a
+    // row this statement inserted (an updated row carries this transaction's id in `xmax`).
+    let (kept, inserted): (serde_json::Value, bool) = sqlx::query_as(
         "INSERT INTO uploads (tenant, upload_id, grant_doc) VALUES ($1, $2, $3)
          ON CONFLICT (tenant, upload_id) DO UPDATE SET tenant = uploads.tenant
-         RETURNING grant_doc",
+         RETURNING grant_doc, (xmax = 0)",
     )
     .bind(&grant.tenant)
     .bind(&grant.upload_id)
@@ -20,19 +31,6 @@ pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
     .fetch_one(pool)
     .await
     .context("recording an upload grant")?;
-    serde_json::from_value(kept).context("decoding a recorded upload grant")
-}
-
-/// Record an upload grant unless the `(tenant, upload_id)` has one; whether this one was
-/// recorded (`false`: the first answer stands).
-pub async fn record_if_none(pool: &PgPool, grant: &UploadGrant) -> Result<bool> {
-    let doc = serde_json::to_value(grant).context("encoding an upload grant")?;
-    let inserted = sqlx::query("INSERT INTO uploads (tenant, upload_id, grant_doc) VALUES ($1, $2, $3) ON CONFLICT (tenant, upload_id) DO NOTHING")
-        .bind(&grant.tenant)
-        .bind(&grant.upload_id)
-        .bind(doc)
-        .execute(pool)
-        .await
-        .context("recording an upload grant")?;
-    Ok(inserted.rows_affected() == 1)
+    let grant = serde_json::from_value(kept).context("decoding a recorded upload grant")?;
+    Ok(Recorded { grant, inserted })
 }

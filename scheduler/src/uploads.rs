@@ -99,7 +99,7 @@ pub(crate) fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadG
 }
 
 async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
-    sandcell_core::uploads::record(pool, grant).await
+    Ok(sandcell_core::uploads::record(pool, grant).await?.grant)
 }
 
 #[cfg(test)]
