@@ -215,7 +215,8 @@ impl Cgroup {
 const COUNTER_BYTES: usize = 4096;
 
 /// A counter file's text as the kernel makes it now: read from its start through `file`, into
-/// `buf`. `None` if it cannot be read (the cgroup is gone) or does not fit.
+/// `buf`. `None` if it cannot be read (the cgroup is gone) or fills `buf` (it may go on: a
+/// read that fills the buffer cannot tell that the file ended).
 fn read_from_start<'b>(file: &File, buf: &'b mut [u8]) -> Option<&'b str> {
     let mut len = 0;
     loop {
@@ -312,10 +313,11 @@ mod tests {
     #[test]
     fn a_counter_longer_than_its_buffer_is_not_read() {
         let path = std::env::temp_dir().join(format!("sandcell-cgroup-long-{}", std::process::id()));
-        std::fs::write(&path, "x".repeat(100)).unwrap();
+        std::fs::write(&path, "x".repeat(101)).unwrap();
         let file = File::open(&path).unwrap();
-        assert_eq!(read_from_start(&file, &mut [0; 100]), None);
-        assert_eq!(read_from_start(&file, &mut [0; 101]).map(str::len), Some(100));
+        assert_eq!(read_from_start(&file, &mut [0; 100]), None, "longer than the buffer");
+        assert_eq!(read_from_start(&file, &mut [0; 101]), None, "as long as the buffer: no read shows it ended");
+        assert_eq!(read_from_start(&file, &mut [0; 102]).map(str::len), Some(101));
         std::fs::remove_file(&path).unwrap();
     }
 }
