@@ -364,3 +364,49 @@ async fn a_job_cannot_reach_the_socket_its_driver_speaks_on() {
         assert_eq!(r.execution.stdout, "listdir refused\nconnect refused\nFalse\n", "{r:?}");
     }
 }
+
+/// The intake dead-letters whole every message it cannot attribute, and nothing consumes
+/// `sandcell.dead`: a tenant publishing such messages at the broker's largest size would grow it
+/// until the broker's disk alarm blocked every publisher. The queue keeps the newest 256 MiB
+/// (the operator policy set where tenants are made): a flood past that leaves it within its
+/// bound, every message is still recorded, and another tenant's job runs as if nothing happened.
+#[tokio::test]
+async fn a_tenants_flood_of_undecodable_messages_keeps_the_dead_letters_within_their_bound() {
+    const BODY_BYTES: u64 = 16 << 20;
+    let flooder = TestTenant::create(None).await;
+    let fc = flooder.client().await;
+    let c = client().await;
+    let by = Bystander::start(&c).await;
+    // Making a tenant sets the policy; the broker's statistics show it within 5 s.
+    let bound = eventually(Duration::from_secs(15), || async {
+        let q = broker_queue(sandcell_core::broker::DEAD_LETTER_QUEUE).await.ok()?;
+        q["effective_policy_definition"]["max-length-bytes"].as_u64().filter(|b| *b == sandcell_core::broker::DEAD_LETTER_MAX_BYTES)
+    })
+    .await;
+    assert!(bound.is_some(), "sandcell.dead is not held to its bound");
+    // Past the bound by two messages, even with the queue empty before.
+    let n = sandcell_core::broker::DEAD_LETTER_MAX_BYTES / BODY_BYTES + 2;
+    let body = vec![b'x'; BODY_BYTES as usize];
+    let prefix = unique("flood");
+    for i in 0..n {
+        fc.submit_raw(&body, Some(&format!("{prefix}-{i}"))).await.expect("publishing a message the intake cannot read");
+    }
+    let pool = service_db().await;
+    let recorded = eventually(Duration::from_secs(120), || async {
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM intake_rejections WHERE message_id LIKE $1 AND publisher = $2 AND code = 'malformed_json'")
+            .bind(format!("{prefix}-%"))
+            .bind(&flooder.name)
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+        (count == n as i64).then_some(count)
+    })
+    .await;
+    assert_eq!(recorded, Some(n as i64), "every message of the flood is recorded");
+    // The intake dead-letters after it records; the broker's statistics are refreshed every 5 s.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let dead = broker_queue(sandcell_core::broker::DEAD_LETTER_QUEUE).await.expect("the dead-letter queue");
+    let bytes = dead["message_bytes"].as_u64().expect("the queue's bytes");
+    assert!(bytes <= sandcell_core::broker::DEAD_LETTER_MAX_BYTES, "{bytes} bytes of dead letters after {n} messages of {BODY_BYTES}");
+    by.assert_unharmed(&c).await;
+}

@@ -144,12 +144,15 @@ impl Admin {
         for (limit, value) in [("max-connections", broker::TENANT_MAX_CONNECTIONS), ("max-channels", broker::TENANT_MAX_CHANNELS)] {
             self.put_management(&format!("user-limits/{tenant}/{limit}"), serde_json::json!({"value": value})).await?;
         }
-        let (policy, pattern, definition) = broker::tenant_queue_policy();
-        self.put_management(
-            &format!("operator-policies/{{vhost}}/{policy}"),
-            serde_json::json!({"pattern": pattern, "definition": definition, "apply-to": "queues", "priority": 0}),
-        )
-        .await
+        // And what any tenant can make the broker keep for operators: its dead letters.
+        for (policy, pattern, definition) in broker::operator_policies() {
+            self.put_management(
+                &format!("operator-policies/{{vhost}}/{policy}"),
+                serde_json::json!({"pattern": pattern, "definition": definition, "apply-to": "queues", "priority": 0}),
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     async fn put_broker_user(&self, user: &str, password: &str) -> Result<()> {
@@ -157,8 +160,6 @@ impl Admin {
         self.grant_broker_permissions(user).await
     }
 
-    /// PUT `body` to the management API at `/api/<path>` (`{vhost}` replaced by the encoded
-    /// vhost of `SANDCELL_AMQP_URL`), as the operator's broker user.
     /// Whether the management API has `/api/<path>`.
     async fn management_get(&self, path: &str) -> Result<bool> {
         let resp = self.management_send(reqwest::Method::GET, path, None).await?;
@@ -169,6 +170,8 @@ impl Admin {
         }
     }
 
+    /// PUT `body` to the management API at `/api/<path>` (`{vhost}` replaced by the encoded
+    /// vhost of `SANDCELL_AMQP_URL`), as the operator's broker user.
     async fn put_management(&self, path: &str, body: serde_json::Value) -> Result<()> {
         self.management(reqwest::Method::PUT, path, Some(body)).await
     }

@@ -19,7 +19,7 @@
 //! - `sandcell.worker.<id>` (classic, one per worker, declared by that worker): the scheduler
 //!   routes every job of a session to the queue of the worker that holds the session;
 //! - `sandcell.dlx` (fanout exchange) → `sandcell.dead` (quorum): poison messages, kept for
-//!   operators; and → `sandcell.dead.outcomes` (quorum, declared by the scheduler,
+//!   operators (the newest 256 MiB, a week: [`dead_letter_queue_policy`]); and → `sandcell.dead.outcomes` (quorum, declared by the scheduler,
 //!   [`declare_dead_letter_outcomes`]): a copy of each, from which the scheduler records the
 //!   outcome of the job it carried.
 
@@ -154,6 +154,25 @@ pub const TENANT_MAX_CHANNELS: u32 = 256;
 /// queues that disappear an hour after their last use.
 pub fn tenant_queue_policy() -> (&'static str, &'static str, serde_json::Value) {
     ("sandcell-tenant-queues", "^sandcell\\.live\\.", serde_json::json!({"max-length-bytes": 64u64 << 20, "message-ttl": 600_000, "expires": 3_600_000}))
+}
+
+/// Most bytes of dead letters [`DEAD_LETTER_QUEUE`] keeps: the newest are kept, the oldest dropped.
+pub const DEAD_LETTER_MAX_BYTES: u64 = 256 << 20;
+/// How long [`DEAD_LETTER_QUEUE`] keeps a dead letter: a week, for operators to read it.
+pub const DEAD_LETTER_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// The operator policy [`DEAD_LETTER_QUEUE`] is held to: (name, pattern, definition). A tenant
+/// can get what it publishes dead-lettered (a message the intake cannot attribute, up to the
+/// broker's `max_message_size` each), and the queue has no consumer: unbounded, it would grow
+/// until the broker's disk alarm blocks every publisher, every tenant's included.
+pub fn dead_letter_queue_policy() -> (&'static str, &'static str, serde_json::Value) {
+    ("sandcell-dead-letters", "^sandcell\\.dead$", serde_json::json!({"max-length-bytes": DEAD_LETTER_MAX_BYTES, "message-ttl": DEAD_LETTER_TTL_MS}))
+}
+
+/// Every operator policy of the shared broker, set where tenants are made (the only untrusted
+/// publishers): [`tenant_queue_policy`] and [`dead_letter_queue_policy`].
+pub fn operator_policies() -> [(&'static str, &'static str, serde_json::Value); 2] {
+    [tenant_queue_policy(), dead_letter_queue_policy()]
 }
 
 /// A tenant's topic permission on [`EVENTS_EXCHANGE`] (exchange, write, read regexes): it may

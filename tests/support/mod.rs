@@ -5,6 +5,7 @@
 //! `deploy/local/test.sh`). Connection settings come from the environment that script exports
 //! from `/var/lib/sandcell/sandcell.env`.
 
+use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -157,11 +158,16 @@ pub fn displayed_png(r: &JobResult) -> Option<String> {
 
 /// A plain HTTP/1.1 GET (the store is on loopback, without TLS). Returns status and body.
 pub async fn http_get(url: &str) -> Result<(u16, Vec<u8>)> {
+    http_get_with(url, "").await
+}
+
+/// [`http_get`] with extra header lines (each ending in `\r\n`).
+async fn http_get_with(url: &str, headers: &str) -> Result<(u16, Vec<u8>)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let rest = url.strip_prefix("http://").context("only http:// URLs")?;
     let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
     let mut stream = tokio::net::TcpStream::connect(host).await.with_context(|| format!("connecting to {host}"))?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n");
     stream.write_all(req.as_bytes()).await?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).await?;
@@ -190,6 +196,23 @@ fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
         out.extend_from_slice(&b[start..start + size]);
         b = &b[start + size + 2..];
     }
+}
+
+/// A queue as RabbitMQ's management API describes it (`/api/queues/<vhost>/<name>`), asked as
+/// the operator's broker user of `SANDCELL_AMQP_URL` (its figures are the broker's statistics,
+/// refreshed every 5 s).
+pub async fn broker_queue(name: &str) -> Result<serde_json::Value> {
+    use base64::Engine as _;
+    let amqp = std::env::var("SANDCELL_AMQP_URL").context("SANDCELL_AMQP_URL")?;
+    let url = lapin::uri::AMQPUri::from_str(&amqp).map_err(|e| anyhow::anyhow!("SANDCELL_AMQP_URL: {e}"))?;
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", url.authority.userinfo.username, url.authority.userinfo.password));
+    let management = std::env::var("SANDCELL_RABBITMQ_MANAGEMENT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into());
+    let vhost = url.vhost.replace('/', "%2F");
+    let (status, body) = http_get_with(&format!("{management}/api/queues/{vhost}/{name}"), &format!("Authorization: Basic {auth}\r\n")).await?;
+    if status != 200 {
+        bail!("the management API answered {status} for queue {name}");
+    }
+    serde_json::from_slice(&body).context("decoding the management API's answer")
 }
 
 /// Poll `f` until it returns `Some`, for at most `limit`.
