@@ -680,6 +680,18 @@ async fn a_starting_worker_removes_containers_left_by_its_previous_run() {
         .unwrap();
     let gone = eventually(Duration::from_secs(30), || async { (count().await == 0).then_some(()) }).await;
     child.kill().await.ok();
+    // The killed run leaves its own warm pool behind, as a crash does; no later run of this
+    // random id would remove it.
+    let _ = child.wait().await;
+    let all = bollard::query_parameters::ListContainersOptions {
+        all: true,
+        filters: Some(std::collections::HashMap::from([("label".to_string(), vec![format!("sandcell.worker={worker_id}")])])),
+        ..Default::default()
+    };
+    for id in docker.list_containers(Some(all)).await.unwrap_or_default().into_iter().filter_map(|c| c.id) {
+        let force = bollard::query_parameters::RemoveContainerOptions { force: true, ..Default::default() };
+        let _ = docker.remove_container(&id, Some(force)).await;
+    }
     assert!(gone.is_some(), "leftover containers were not removed");
 }
 
