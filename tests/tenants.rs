@@ -406,3 +406,68 @@ async fn a_final_notification_carries_the_committed_record_unless_it_does_not_fi
     assert_eq!(with_file.artifacts.iter().map(|a| a.path.as_str()).collect::<Vec<_>>(), ["report.txt"], "artifacts inserted after the job's row");
     assert_eq!(with_file.session.as_ref().map(|s| s.id.as_str()), Some(session.as_str()));
 }
+
+/// What a tenant may put through its upload grants counts against its stored-bytes quota, with
+/// its artifacts, until its time is over; then the sweeper removes the objects and the room is
+/// the tenant's again. (Neither counted nor removed, uploads let one tenant fill the object
+/// store every tenant shares.)
+#[tokio::test]
+async fn uploads_count_against_the_stored_bytes_quota_until_the_sweeper_removes_them() {
+    use sandcell_core::store::{ArtifactStore, Fetched};
+    use sandcell_protocol::upload::{UploadFile, UploadGrant, UploadRequest};
+    let t = TestTenant::create(Some(Quotas { max_artifact_bytes: 1000, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let ask = |bytes: u64| UploadRequest {
+        tenant: t.name.clone(),
+        upload_id: unique("up"),
+        files: vec![UploadFile { path: "data/a.csv".into(), size_bytes: bytes }],
+    };
+    let answer = |req: UploadRequest| {
+        let c = &c;
+        async move {
+            c.request_upload(&req).await.expect("requesting an upload");
+            let grant: Option<UploadGrant> =
+                eventually(Duration::from_secs(30), || async { c.upload_grant(&req.tenant, &req.upload_id).await.ok().flatten() }).await;
+            grant.expect("an answer to the upload request")
+        }
+    };
+    let first = answer(ask(600)).await;
+    assert_eq!(first.status, "ready", "{first:?}");
+    // The tenant puts its 600 bytes through the URL, as a client does.
+    let file = std::env::temp_dir().join(unique("upload"));
+    std::fs::write(&file, [b'u'; 600]).expect("writing the file to upload");
+    let status = sh(&format!("curl -sS -o /dev/null -w '%{{http_code}}' -T '{}' '{}'", file.display(), first.files[0].put_url));
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(status, "200", "the PUT through the grant's URL");
+    // 600 of its 1000 bytes are spoken for: another upload of 600 is refused, and a job's
+    // artifact of 500 bytes is skipped.
+    let second = answer(ask(600)).await;
+    assert_eq!((second.status.as_str(), second.reason.as_ref().map(|r| r.code)), ("rejected", Some(ErrorCode::QuotaExceeded)), "{second:?}");
+    assert!(second.files.is_empty(), "a refused upload gets no URL");
+    let r = run(&c, &python(&t.name, "open('b.txt', 'w').write('b' * 500)")).await;
+    assert_eq!(r.execution.skipped_files.iter().map(|f| (f.path.as_str(), f.reason.as_str())).collect::<Vec<_>>(), [("b.txt", "quota_exceeded")], "{r:?}");
+    // Its time over (brought forward here), the sweeper removes the object, and the room is back.
+    let db = service_db().await;
+    sqlx::query("UPDATE uploads SET objects_expire_at = now() WHERE tenant = $1 AND upload_id = $2")
+        .bind(&t.name)
+        .bind(&first.upload_id)
+        .execute(&db)
+        .await
+        .expect("bringing the upload's time forward");
+    let removed = eventually(Duration::from_secs(30), || async {
+        let at: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar("SELECT objects_removed_at FROM uploads WHERE tenant = $1 AND upload_id = $2")
+            .bind(&t.name)
+            .bind(&first.upload_id)
+            .fetch_one(&db)
+            .await
+            .ok()?;
+        at
+    })
+    .await;
+    assert!(removed.is_some(), "the sweeper did not remove the expired upload");
+    let store = ArtifactStore::new(&sandcell_core::config::Services::from_env().expect("services").s3);
+    let left = store.get_limited(&first.files[0].s3_key, 10_000).await.expect("asking the store");
+    assert!(matches!(left, Fetched::Missing), "the uploaded object is still in the store");
+    let third = answer(ask(600)).await;
+    assert_eq!(third.status, "ready", "{third:?}");
+}

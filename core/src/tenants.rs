@@ -225,32 +225,18 @@ impl TenantStore {
 
     /// Reserve for `job_id` the artifact bytes it may store, at most `wanted`, and return them
     /// (0 when the tenant is at its quota; `wanted` for a tenant with no row). Under the
-    /// tenant's row lock, what is available (the bytes `tenant_artifact_bytes` keeps, migration
-    /// 0018) plus what its other running jobs reserved never exceeds `max_artifact_bytes`, so
-    /// jobs committing at the same moment cannot together overshoot. [`crate::jobs::JobStore::finish`] deletes the reservation when it records the
+    /// tenant's row lock, what it stores ([`stored_bytes`]: its artifacts, what its other
+    /// running jobs reserved, what its live upload grants allow) never exceeds
+    /// `max_artifact_bytes`, so jobs committing and uploads granted at the same moment cannot
+    /// together overshoot. [`crate::jobs::JobStore::finish`] deletes the reservation when it records the
     /// artifacts; a reservation of a job that is no longer running counts for nothing. Calling
     /// it again for the same job (a rerun) replaces the reservation.
     pub async fn reserve_artifact_bytes(&self, tenant: &str, job_id: &str, wanted: u64) -> Result<u64> {
         let mut tx = self.pool.begin().await.context("beginning reservation")?;
-        let max: Option<i64> = sqlx::query_scalar("SELECT max_artifact_bytes FROM tenants WHERE tenant = $1 FOR UPDATE")
-            .bind(tenant)
-            .fetch_optional(&mut *tx)
-            .await
-            .context("locking the tenant")?;
-        let Some(max) = max else {
+        let Some(max) = lock_stored_bytes_quota(&mut tx, tenant).await? else {
             return Ok(wanted);
         };
-        let used: i64 = sqlx::query_scalar(
-            "SELECT (COALESCE((SELECT sum(bytes) FROM tenant_artifact_bytes WHERE tenant = $1), 0)
-                   + COALESCE((SELECT sum(r.bytes) FROM artifact_reservations r
-                               JOIN jobs j ON j.tenant = r.tenant AND j.job_id = r.job_id
-                               WHERE r.tenant = $1 AND r.job_id <> $2 AND j.status = 'running'), 0))::bigint",
-        )
-        .bind(tenant)
-        .bind(job_id)
-        .fetch_one(&mut *tx)
-        .await
-        .context("summing the tenant's stored and reserved bytes")?;
+        let used = stored_bytes(&mut tx, tenant, Some(job_id)).await?;
         let left = u64::try_from(max.saturating_sub(used)).unwrap_or(0);
         let granted = wanted.min(left);
         sqlx::query(
@@ -266,6 +252,37 @@ impl TenantStore {
         tx.commit().await.context("committing the reservation")?;
         Ok(granted)
     }
+}
+
+/// Take `tenant`'s row lock, under which its stored bytes are counted and added to, and return
+/// its stored-bytes quota (`max_artifact_bytes`); `None` for a tenant with no row (no quota).
+pub(crate) async fn lock_stored_bytes_quota(tx: &mut Transaction<'_, Postgres>, tenant: &str) -> Result<Option<i64>> {
+    sqlx::query_scalar("SELECT max_artifact_bytes FROM tenants WHERE tenant = $1 FOR UPDATE")
+        .bind(tenant)
+        .fetch_optional(&mut **tx)
+        .await
+        .context("locking the tenant")
+}
+
+/// What counts against `tenant`'s stored-bytes quota: its available artifacts (the bytes
+/// `tenant_artifact_bytes` keeps, migration 0018), the reservations of its running jobs but
+/// `except_job`'s, and the bytes its upload grants let it put whose objects are not removed yet
+/// (migration 0019). The one sum of a tenant's footprint in the store, read under the lock of
+/// [`lock_stored_bytes_quota`].
+pub(crate) async fn stored_bytes(tx: &mut Transaction<'_, Postgres>, tenant: &str, except_job: Option<&str>) -> Result<i64> {
+    sqlx::query_scalar(
+        "SELECT (COALESCE((SELECT sum(bytes) FROM tenant_artifact_bytes WHERE tenant = $1), 0)
+               + COALESCE((SELECT sum(r.bytes) FROM artifact_reservations r
+                           JOIN jobs j ON j.tenant = r.tenant AND j.job_id = r.job_id
+                           WHERE r.tenant = $1 AND r.job_id IS DISTINCT FROM $2 AND j.status = 'running'), 0)
+               + COALESCE((SELECT sum(granted_bytes) FROM uploads
+                           WHERE tenant = $1 AND objects_expire_at IS NOT NULL AND objects_removed_at IS NULL), 0))::bigint",
+    )
+    .bind(tenant)
+    .bind(except_job)
+    .fetch_one(&mut **tx)
+    .await
+    .context("summing the tenant's stored, reserved and uploadable bytes")
 }
 
 fn is_tenant_role(role: &str) -> bool {

@@ -1,11 +1,18 @@
 //! The scheduler's answers to tenants' upload requests (`uploads`): written here, read by
-//! clients through [`crate::reads::upload_grant`].
+//! clients through [`crate::reads::upload_grant`]; and how long what a grant let a tenant put
+//! in the store is kept (migration 0019): its granted bytes count against the tenant's
+//! stored-bytes quota until the sweeper removes its objects.
 
 use anyhow::{Context, Result};
+use chrono::{DateTime, Utc};
 use sandcell_protocol::upload::UploadGrant;
+use sandcell_protocol::{ErrorCode, Reason};
 use sqlx::postgres::PgPool;
+use sqlx::Row;
 
-/// The answer that stands for a `(tenant, upload_id)` after [`record`].
+use crate::tenants::Quotas;
+
+/// The answer that stands for a `(tenant, upload_id)` after [`record`] or [`grant`].
 #[derive(Debug, Clone)]
 pub struct Recorded {
     /// The grant recorded first: this call's, or one recorded before it.
@@ -14,23 +21,117 @@ pub struct Recorded {
     pub inserted: bool,
 }
 
-/// Record an upload grant unless the `(tenant, upload_id)` has one: the same request asked
-/// again keeps its first answer, which is returned, with whether this call recorded it.
+/// Record an answer that puts nothing in the store (a refusal) unless the `(tenant,
+/// upload_id)` has one: the same request asked again keeps its first answer, which is
+/// returned, with whether this call recorded it.
 pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
+    insert(pool, grant, 0, None).await
+}
+
+/// Record a `ready` grant that lets its tenant put `bytes` in the store, kept until
+/// `objects_expire_at`, if the tenant's stored-bytes quota has room for them (under the
+/// tenant's row lock, so grants and job commits at the same moment cannot together overshoot
+/// it); otherwise a refusal, `quota_exceeded` with the figures. As [`record`], a first answer
+/// stands. A tenant with no row (named by a trusted publisher) is registered with `defaults`,
+/// as by its first job.
+pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expire_at: DateTime<Utc>, defaults: &Quotas) -> Result<Recorded> {
+    let mut tx = pool.begin().await.context("beginning an upload grant")?;
+    crate::tenants::ensure(&mut tx, &grant.tenant, defaults).await?;
+    let max = crate::tenants::lock_stored_bytes_quota(&mut tx, &grant.tenant).await?;
+    let standing: Option<serde_json::Value> = sqlx::query_scalar("SELECT grant_doc FROM uploads WHERE tenant = $1 AND upload_id = $2")
+        .bind(&grant.tenant)
+        .bind(&grant.upload_id)
+        .fetch_optional(&mut *tx)
+        .await
+        .context("looking for a standing upload grant")?;
+    if let Some(doc) = standing {
+        tx.commit().await.context("ending an upload grant")?;
+        return Ok(Recorded { grant: serde_json::from_value(doc).context("decoding a recorded upload grant")?, inserted: false });
+    }
+    let recorded = match max {
+        Some(max) => {
+            let used = crate::tenants::stored_bytes(&mut tx, &grant.tenant, None).await?;
+            let wanted = i64::try_from(bytes).unwrap_or(i64::MAX);
+            if used.saturating_add(wanted) > max {
+                let reason = format!(
+                    "tenant stores or may upload {used} bytes, the upload asks for {bytes} more; its quota is {max} (wait for artifacts and uploads to expire)"
+                );
+                insert(&mut *tx, &refused(grant, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
+            } else {
+                insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?
+            }
+        }
+        None => insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?,
+    };
+    tx.commit().await.context("committing an upload grant")?;
+    Ok(recorded)
+}
+
+/// The one insert into `uploads`. The no-op update makes a conflict return the standing row;
+/// `xmax = 0` holds only for a row this statement inserted (an updated row carries this
+/// transaction's id in `xmax`).
+async fn insert<'e>(db: impl sqlx::PgExecutor<'e>, grant: &UploadGrant, bytes: u64, objects_expire_at: Option<DateTime<Utc>>) -> Result<Recorded> {
     let doc = serde_json::to_value(grant).context("encoding an upload grant")?;
-    // The no-op update makes a conflict return the standing row; `xmax = 0` holds only for a
-    // row this statement inserted (an updated row carries this transaction's id in `xmax`).
     let (kept, inserted): (serde_json::Value, bool) = sqlx::query_as(
-        "INSERT INTO uploads (tenant, upload_id, grant_doc) VALUES ($1, $2, $3)
+        "INSERT INTO uploads (tenant, upload_id, grant_doc, granted_bytes, objects_expire_at) VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT (tenant, upload_id) DO UPDATE SET tenant = uploads.tenant
          RETURNING grant_doc, (xmax = 0)",
     )
     .bind(&grant.tenant)
     .bind(&grant.upload_id)
     .bind(doc)
-    .fetch_one(pool)
+    .bind(i64::try_from(bytes).unwrap_or(i64::MAX))
+    .bind(objects_expire_at)
+    .fetch_one(db)
     .await
     .context("recording an upload grant")?;
     let grant = serde_json::from_value(kept).context("decoding a recorded upload grant")?;
     Ok(Recorded { grant, inserted })
+}
+
+/// `grant` refused for `reason`: no URLs.
+fn refused(grant: &UploadGrant, reason: Reason) -> UploadGrant {
+    UploadGrant { status: "rejected".into(), reason: Some(reason), files: vec![], expires_at: None, ..grant.clone() }
+}
+
+/// A grant whose objects are due for removal.
+#[derive(Debug, Clone)]
+pub struct ExpiredUpload {
+    /// Its tenant.
+    pub tenant: String,
+    /// Its id.
+    pub upload_id: String,
+    /// The keys it let the tenant put.
+    pub keys: Vec<String>,
+}
+
+/// Up to `limit` grants whose objects' time is over and which are not removed yet, oldest first.
+pub async fn expired(pool: &PgPool, limit: i64) -> Result<Vec<ExpiredUpload>> {
+    let rows = sqlx::query(
+        "SELECT tenant, upload_id, grant_doc FROM uploads
+         WHERE objects_expire_at IS NOT NULL AND objects_removed_at IS NULL AND objects_expire_at <= now()
+         ORDER BY objects_expire_at LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+    .context("scanning expired uploads")?;
+    rows.into_iter()
+        .map(|r| {
+            let grant: UploadGrant = serde_json::from_value(r.try_get("grant_doc")?).context("decoding a recorded upload grant")?;
+            Ok(ExpiredUpload { tenant: r.try_get("tenant")?, upload_id: r.try_get("upload_id")?, keys: grant.files.into_iter().map(|f| f.s3_key).collect() })
+        })
+        .collect()
+}
+
+/// Mark a grant's objects removed: its bytes no longer count against its tenant's quota.
+pub async fn mark_removed(pool: &PgPool, tenant: &str, upload_id: &str) -> Result<bool> {
+    let n = sqlx::query("UPDATE uploads SET objects_removed_at = now() WHERE tenant = $1 AND upload_id = $2 AND objects_removed_at IS NULL")
+        .bind(tenant)
+        .bind(upload_id)
+        .execute(pool)
+        .await
+        .context("marking an upload's objects removed")?
+        .rows_affected();
+    Ok(n == 1)
 }

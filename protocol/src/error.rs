@@ -195,7 +195,7 @@ impl ErrorCode {
             ErrorCode::ArtifactExpired => "The artifact's TTL has passed and it was deleted from the object store.",
             ErrorCode::Unauthenticated => "The message has no `user_id` property, so the broker did not vouch for its publisher; it is recorded for operators and dead-lettered.",
             ErrorCode::TenantMismatch => "The body's `tenant` differs from the broker user that published it (only operator-trusted publishers may name another tenant); recorded under the publisher's tenant.",
-            ErrorCode::QuotaExceeded => "The tenant is at a quota: live sessions, queued and running jobs, or stored artifact bytes. The message names which; nothing ran.",
+            ErrorCode::QuotaExceeded => "The tenant is at a quota: live sessions, queued and running jobs, or stored bytes (its artifacts and what its live upload grants allow). The message names which; nothing ran.",
             ErrorCode::PidsLimit => "The code hit the sandbox's process limit (`limits.pids`): creating a process or thread failed. The job's status says how it ended.",
             ErrorCode::WorkspaceFull => "The workspace or `/tmp` ran out of space (`limits.workspace_mb`): a write failed. The job's status says how it ended.",
             ErrorCode::ResultNotStorable => "The database refused the result as produced; the job is `infrastructure_error` and the message says why (outputs are not kept).",

@@ -280,7 +280,7 @@ async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metric
     let trusted = matches!(publisher, Publisher::Trusted(_));
     // An outage of the database is waited out, as for a submission; another failure returns it.
     let answered = sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| {
-        crate::uploads::answer(jobs.pool(), &store, &delivery.data, publisher.name(), trusted, cfg.max_upload_bytes, cfg.upload_url_ttl)
+        crate::uploads::answer(jobs.pool(), &store, &delivery.data, publisher.name(), trusted, cfg.upload_terms())
     })
     .await;
     let outcome = answered.map(|grant| match &grant {

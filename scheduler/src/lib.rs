@@ -91,11 +91,28 @@ pub struct Config {
     pub max_upload_bytes: u64,
     /// `SANDCELL_UPLOAD_URL_TTL_S`, default 900: how long an upload's presigned URLs work.
     pub upload_url_ttl: Duration,
+    /// `SANDCELL_UPLOAD_TTL_S`, default 86400 (a day), never less than the URLs' time: how long
+    /// what a tenant put through an upload grant is kept for its jobs, counted against its
+    /// stored-bytes quota, before the sweeper removes it.
+    pub upload_ttl: Duration,
+}
+
+impl Config {
+    /// What an upload grant allows and for how long.
+    pub(crate) fn upload_terms(&self) -> uploads::Terms {
+        uploads::Terms {
+            max_file_bytes: self.max_upload_bytes,
+            url_ttl: self.upload_url_ttl,
+            objects_ttl: self.upload_ttl,
+            tenant_defaults: self.tenant_defaults,
+        }
+    }
 }
 
 impl Config {
     /// Read the configuration from the environment.
     pub fn from_env() -> Result<Self> {
+        let url_ttl_s = config::parse_or("SANDCELL_UPLOAD_URL_TTL_S", 900u64)?.clamp(1, 7 * 86_400);
         Ok(Config {
             services: Services::from_env()?,
             policy: config::limit_policy_from_env()?,
@@ -119,7 +136,8 @@ impl Config {
                 .collect(),
             tenant_defaults: Quotas::from_env()?,
             max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
-            upload_url_ttl: Duration::from_secs(config::parse_or("SANDCELL_UPLOAD_URL_TTL_S", 900u64)?.clamp(1, 7 * 86_400)),
+            upload_url_ttl: Duration::from_secs(url_ttl_s),
+            upload_ttl: Duration::from_secs(config::parse_or("SANDCELL_UPLOAD_TTL_S", 86_400u64)?.clamp(url_ttl_s, 366 * 86_400)),
         })
     }
 }

@@ -16,6 +16,8 @@ pub struct Metrics {
     pub jobs: IntGaugeVec,
     /// `sandcell_artifacts_expired_total`.
     pub artifacts_expired: prometheus::IntCounter,
+    /// `sandcell_uploads_removed_total`: upload grants whose objects the sweeper removed.
+    pub uploads_removed: prometheus::IntCounter,
     /// `sandcell_intake_ack_failures_total{disposition}`: settling a submission or a request
     /// failed (its channel closed, or the broker left it unanswered); the broker redelivers it.
     pub ack_failures: IntCounterVec,
@@ -48,10 +50,12 @@ impl Metrics {
         )?;
         let jobs = IntGaugeVec::new(Opts::new("sandcell_jobs", "Jobs in the database by status"), &["status"])?;
         let artifacts_expired = prometheus::IntCounter::new("sandcell_artifacts_expired_total", "Artifacts deleted by the TTL sweeper")?;
+        let uploads_removed = prometheus::IntCounter::new("sandcell_uploads_removed_total", "Upload grants whose objects the TTL sweeper removed")?;
         registry.register(Box::new(submissions.clone()))?;
         registry.register(Box::new(intake_seconds.clone()))?;
         registry.register(Box::new(jobs.clone()))?;
         registry.register(Box::new(artifacts_expired.clone()))?;
+        registry.register(Box::new(uploads_removed.clone()))?;
         let ack_failures =
             IntCounterVec::new(Opts::new("sandcell_intake_ack_failures_total", "Submissions whose ack/nack failed, by disposition"), &["disposition"])?;
         let stuck_ended =
@@ -89,6 +93,7 @@ impl Metrics {
             intake_seconds,
             jobs,
             artifacts_expired,
+            uploads_removed,
             ack_failures,
             stuck_ended,
             held_dispatched,

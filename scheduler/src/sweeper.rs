@@ -110,6 +110,9 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
         if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
             tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
         }
+        if let Err(e) = sweep_uploads(jobs.pool(), &store, &metrics).await {
+            tracing::warn!(error = format!("{e:#}"), "upload sweep failed; retrying next tick");
+        }
         match jobs.end_overdue(OVERDUE_MARGIN).await {
             Ok(0) => {}
             Ok(n) => {
@@ -177,6 +180,31 @@ pub async fn sweep_once(jobs: &JobStore, store: &ArtifactStore, metrics: &Metric
     metrics.artifacts_expired.inc_by(n);
     tracing::info!(expired = n, "swept expired artifacts");
     Ok(n)
+}
+
+/// Remove the objects of one batch of upload grants whose time is over, and mark them removed
+/// (their bytes stop counting against their tenant's quota). A grant one of whose objects could
+/// not be deleted is left for the next tick; a key nothing was put to deletes as well as any.
+/// Returns how many were marked.
+pub async fn sweep_uploads(pool: &sqlx::PgPool, store: &ArtifactStore, metrics: &Metrics) -> anyhow::Result<u64> {
+    let mut removed = 0;
+    for upload in sandcell_core::uploads::expired(pool, BATCH).await? {
+        let mut all = true;
+        for key in &upload.keys {
+            if let Err(e) = store.delete(key).await {
+                tracing::warn!(key = %key, error = format!("{e:#}"), "could not delete an expired upload; will retry");
+                all = false;
+            }
+        }
+        if all && sandcell_core::uploads::mark_removed(pool, &upload.tenant, &upload.upload_id).await? {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        metrics.uploads_removed.inc_by(removed);
+        tracing::info!(removed, "removed expired uploads");
+    }
+    Ok(removed)
 }
 
 /// Set the sessions of workers that stopped beating `moving`: each continues on another worker

@@ -58,20 +58,27 @@ pub(crate) fn judge(attributed: &Attributed, trusted: bool, max_bytes: u64) -> R
     Ok(request)
 }
 
+/// What an upload grant allows, and for how long (the scheduler's `SANDCELL_MAX_UPLOAD_FILE_BYTES`,
+/// `SANDCELL_UPLOAD_URL_TTL_S`, `SANDCELL_UPLOAD_TTL_S`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Terms {
+    /// The largest file a grant may be for.
+    pub max_file_bytes: u64,
+    /// How long its PUT URLs work.
+    pub url_ttl: Duration,
+    /// How long what was put through it is kept (at least `url_ttl`: nothing can be put after
+    /// its objects are removed).
+    pub objects_ttl: Duration,
+    /// The quotas of a tenant registered by its first grant (`SANDCELL_DEFAULT_MAX_*`).
+    pub tenant_defaults: sandcell_core::tenants::Quotas,
+}
+
 /// Answer one upload request from `publisher` (`trusted`: it may name any tenant). Returns what
 /// was recorded, or `None` for a message that names no recoverable `(tenant, upload_id)` (then
 /// it is only counted and logged).
-pub async fn answer(
-    pool: &PgPool,
-    store: &ArtifactStore,
-    body: &[u8],
-    publisher: Option<&str>,
-    trusted: bool,
-    max_bytes: u64,
-    ttl: Duration,
-) -> Result<Option<UploadGrant>> {
+pub async fn answer(pool: &PgPool, store: &ArtifactStore, body: &[u8], publisher: Option<&str>, trusted: bool, terms: Terms) -> Result<Option<UploadGrant>> {
     let Some(attributed) = publisher.and_then(|p| attribute(body, p, trusted)) else { return Ok(None) };
-    let request = match judge(&attributed, trusted, max_bytes) {
+    let request = match judge(&attributed, trusted, terms.max_file_bytes) {
         Ok(r) => r,
         Err(reason) => return record(pool, &rejected(&attributed.tenant, &attributed.upload_id, reason)).await.map(Some),
     };
@@ -79,12 +86,16 @@ pub async fn answer(
     let mut files = Vec::with_capacity(request.files.len());
     for f in &request.files {
         let s3_key = upload_key(tenant, upload_id, &f.path);
-        let put_url = store.presign_put(&s3_key, ttl, f.size_bytes).await?;
+        let put_url = store.presign_put(&s3_key, terms.url_ttl, f.size_bytes).await?;
         files.push(UploadTarget { path: f.path.clone(), s3_key, put_url, size_bytes: f.size_bytes });
     }
-    let expires_at = chrono::Utc::now() + chrono::Duration::from_std(ttl).unwrap_or_default();
+    let now = chrono::Utc::now();
+    let expires_at = now + chrono::Duration::from_std(terms.url_ttl).unwrap_or_default();
+    let objects_expire_at = now + chrono::Duration::from_std(terms.objects_ttl.max(terms.url_ttl)).unwrap_or_default();
+    let bytes = request.files.iter().map(|f| f.size_bytes).fold(0u64, u64::saturating_add);
     let grant = UploadGrant { tenant: tenant.clone(), upload_id: upload_id.clone(), status: "ready".into(), reason: None, files, expires_at: Some(expires_at) };
-    record(pool, &grant).await.map(Some)
+    // Within the tenant's stored-bytes quota, or refused `quota_exceeded`; a first answer stands.
+    Ok(Some(sandcell_core::uploads::grant(pool, &grant, bytes, objects_expire_at, &terms.tenant_defaults).await?.grant))
 }
 
 pub(crate) fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadGrant {
