@@ -718,3 +718,38 @@ async fn an_upload_grant_is_recorded_once_and_a_later_answer_is_told_it_was_not(
     let read = sandcell_core::reads::upload_grant(&db, &t, &id).await.expect("reading the grant");
     assert_eq!(read, Some(first));
 }
+
+/// An upload grant is recorded only within its tenant's stored-bytes quota, under the tenant's
+/// lock: of two grants racing for the last room one is `ready` and the other refused
+/// `quota_exceeded`, and asking again for a granted upload (with other sizes) returns the first
+/// answer without counting its bytes twice.
+#[tokio::test]
+async fn upload_grants_racing_for_a_tenants_last_bytes_get_exactly_one_ready() {
+    use sandcell_protocol::upload::UploadGrant;
+    let db = service_db().await;
+    let t = tenant();
+    let quotas = sandcell_core::tenants::Quotas { max_artifact_bytes: 1000, ..Default::default() };
+    let mut tx = db.begin().await.expect("transaction");
+    sandcell_core::tenants::ensure(&mut tx, &t, &quotas).await.expect("tenant row");
+    tx.commit().await.expect("commit");
+    let ready = |id: &str| UploadGrant { tenant: t.clone(), upload_id: id.into(), status: "ready".into(), reason: None, files: vec![], expires_at: None };
+    let until = chrono::Utc::now() + chrono::Duration::hours(1);
+    let (a, b) = (unique("up-a"), unique("up-b"));
+    let (ga, gb) = (ready(&a), ready(&b));
+    let (ra, rb) = tokio::join!(sandcell_core::uploads::grant(&db, &ga, 600, until, &quotas), sandcell_core::uploads::grant(&db, &gb, 600, until, &quotas));
+    let (ra, rb) = (ra.expect("grant a"), rb.expect("grant b"));
+    let mut statuses = [ra.grant.status.as_str(), rb.grant.status.as_str()];
+    statuses.sort();
+    assert_eq!(statuses, ["ready", "rejected"], "{ra:?} {rb:?}");
+    let (won, lost) = if ra.grant.status == "ready" { (ra, rb) } else { (rb, ra) };
+    assert_eq!(lost.grant.reason.as_ref().map(|r| r.code), Some(ErrorCode::QuotaExceeded), "{lost:?}");
+    // The granted upload asked again, for more: the first answer, nothing counted twice.
+    let again = sandcell_core::uploads::grant(&db, &ready(&won.grant.upload_id), 900, until, &quotas).await.expect("asking again");
+    assert!(!again.inserted);
+    assert_eq!(again.grant, won.grant);
+    // 400 bytes are left, exactly.
+    let fits = sandcell_core::uploads::grant(&db, &ready(&unique("up-c")), 400, until, &quotas).await.expect("the rest");
+    assert_eq!(fits.grant.status, "ready", "{fits:?}");
+    let over = sandcell_core::uploads::grant(&db, &ready(&unique("up-d")), 1, until, &quotas).await.expect("one byte more");
+    assert_eq!(over.grant.status, "rejected", "{over:?}");
+}

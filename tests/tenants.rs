@@ -471,3 +471,43 @@ async fn uploads_count_against_the_stored_bytes_quota_until_the_sweeper_removes_
     let third = answer(ask(600)).await;
     assert_eq!(third.status, "ready", "{third:?}");
 }
+
+/// An expired upload whose object the store refuses to delete is tried again later, behind the
+/// others: it does not hold up every later grant's removal.
+#[tokio::test]
+async fn an_upload_the_store_will_not_delete_is_postponed_and_others_are_removed() {
+    let db = service_db().await;
+    let t = tenant();
+    let grant = |id: &str, key: &str| serde_json::json!({"tenant": t, "upload_id": id, "status": "ready", "files": [{"path": "a", "s3_key": key, "put_url": "http://x/", "size_bytes": 1}]});
+    let (stuck, fine) = (unique("up-stuck"), unique("up-fine"));
+    // A key that cannot be deleted (an empty one: the S3 client refuses to build the request).
+    let bad_key = String::new();
+    for (id, key, hours_ago) in [(&stuck, bad_key.clone(), 2.0f64), (&fine, format!("{t}/_uploads/{fine}/a"), 1.0)] {
+        sqlx::query("INSERT INTO uploads (tenant, upload_id, grant_doc, granted_bytes, objects_expire_at) VALUES ($1, $2, $3, 1, now() - make_interval(hours => 0) - $4 * interval '1 hour')")
+            .bind(&t)
+            .bind(id)
+            .bind(grant(id, &key))
+            .bind(hours_ago)
+            .execute(&db)
+            .await
+            .expect("recording an expired upload");
+    }
+    let state = |id: String| {
+        let db = db.clone();
+        let t = t.clone();
+        async move {
+            sqlx::query_as::<_, (Option<chrono::DateTime<chrono::Utc>>, chrono::DateTime<chrono::Utc>)>(
+                "SELECT objects_removed_at, objects_expire_at FROM uploads WHERE tenant = $1 AND upload_id = $2",
+            )
+            .bind(&t)
+            .bind(&id)
+            .fetch_one(&db)
+            .await
+            .expect("the upload's row")
+        }
+    };
+    let removed = eventually(Duration::from_secs(30), || async { state(fine.clone()).await.0 }).await;
+    assert!(removed.is_some(), "the later upload was not removed");
+    let (stuck_removed, stuck_until) = state(stuck.clone()).await;
+    assert!(stuck_removed.is_none() && stuck_until > chrono::Utc::now(), "the upload the store refused: removed {stuck_removed:?}, next try {stuck_until}");
+}

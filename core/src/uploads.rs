@@ -106,9 +106,15 @@ pub struct ExpiredUpload {
 }
 
 /// Up to `limit` grants whose objects' time is over and which are not removed yet, oldest first.
+/// The keys are read from the document in SQL: a document this version cannot decode (an older
+/// or newer one) is still swept.
 pub async fn expired(pool: &PgPool, limit: i64) -> Result<Vec<ExpiredUpload>> {
     let rows = sqlx::query(
-        "SELECT tenant, upload_id, grant_doc FROM uploads
+        "SELECT tenant, upload_id,
+                ARRAY(SELECT f->>'s3_key' FROM jsonb_array_elements(CASE WHEN jsonb_typeof(grant_doc->'files') = 'array'
+                                                                         THEN grant_doc->'files' ELSE '[]' END) f
+                      WHERE f->>'s3_key' IS NOT NULL) AS keys
+         FROM uploads
          WHERE objects_expire_at IS NOT NULL AND objects_removed_at IS NULL AND objects_expire_at <= now()
          ORDER BY objects_expire_at LIMIT $1",
     )
@@ -116,12 +122,20 @@ pub async fn expired(pool: &PgPool, limit: i64) -> Result<Vec<ExpiredUpload>> {
     .fetch_all(pool)
     .await
     .context("scanning expired uploads")?;
-    rows.into_iter()
-        .map(|r| {
-            let grant: UploadGrant = serde_json::from_value(r.try_get("grant_doc")?).context("decoding a recorded upload grant")?;
-            Ok(ExpiredUpload { tenant: r.try_get("tenant")?, upload_id: r.try_get("upload_id")?, keys: grant.files.into_iter().map(|f| f.s3_key).collect() })
-        })
-        .collect()
+    rows.into_iter().map(|r| Ok(ExpiredUpload { tenant: r.try_get("tenant")?, upload_id: r.try_get("upload_id")?, keys: r.try_get("keys")? })).collect()
+}
+
+/// Try a grant whose objects could not all be deleted again in `after`, behind the others: one
+/// the store keeps refusing must not hold up every later grant's removal. Its bytes still count.
+pub async fn postpone(pool: &PgPool, tenant: &str, upload_id: &str, after: std::time::Duration) -> Result<()> {
+    sqlx::query("UPDATE uploads SET objects_expire_at = now() + $3 WHERE tenant = $1 AND upload_id = $2 AND objects_removed_at IS NULL")
+        .bind(tenant)
+        .bind(upload_id)
+        .bind(after)
+        .execute(pool)
+        .await
+        .context("postponing an upload's removal")?;
+    Ok(())
 }
 
 /// Mark a grant's objects removed: its bytes no longer count against its tenant's quota.

@@ -8,7 +8,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::paths::validate_workspace_path;
-use crate::submission::{is_valid_job_id, is_valid_tenant, upload_prefix};
+use crate::submission::{is_valid_job_id, is_valid_tenant, is_valid_upload_key, upload_prefix};
 use crate::{ErrorCode, Reason};
 
 /// The AMQP `type` property of an upload request on the intake exchange (a message without it
@@ -95,8 +95,20 @@ impl UploadRequest {
         if self.files.is_empty() || self.files.len() > MAX_UPLOAD_FILES {
             return Err(Reason::new(ErrorCode::TooManyFiles, format!("{} files; an upload names 1 to {MAX_UPLOAD_FILES}", self.files.len())));
         }
+        let mut seen = std::collections::HashSet::new();
         for f in &self.files {
             validate_workspace_path(&f.path).map_err(|e| Reason::new(ErrorCode::InvalidFilePath, format!("upload file {:?}: {e}", f.path)))?;
+            // The key a job will name it by must be one a job may name (and the store can
+            // delete): an upload id of `.` or `..`, or a key over 1024 bytes, is neither.
+            if !is_valid_upload_key(&self.tenant, &upload_key(&self.tenant, &self.upload_id, &f.path)) {
+                return Err(Reason::new(
+                    ErrorCode::InvalidFilePath,
+                    format!("upload file {:?}: its key under upload {:?} is not a valid upload key", f.path, self.upload_id),
+                ));
+            }
+            if !seen.insert(f.path.as_str()) {
+                return Err(Reason::new(ErrorCode::InvalidFilePath, format!("upload file {:?} is named twice", f.path)));
+            }
             if f.size_bytes == 0 || f.size_bytes > max_file_bytes {
                 return Err(Reason::new(ErrorCode::OversizeFile, format!("upload file {:?}: {} bytes; 1 to {max_file_bytes} allowed", f.path, f.size_bytes)));
             }
@@ -133,5 +145,21 @@ mod tests {
         r = request("a", 1);
         r.files.clear();
         assert_eq!(r.check(100).unwrap_err().code, ErrorCode::TooManyFiles);
+    }
+
+    #[test]
+    fn an_upload_whose_keys_a_job_could_not_name_is_refused() {
+        for id in [".", ".."] {
+            let mut r = request("a.csv", 1);
+            r.upload_id = id.into();
+            assert_eq!(r.check(100).unwrap_err().code, ErrorCode::InvalidFilePath, "upload id {id:?}");
+        }
+        // A valid workspace path (4 x 255 bytes) whose key is over 1024 bytes.
+        let long = ["p".repeat(255), "q".repeat(255), "r".repeat(255), "s".repeat(255)].join("/");
+        assert!(validate_workspace_path(&long).is_ok());
+        assert_eq!(request(&long, 1).check(100).unwrap_err().code, ErrorCode::InvalidFilePath, "a key over 1024 bytes");
+        let mut twice = request("a.csv", 1);
+        twice.files.push(UploadFile { path: "a.csv".into(), size_bytes: 2 });
+        assert_eq!(twice.check(100).unwrap_err().code, ErrorCode::InvalidFilePath, "a path named twice");
     }
 }

@@ -91,8 +91,9 @@ pub struct Config {
     pub max_upload_bytes: u64,
     /// `SANDCELL_UPLOAD_URL_TTL_S`, default 900: how long an upload's presigned URLs work.
     pub upload_url_ttl: Duration,
-    /// `SANDCELL_UPLOAD_TTL_S`, default 86400 (a day), never less than the URLs' time: how long
-    /// what a tenant put through an upload grant is kept for its jobs, counted against its
+    /// `SANDCELL_UPLOAD_TTL_S`, default 86400 (a day), never less than an hour past the URLs'
+    /// time (a PUT begun just before its URL expires may still be writing): how long what a
+    /// tenant put through an upload grant is kept for its jobs, counted against its
     /// stored-bytes quota, before the sweeper removes it.
     pub upload_ttl: Duration,
 }
@@ -107,9 +108,7 @@ impl Config {
             tenant_defaults: self.tenant_defaults,
         }
     }
-}
 
-impl Config {
     /// Read the configuration from the environment.
     pub fn from_env() -> Result<Self> {
         let url_ttl_s = config::parse_or("SANDCELL_UPLOAD_URL_TTL_S", 900u64)?.clamp(1, 7 * 86_400);
@@ -137,7 +136,7 @@ impl Config {
             tenant_defaults: Quotas::from_env()?,
             max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
             upload_url_ttl: Duration::from_secs(url_ttl_s),
-            upload_ttl: Duration::from_secs(config::parse_or("SANDCELL_UPLOAD_TTL_S", 86_400u64)?.clamp(url_ttl_s, 366 * 86_400)),
+            upload_ttl: Duration::from_secs(config::parse_or("SANDCELL_UPLOAD_TTL_S", 86_400u64)?.clamp(url_ttl_s + 3600, 366 * 86_400)),
         })
     }
 }
@@ -149,8 +148,10 @@ pub async fn run(cfg: Config) -> Result<()> {
     let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, 8)).await;
     let jobs = JobStore::new(pool).with_tenant_defaults(cfg.tenant_defaults);
     let store = ArtifactStore::new(&cfg.services.s3);
-    // Backstop for the sweeper: lifecycle rules count whole days, so one day past the longest TTL.
-    let days = i32::try_from(cfg.policy.max.artifact_ttl_s.div_ceil(86_400) + 1).unwrap_or(i32::MAX);
+    // Backstop for the sweeper: lifecycle rules count whole days, so one day past the longest
+    // TTL (an artifact's, or an upload's).
+    let longest_s = cfg.policy.max.artifact_ttl_s.max(cfg.upload_ttl.as_secs());
+    let days = i32::try_from(longest_s.div_ceil(86_400) + 1).unwrap_or(i32::MAX);
     if let Err(e) = store.ensure_lifecycle(days).await {
         tracing::warn!(error = format!("{e:#}"), "could not set the bucket lifecycle backstop; the sweeper alone enforces TTLs");
     }

@@ -19,6 +19,8 @@ use sandcell_protocol::MoveCause;
 use crate::metrics::Metrics;
 
 const BATCH: i64 = 500;
+/// When an upload whose objects could not all be deleted is tried again.
+const UPLOAD_RETRY_AFTER: Duration = Duration::from_secs(3600);
 
 /// How long things may wait before the sweeper ends them.
 pub struct SweepLimits {
@@ -184,8 +186,8 @@ pub async fn sweep_once(jobs: &JobStore, store: &ArtifactStore, metrics: &Metric
 
 /// Remove the objects of one batch of upload grants whose time is over, and mark them removed
 /// (their bytes stop counting against their tenant's quota). A grant one of whose objects could
-/// not be deleted is left for the next tick; a key nothing was put to deletes as well as any.
-/// Returns how many were marked.
+/// not be deleted is tried again an hour later, behind the others; a key nothing was put to
+/// deletes as well as any. Returns how many were marked.
 pub async fn sweep_uploads(pool: &sqlx::PgPool, store: &ArtifactStore, metrics: &Metrics) -> anyhow::Result<u64> {
     let mut removed = 0;
     for upload in sandcell_core::uploads::expired(pool, BATCH).await? {
@@ -196,7 +198,9 @@ pub async fn sweep_uploads(pool: &sqlx::PgPool, store: &ArtifactStore, metrics: 
                 all = false;
             }
         }
-        if all && sandcell_core::uploads::mark_removed(pool, &upload.tenant, &upload.upload_id).await? {
+        if !all {
+            sandcell_core::uploads::postpone(pool, &upload.tenant, &upload.upload_id, UPLOAD_RETRY_AFTER).await?;
+        } else if sandcell_core::uploads::mark_removed(pool, &upload.tenant, &upload.upload_id).await? {
             removed += 1;
         }
     }

@@ -66,8 +66,8 @@ pub(crate) struct Terms {
     pub max_file_bytes: u64,
     /// How long its PUT URLs work.
     pub url_ttl: Duration,
-    /// How long what was put through it is kept (at least `url_ttl`: nothing can be put after
-    /// its objects are removed).
+    /// How long what was put through it is kept (the configuration keeps it an hour past
+    /// `url_ttl`: nothing may still be being put when its objects are removed).
     pub objects_ttl: Duration,
     /// The quotas of a tenant registered by its first grant (`SANDCELL_DEFAULT_MAX_*`).
     pub tenant_defaults: sandcell_core::tenants::Quotas,
