@@ -412,3 +412,38 @@ async fn a_tenants_flood_of_undecodable_messages_keeps_the_dead_letters_within_t
     assert!(bytes <= bound && bytes >= bound - 2 * BODY_BYTES, "{bytes} bytes of dead letters after {n} messages of {BODY_BYTES}");
     by.assert_unharmed(&c).await;
 }
+
+/// Each message the intake cannot attribute is recorded for operators in `intake_rejections`,
+/// the newest `KEPT_INTAKE_REJECTIONS` of each publisher: a tenant publishing such messages
+/// without end cannot grow the table without bound.
+#[tokio::test]
+async fn a_tenants_unreadable_messages_are_recorded_up_to_the_newest_thousand() {
+    let kept = sandcell_core::jobs::KEPT_INTAKE_REJECTIONS;
+    let flooder = TestTenant::create(None).await;
+    let fc = flooder.client().await;
+    let prefix = unique("unreadable");
+    let sent = kept + 500;
+    for i in 0..sent {
+        fc.submit_raw(b"not json", Some(&format!("{prefix}-{i}"))).await.expect("publishing a message the intake cannot read");
+    }
+    let pool = service_db().await;
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM intake_rejections WHERE publisher = $1")
+            .bind(&flooder.name)
+            .fetch_one(&pool)
+            .await
+            .expect("counting")
+    };
+    let last = format!("{prefix}-{}", sent - 1);
+    let recorded = eventually(Duration::from_secs(120), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM intake_rejections WHERE message_id = $1").bind(&last).fetch_one(&pool).await.ok()?;
+        (n == 1 && count().await >= kept).then_some(())
+    })
+    .await;
+    assert!(recorded.is_some(), "the flood's last message was not recorded");
+    // Whatever is still being handled lands too; then the publisher has about `kept` rows, not
+    // `sent` (messages handled at once may each keep a row another removes: a few more).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let n = count().await;
+    assert!((kept..kept + 100).contains(&n), "{n} intake rejections of one publisher after {sent} messages");
+}

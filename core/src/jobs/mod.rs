@@ -191,6 +191,12 @@ pub struct Claim {
     pub queued_at: DateTime<Utc>,
 }
 
+/// How many intake rejections are kept per publisher, the newest: enough for an operator to see
+/// what a client sends wrong; a tenant publishing messages the intake cannot read must not grow
+/// the table without bound (each is counted in `sandcell_submissions_total{outcome="dead_lettered"}`
+/// all the same).
+pub const KEPT_INTAKE_REJECTIONS: i64 = 1000;
+
 /// Handle on the job tables.
 #[derive(Clone)]
 pub struct JobStore {
@@ -369,20 +375,34 @@ impl JobStore {
         Ok(n == 1)
     }
 
-    /// Record a message that named no usable job id.
-    /// `publisher` is the broker user that published it, when the broker vouched for one.
+    /// Record a message that named no usable job id, keeping the newest
+    /// [`KEPT_INTAKE_REJECTIONS`] of its publisher's (older ones are deleted in the same
+    /// statement). `publisher` is the broker user that published it, when the broker vouched
+    /// for one; messages without one are kept as one group.
     pub async fn record_intake_rejection(&self, message_id: Option<&str>, publisher: Option<&str>, reason: &Reason, body: &[u8]) -> Result<()> {
         let prefix = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
-        sqlx::query("INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix, publisher) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(message_id.map(storable::text))
-            .bind(reason.code.as_str())
-            .bind(storable::text(&reason.message))
-            .bind(i32::try_from(body.len()).unwrap_or(i32::MAX))
-            .bind(storable::text(&prefix))
-            .bind(publisher.map(storable::text))
-            .execute(&self.pool)
-            .await
-            .context("recording intake rejection")?;
+        // The delete sees the table as it was before this insert: it keeps the newest
+        // KEPT_INTAKE_REJECTIONS - 1 of the others (migration 0020 indexes the walk).
+        sqlx::query(
+            "WITH recorded AS (
+                 INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix, publisher) VALUES ($1, $2, $3, $4, $5, $6)
+                 RETURNING id
+             )
+             DELETE FROM intake_rejections
+             WHERE COALESCE(publisher, '') = COALESCE($6, '')
+               AND id <= (SELECT id FROM intake_rejections WHERE COALESCE(publisher, '') = COALESCE($6, '')
+                          ORDER BY id DESC OFFSET $7 - 1 LIMIT 1)",
+        )
+        .bind(message_id.map(storable::text))
+        .bind(reason.code.as_str())
+        .bind(storable::text(&reason.message))
+        .bind(i32::try_from(body.len()).unwrap_or(i32::MAX))
+        .bind(storable::text(&prefix))
+        .bind(publisher.map(storable::text))
+        .bind(KEPT_INTAKE_REJECTIONS)
+        .execute(&self.pool)
+        .await
+        .context("recording intake rejection")?;
         Ok(())
     }
 
