@@ -56,7 +56,7 @@ pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expir
                 let reason = format!(
                     "tenant stores or may upload {used} bytes, the upload asks for {bytes} more; its quota is {max} (wait for artifacts and uploads to expire)"
                 );
-                insert(&mut *tx, &refused(grant, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
+                insert(&mut *tx, &UploadGrant::rejected(&grant.tenant, &grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
             } else {
                 insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?
             }
@@ -87,11 +87,6 @@ async fn insert<'e>(db: impl sqlx::PgExecutor<'e>, grant: &UploadGrant, bytes: u
     .context("recording an upload grant")?;
     let grant = serde_json::from_value(kept).context("decoding a recorded upload grant")?;
     Ok(Recorded { grant, inserted })
-}
-
-/// `grant` refused for `reason`: no URLs.
-fn refused(grant: &UploadGrant, reason: Reason) -> UploadGrant {
-    UploadGrant { status: "rejected".into(), reason: Some(reason), files: vec![], expires_at: None, ..grant.clone() }
 }
 
 /// A grant whose objects are due for removal.

@@ -63,6 +63,20 @@ pub struct UploadGrant {
     pub expires_at: Option<DateTime<Utc>>,
 }
 
+impl UploadGrant {
+    /// The answer refusing upload `upload_id` of `tenant` for `reason`: no URLs.
+    pub fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadGrant {
+        UploadGrant {
+            tenant: tenant.to_string(),
+            upload_id: upload_id.to_string(),
+            status: "rejected".into(),
+            reason: Some(reason),
+            files: vec![],
+            expires_at: None,
+        }
+    }
+}
+
 /// Where one file goes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

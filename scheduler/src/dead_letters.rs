@@ -245,7 +245,7 @@ async fn record(carried: &Carried, death: &Death, delivery: &Delivery, jobs: &Jo
         // handling failed is kept.
         Carried::Upload { tenant, upload_id, refusal } => {
             let reason = refusal.clone().unwrap_or_else(|| undelivered(death));
-            let recorded = sandcell_core::uploads::record(jobs.pool(), &crate::uploads::rejected(tenant, upload_id, reason)).await?;
+            let recorded = sandcell_core::uploads::record(jobs.pool(), &sandcell_protocol::upload::UploadGrant::rejected(tenant, upload_id, reason)).await?;
             Ok(if recorded.inserted { "upload_rejected" } else { "left_alone" })
         }
     }

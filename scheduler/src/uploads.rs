@@ -80,7 +80,7 @@ pub async fn answer(pool: &PgPool, store: &ArtifactStore, body: &[u8], publisher
     let Some(attributed) = publisher.and_then(|p| attribute(body, p, trusted)) else { return Ok(None) };
     let request = match judge(&attributed, trusted, terms.max_file_bytes) {
         Ok(r) => r,
-        Err(reason) => return record(pool, &rejected(&attributed.tenant, &attributed.upload_id, reason)).await.map(Some),
+        Err(reason) => return record(pool, &UploadGrant::rejected(&attributed.tenant, &attributed.upload_id, reason)).await.map(Some),
     };
     let Attributed { tenant, upload_id, .. } = &attributed;
     let mut files = Vec::with_capacity(request.files.len());
@@ -96,17 +96,6 @@ pub async fn answer(pool: &PgPool, store: &ArtifactStore, body: &[u8], publisher
     let grant = UploadGrant { tenant: tenant.clone(), upload_id: upload_id.clone(), status: "ready".into(), reason: None, files, expires_at: Some(expires_at) };
     // Within the tenant's stored-bytes quota, or refused `quota_exceeded`; a first answer stands.
     Ok(Some(sandcell_core::uploads::grant(pool, &grant, bytes, objects_expire_at, &terms.tenant_defaults).await?.grant))
-}
-
-pub(crate) fn rejected(tenant: &str, upload_id: &str, reason: Reason) -> UploadGrant {
-    UploadGrant {
-        tenant: tenant.to_string(),
-        upload_id: upload_id.to_string(),
-        status: "rejected".into(),
-        reason: Some(reason),
-        files: vec![],
-        expires_at: None,
-    }
 }
 
 async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<UploadGrant> {
