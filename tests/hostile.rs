@@ -447,3 +447,27 @@ async fn a_tenants_unreadable_messages_are_recorded_up_to_the_newest_thousand() 
     let n = count().await;
     assert!((kept..kept + 100).contains(&n), "{n} intake rejections of one publisher after {sent} messages");
 }
+
+/// A refusal quotes what was wrong (a path, a tenant's name); a tenant sending a value of
+/// megabytes must not have it stored whole in every refusal: a job's reason and an upload's are
+/// cut to 4 KiB.
+#[tokio::test]
+async fn a_refusal_quoting_a_huge_value_is_stored_cut() {
+    use sandcell_protocol::upload::{UploadFile, UploadRequest};
+    let max = sandcell_protocol::MAX_REASON_MESSAGE_BYTES;
+    let huge = "p".repeat(4 << 20);
+    let t = TestTenant::create(None).await;
+    let c = t.client().await;
+    let mut sub = python(&t.name, "print('never runs')");
+    sub.files.push(input(&huge, b"x"));
+    let r = run(&c, &sub).await;
+    assert_eq!(code_of(&r), Some(ErrorCode::InvalidFilePath), "{:?}", r.reason.as_ref().map(|x| x.message.len()));
+    let message = r.reason.map(|x| x.message).unwrap_or_default();
+    assert!(message.len() <= max && message.ends_with(" bytes cut)"), "a job's reason of {} bytes", message.len());
+    let req = UploadRequest { tenant: t.name.clone(), upload_id: unique("up"), files: vec![UploadFile { path: huge.clone(), size_bytes: 1 }] };
+    c.request_upload(&req).await.expect("requesting an upload");
+    let grant = eventually(Duration::from_secs(60), || async { c.upload_grant(&t.name, &req.upload_id).await.ok().flatten() }).await.expect("an answer");
+    let reason = grant.reason.expect("a refusal");
+    assert_eq!(reason.code, ErrorCode::InvalidFilePath);
+    assert!(reason.message.len() <= max, "an upload's reason of {} bytes", reason.message.len());
+}

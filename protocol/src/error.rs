@@ -222,16 +222,41 @@ pub struct Reason {
     pub message: String,
 }
 
+/// Most bytes of a reason's message. Messages quote what a client sent (a path, a name, a
+/// tenant); one quoting a 16 MiB value would be stored in Postgres for every such message.
+pub const MAX_REASON_MESSAGE_BYTES: usize = 4096;
+
 impl Reason {
-    /// A reason with the given code and message.
+    /// A reason with the given code and message, cut to [`MAX_REASON_MESSAGE_BYTES`] (at a
+    /// character boundary, ending in `…` and how much was cut).
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Reason { code, message: message.into() }
+        let mut message = message.into();
+        if message.len() > MAX_REASON_MESSAGE_BYTES {
+            let cut = message.len();
+            // Room for the note; the note itself is at most 28 bytes.
+            let mut end = MAX_REASON_MESSAGE_BYTES - 32;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+            message.push_str(&format!("… ({} bytes cut)", cut - end));
+        }
+        Reason { code, message }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reason_quoting_a_huge_value_is_cut_at_a_character_boundary() {
+        let short = Reason::new(ErrorCode::InvalidValue, "fine");
+        assert_eq!(short.message, "fine");
+        let huge = Reason::new(ErrorCode::InvalidValue, format!("path {:?} is bad", "é".repeat(8 << 20)));
+        assert!(huge.message.len() <= MAX_REASON_MESSAGE_BYTES, "{}", huge.message.len());
+        assert!(huge.message.starts_with("path \"éé") && huge.message.ends_with(" bytes cut)"), "{}", huge.message.chars().rev().take(40).collect::<String>());
+    }
 
     #[test]
     fn wire_names_match_serde() {

@@ -23,7 +23,7 @@ pub mod storable;
 pub mod submission;
 pub mod upload;
 
-pub use error::{ErrorCode, Reason};
+pub use error::{ErrorCode, Reason, MAX_REASON_MESSAGE_BYTES};
 pub use event::{EventBody, JobEvent};
 pub use job::ExecutionJob;
 pub use limits::{ExecutionLimits, IntakeLimits, LimitPolicy, ResourceRequest};
