@@ -72,3 +72,30 @@ async fn an_expired_artifact_is_deleted_and_reported_as_expired() {
     let (status, _) = http_get(&url).await.unwrap();
     assert_ne!(status, 200, "the old URL no longer downloads");
 }
+
+/// A store that accepts connections and never answers (hung, or a black-holed address behind a
+/// proxy) fails a request after `SANDCELL_S3_ATTEMPT_TIMEOUT_S` a try, instead of holding it (and
+/// the scheduler's sweep or the worker's commit waiting on it) for ever: the SDK sets no such
+/// limit of its own.
+#[tokio::test]
+async fn a_store_that_never_answers_fails_a_request_within_its_attempt_timeouts() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a listener");
+    let addr = listener.local_addr().expect("its address");
+    // Accept, then hold every connection open without a byte.
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            open.push(socket);
+        }
+    });
+    let mut settings = sandcell_core::config::Services::from_env().expect("services").s3;
+    settings.endpoint = format!("http://{addr}");
+    settings.attempt_timeout = Duration::from_secs(1);
+    let store = sandcell_core::store::ArtifactStore::new(&settings);
+    let started = std::time::Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(60), store.delete("a/b")).await;
+    held.abort();
+    let outcome = outcome.unwrap_or_else(|_| panic!("the request to a silent store was still waiting after 60 s"));
+    assert!(outcome.is_err(), "a silent store's answer cannot be a success");
+    assert!(started.elapsed() < Duration::from_secs(20), "gave up after {:?}", started.elapsed());
+}

@@ -3,6 +3,7 @@
 //! silently ignored.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use sandcell_protocol::{ExecutionLimits, IntakeLimits, LimitPolicy};
@@ -59,6 +60,11 @@ pub struct S3Settings {
     pub access_key_id: String,
     /// Secret access key.
     pub secret_access_key: String,
+    /// `SANDCELL_S3_ATTEMPT_TIMEOUT_S`, default 120: how long one attempt of a request to the
+    /// store may take before it is given up and retried (the SDK tries 3 times). The SDK has no
+    /// limit of its own: a store that accepts connections and never answers held every request
+    /// for ever (the scheduler's sweeps, a worker's commit).
+    pub attempt_timeout: Duration,
 }
 
 impl Services {
@@ -73,6 +79,7 @@ impl Services {
                 bucket: var_or("SANDCELL_S3_BUCKET", "sandcell-artifacts"),
                 access_key_id: var_required("SANDCELL_S3_ACCESS_KEY_ID")?,
                 secret_access_key: var_required("SANDCELL_S3_SECRET_ACCESS_KEY")?,
+                attempt_timeout: Duration::from_secs_f64(parse_or("SANDCELL_S3_ATTEMPT_TIMEOUT_S", 120.0f64)?.max(0.1)),
             },
         })
     }

@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation};
 use aws_sdk_s3::presigning::PresigningConfig;
 use aws_sdk_s3::primitives::ByteStream;
@@ -54,6 +55,7 @@ impl ArtifactStore {
             .endpoint_url(&s.endpoint)
             .force_path_style(true)
             .credentials_provider(creds)
+            .timeout_config(TimeoutConfig::builder().operation_attempt_timeout(s.attempt_timeout).build())
             // Non-AWS stores do not all speak the newer default checksum headers.
             .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
             .response_checksum_validation(ResponseChecksumValidation::WhenRequired)

@@ -8,8 +8,9 @@
 //!   execution job to `sandcell.jobs` (or the session's worker queue);
 //! - [`dispatch`] publishes jobs held for fair share as their tenants' jobs finish, round-robin
 //!   across tenants, and the parked jobs of sessions moving to another worker, in order;
-//! - [`sweeper`] deletes expired artifacts from the object store and marks them expired, sets
-//!   the sessions of workers whose heartbeat stopped `moving`, and ends what waited too long;
+//! - [`sweeper`] deletes expired artifacts and uploads from the object store and marks them
+//!   (a task of its own: a hung store holds up nothing else), sets the sessions of workers whose
+//!   heartbeat stopped `moving`, and ends what waited too long;
 //! - [`uploads`] answers tenants' upload requests (which arrive through the intake too) with
 //!   presigned PUT URLs under their own upload prefix;
 //! - [`dead_letters`] records the outcome of a job whose message was dead-lettered (a
@@ -173,7 +174,8 @@ pub async fn run(cfg: Config) -> Result<()> {
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
     let store_for_uploads = store.clone();
     let limits = sweeper::SweepLimits { worker_dead_after: cfg.worker_dead_after, stuck_after: cfg.stuck_after, session_start_wait: cfg.session_start_wait };
-    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), store, metrics.clone(), cfg.sweep_interval, limits));
+    let sweeper = tokio::spawn(sweeper::run(jobs.clone(), metrics.clone(), cfg.sweep_interval, limits));
+    let store_sweeper = tokio::spawn(sweeper::run_store(jobs.clone(), store, metrics.clone(), cfg.sweep_interval));
     let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));
     let rules = dead_letters::Rules { trusted_publishers: cfg.trusted_publishers.clone(), intake: cfg.intake.clone(), max_upload_bytes: cfg.max_upload_bytes };
     let recorder = tokio::spawn(dead_letters::run(cfg.services.amqp_url.clone(), rules, jobs.clone(), metrics.clone()));
@@ -184,6 +186,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     tokio::select! {
         r = server => r.context("metrics task panicked")?.context("metrics endpoint failed"),
         r = sweeper => r.context("sweeper task panicked"),
+        r = store_sweeper => r.context("store sweeper task panicked"),
         r = dispatcher => r.context("dispatcher task panicked"),
         r = recorder => r.context("dead-letter recorder task panicked"),
         r = &mut intake => r.context("intake task panicked"),

@@ -74,8 +74,27 @@ impl SilenceTrust {
     }
 }
 
-/// Sweep forever, every `interval`.
-pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration, limits: SweepLimits) {
+/// Remove what expired from the object store forever, every `interval`: artifacts past their
+/// TTL ([`sweep_once`]) and uploads past theirs ([`sweep_uploads`]). A task of its own, apart
+/// from [`run`]: a store that hangs (each attempt waits up to `SANDCELL_S3_ATTEMPT_TIMEOUT_S`)
+/// must not hold up the sweeps that find dead workers and end stuck jobs.
+pub async fn run_store(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
+            tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
+        }
+        if let Err(e) = sweep_uploads(jobs.pool(), &store, &metrics).await {
+            tracing::warn!(error = format!("{e:#}"), "upload sweep failed; retrying next tick");
+        }
+    }
+}
+
+/// Sweep the database's state forever, every `interval`: dead workers, jobs and sessions that
+/// waited too long, the job gauges.
+pub async fn run(jobs: JobStore, metrics: Metrics, interval: Duration, limits: SweepLimits) {
     let SweepLimits { worker_dead_after, stuck_after, session_start_wait } = limits;
     let sessions = SessionStore::new(jobs.pool().clone());
     let mut tick = tokio::time::interval(interval);
@@ -108,12 +127,6 @@ pub async fn run(jobs: JobStore, store: ArtifactStore, metrics: Metrics, interva
                 }
                 Err(e) => tracing::warn!(error = format!("{e:#}"), "dead-worker job sweep failed; retrying next tick"),
             }
-        }
-        if let Err(e) = sweep_once(&jobs, &store, &metrics).await {
-            tracing::warn!(error = format!("{e:#}"), "artifact sweep failed; retrying next tick");
-        }
-        if let Err(e) = sweep_uploads(jobs.pool(), &store, &metrics).await {
-            tracing::warn!(error = format!("{e:#}"), "upload sweep failed; retrying next tick");
         }
         match jobs.end_overdue(OVERDUE_MARGIN).await {
             Ok(0) => {}
