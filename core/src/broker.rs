@@ -19,7 +19,8 @@
 //! - `sandcell.worker.<id>` (classic, one per worker, declared by that worker): the scheduler
 //!   routes every job of a session to the queue of the worker that holds the session;
 //! - `sandcell.dlx` (fanout exchange) → `sandcell.dead` (quorum): poison messages, kept for
-//!   operators (the newest 256 MiB, a week: [`dead_letter_queue_policy`]); and → `sandcell.dead.outcomes` (quorum, declared by the scheduler,
+//!   operators (the newest 256 MiB, a week: [`dead_letter_queue_policy`]); and →
+//!   `sandcell.dead.outcomes` (quorum, declared by the scheduler,
 //!   [`declare_dead_letter_outcomes`]): a copy of each, from which the scheduler records the
 //!   outcome of the job it carried.
 

@@ -79,7 +79,7 @@ impl Services {
                 bucket: var_or("SANDCELL_S3_BUCKET", "sandcell-artifacts"),
                 access_key_id: var_required("SANDCELL_S3_ACCESS_KEY_ID")?,
                 secret_access_key: var_required("SANDCELL_S3_SECRET_ACCESS_KEY")?,
-                attempt_timeout: Duration::from_secs_f64(parse_or("SANDCELL_S3_ATTEMPT_TIMEOUT_S", 120.0f64)?.max(0.1)),
+                attempt_timeout: Duration::from_secs_f64(parse_or("SANDCELL_S3_ATTEMPT_TIMEOUT_S", 120.0f64)?.clamp(0.1, 86_400.0)),
             },
         })
     }
