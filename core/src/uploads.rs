@@ -48,20 +48,17 @@ pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expir
         tx.commit().await.context("ending an upload grant")?;
         return Ok(Recorded { grant: serde_json::from_value(doc).context("decoding a recorded upload grant")?, inserted: false });
     }
-    let recorded = match max {
-        Some(max) => {
-            let used = crate::tenants::stored_bytes(&mut tx, &grant.tenant, None).await?;
-            let wanted = i64::try_from(bytes).unwrap_or(i64::MAX);
-            if used.saturating_add(wanted) > max {
-                let reason = format!(
-                    "tenant stores or may upload {used} bytes, the upload asks for {bytes} more; its quota is {max} (wait for artifacts and uploads to expire)"
-                );
-                insert(&mut *tx, &UploadGrant::rejected(&grant.tenant, &grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
-            } else {
-                insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?
-            }
-        }
-        None => insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?,
+    // `ensure` made the row: a tenant without one would have no quota.
+    let max = max.unwrap_or(i64::MAX);
+    let used = crate::tenants::stored_bytes(&mut tx, &grant.tenant, None).await?;
+    let wanted = i64::try_from(bytes).unwrap_or(i64::MAX);
+    let recorded = if used.saturating_add(wanted) > max {
+        let reason = format!(
+            "tenant stores or may upload {used} bytes, the upload asks for {bytes} more; its quota is {max} (wait for artifacts and uploads to expire)"
+        );
+        insert(&mut *tx, &UploadGrant::rejected(&grant.tenant, &grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
+    } else {
+        insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?
     };
     tx.commit().await.context("committing an upload grant")?;
     Ok(recorded)

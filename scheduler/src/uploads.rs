@@ -91,7 +91,7 @@ pub async fn answer(pool: &PgPool, store: &ArtifactStore, body: &[u8], publisher
     }
     let now = chrono::Utc::now();
     let expires_at = now + chrono::Duration::from_std(terms.url_ttl).unwrap_or_default();
-    let objects_expire_at = now + chrono::Duration::from_std(terms.objects_ttl.max(terms.url_ttl)).unwrap_or_default();
+    let objects_expire_at = now + chrono::Duration::from_std(terms.objects_ttl).unwrap_or_default();
     let bytes = request.files.iter().map(|f| f.size_bytes).fold(0u64, u64::saturating_add);
     let grant = UploadGrant { tenant: tenant.clone(), upload_id: upload_id.clone(), status: "ready".into(), reason: None, files, expires_at: Some(expires_at) };
     // Within the tenant's stored-bytes quota, or refused `quota_exceeded`; a first answer stands.
