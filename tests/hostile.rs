@@ -471,3 +471,48 @@ async fn a_refusal_quoting_a_huge_value_is_stored_cut() {
     assert_eq!(reason.code, ErrorCode::InvalidFilePath);
     assert!(reason.message.len() <= max, "an upload's reason of {} bytes", reason.message.len());
 }
+
+/// A job displaying 64 outputs, each with every kept text type at just under 64 KiB: before,
+/// each part was kept inline whole and the result Postgres kept was 20.8 MB of text (so a
+/// tenant could fill the database shared by all with a few thousand such jobs). Now the text
+/// kept inline over all its rich outputs is within the job's `stdout_bytes`, the rest is stored
+/// in full while the artifact limits allow (or named as skipped), and the result stays small.
+#[tokio::test]
+async fn a_job_displaying_many_large_outputs_keeps_its_result_within_its_output_limit() {
+    let c = client().await;
+    let by = Bystander::start(&c).await;
+    let t = tenant();
+    let code = r#"
+import random, string
+from IPython.display import display
+for i in range(64):
+    # Random text, so that the figure below is not Postgres' compression.
+    big = ''.join(random.choices(string.ascii_letters, k=65000))
+    display({'text/plain': big, 'text/html': big, 'text/markdown': big, 'image/svg+xml': big,
+             'application/json': {'k': big}}, raw=True)
+print('done')
+"#;
+    let r = run(&c, &python(&t, code)).await;
+    assert_eq!((r.status, r.execution.stdout.as_str(), r.execution.outputs.len()), (JobStatus::Succeeded, "done\n", 64), "{:?}", r.reason);
+    let limit = sandcell_protocol::LimitPolicy::default().default.stdout_bytes as usize;
+    let texts = || {
+        r.execution.outputs.iter().flat_map(|o| match o {
+            sandcell_protocol::Output::ExecuteResult { data, .. } | sandcell_protocol::Output::DisplayData { data, .. } => data.values(),
+        })
+    };
+    let inline: usize = texts().map(String::len).sum();
+    let markers = texts().filter(|s| s.ends_with("[truncated by sandcell]")).count();
+    assert!(inline <= limit + markers * 32, "{inline} bytes of output text kept inline, over the job's {limit}");
+    assert!(markers > 0 && (!r.artifacts.is_empty() || !r.execution.skipped_files.is_empty()), "what was cut was neither stored nor named");
+    let pool = service_db().await;
+    let stored: i64 = sqlx::query_scalar("SELECT octet_length(execution::text)::bigint FROM jobs WHERE tenant = $1 AND job_id = $2")
+        .bind(&t)
+        .bind(&r.job_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    eprintln!("result document: {stored} bytes; inline output text {inline} bytes, {markers} parts cut, {} stored", r.artifacts.len());
+    assert!((stored as usize) < 2 * limit, "the result Postgres keeps is {stored} bytes");
+    assert_worker_serves(&c, &t, &r.worker_id).await;
+    by.assert_unharmed(&c).await;
+}

@@ -173,7 +173,7 @@ pub struct SkippedFile {
 pub struct FileListing {
     /// Files sorted by path.
     pub entries: Vec<FileEntry>,
-    /// More files existed than are listed (at most 1000 are).
+    /// More files existed than are listed (at most 1000 are, whose paths take at most 256 KiB).
     pub truncated: bool,
 }
 

@@ -16,6 +16,8 @@ use crate::sandbox::driver::DriverEvent;
 const MAX_OUTPUTS: usize = 64;
 /// Most workspace entries kept in a listing (the driver sends at most this many).
 const MAX_LISTED_FILES: usize = 1000;
+/// Path bytes of a listing's entries, all together.
+const MAX_LISTED_PATH_BYTES: usize = 256 * 1024;
 /// Most skipped files reported per job.
 const MAX_SKIPPED_FILES: usize = 100;
 
@@ -126,6 +128,9 @@ pub struct Outcome {
     artifacts_kept: (u32, u64),
     /// Display parts named so far (for unique `_display/<n>` paths).
     display_parts: u32,
+    /// Bytes of rich outputs' text kept inline so far: all together they stay within the job's
+    /// `stdout_bytes`, as its printed output does ([`push_output`]).
+    inline_output_bytes: u64,
     /// The file whose chunks are arriving: announced, with its expected size; `None` bytes
     /// when it does not fit the job's limits (its chunks are read and dropped).
     incoming: Option<Incoming>,
@@ -185,6 +190,7 @@ impl Outcome {
             files: Vec::new(),
             artifacts_kept: (0, 0),
             display_parts: 0,
+            inline_output_bytes: 0,
             incoming: None,
             listing: None,
             limits_hit: BTreeSet::new(),
@@ -425,7 +431,9 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
             out.skip(path, &reason);
         }
         DriverEvent::FileList { mut entries, truncated } => {
-            entries.truncate(MAX_LISTED_FILES);
+            let kept = listed_within_bounds(&entries);
+            let truncated = truncated || kept < entries.len();
+            entries.truncate(kept);
             out.listing = Some(sandcell_protocol::FileListing { entries, truncated });
         }
         DriverEvent::FileError { path, message } => {
@@ -465,6 +473,21 @@ pub fn apply(out: &mut Outcome, event: DriverEvent, language: Language, limits: 
     Step::More
 }
 
+/// How many of a listing's first entries the result keeps: at most [`MAX_LISTED_FILES`],
+/// whose paths together take at most [`MAX_LISTED_PATH_BYTES`] (a path may be 4 KiB long, so
+/// a thousand of them alone made a 4 MB result).
+fn listed_within_bounds(entries: &[sandcell_protocol::FileEntry]) -> usize {
+    let mut bytes = 0usize;
+    entries
+        .iter()
+        .take(MAX_LISTED_FILES)
+        .take_while(|e| {
+            bytes += e.path.len();
+            bytes <= MAX_LISTED_PATH_BYTES
+        })
+        .count()
+}
+
 /// Marker appended to a text representation cut at the cap.
 pub const TRUNCATION_MARKER: &str = "\n…[truncated by sandcell]";
 
@@ -475,8 +498,13 @@ pub const INLINE_OUTPUT_BYTES: u64 = 64 * 1024;
 /// Keep rich outputs small in the result row: a text representation longer than
 /// [`INLINE_OUTPUT_BYTES`] goes to the object store in full (up to the artifact byte limit) and
 /// is cut inline, with a marker; binary representations always go to the store.
+///
+/// The text kept inline, over all of a job's rich outputs, is at most its `stdout_bytes`, as
+/// for what it prints: a representation cut for either bound goes to the store in full (if the
+/// artifact limits allow; otherwise it is skipped, named in `skipped_files`), and once the
+/// budget is spent a later one keeps only the marker inline. Without this bound, 64 outputs of six kept types each 64 KiB made a
+/// result of 20.8 MB that Postgres kept, however small the job's output limit.
 fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde_json::Value>, limits: &ExecutionLimits) {
-    let text_cap = limits.stdout_bytes.min(INLINE_OUTPUT_BYTES);
     if out.outputs.len() >= MAX_OUTPUTS {
         return;
     }
@@ -493,12 +521,15 @@ fn push_output(out: &mut Outcome, kind: OutputKind, data: BTreeMap<String, serde
                     serde_json::Value::String(s) => s,
                     other => other.to_string(),
                 };
-                if s.len() as u64 > INLINE_OUTPUT_BYTES {
+                let cap = limits.stdout_bytes.saturating_sub(out.inline_output_bytes).min(INLINE_OUTPUT_BYTES);
+                let len = s.len() as u64;
+                if len > cap {
                     let mut full = s.clone().into_bytes();
                     full.truncate(usize::try_from(limits.artifact_bytes).unwrap_or(usize::MAX));
                     push_part(out, &mut raw, mime.clone(), full, limits);
                 }
-                raw.text.insert(mime, cap_text(s, text_cap));
+                out.inline_output_bytes += len.min(cap);
+                raw.text.insert(mime, cap_text(s, cap));
             }
         }
     }
@@ -716,6 +747,37 @@ mod tests {
         let o = &out.outputs[0];
         assert_eq!(o.binary, vec![DisplayPart { mime: "text/html".into(), path: "_display/1.htm".into(), bytes: html.clone().into_bytes() }]);
         assert_eq!(o.text["text/html"].len(), INLINE_OUTPUT_BYTES as usize + TRUNCATION_MARKER.len());
+    }
+
+    #[test]
+    fn rich_outputs_keep_no_more_text_inline_than_the_jobs_output_limit_and_store_the_rest() {
+        let mut limits = sandcell_protocol::LimitPolicy::default().default;
+        limits.stdout_bytes = 100_000;
+        let mut out = Outcome::new(&limits);
+        let text = "y".repeat(40_000);
+        for _ in 0..4 {
+            let data = BTreeMap::from([("text/plain".to_string(), serde_json::json!(text.clone()))]);
+            apply(&mut out, DriverEvent::DisplayData { data }, Language::Python, &limits);
+        }
+        let inline: Vec<usize> = out.outputs.iter().map(|o| o.text["text/plain"].len()).collect();
+        let marker = TRUNCATION_MARKER.len();
+        // 40,000 + 40,000 in full, the 20,000 left of the budget, then the marker alone.
+        assert_eq!(inline, vec![40_000, 40_000, 20_000 + marker, marker]);
+        let stored: Vec<usize> = out.outputs.iter().map(|o| o.binary.iter().map(|b| b.bytes.len()).sum()).collect();
+        assert_eq!(stored, vec![0, 0, 40_000, 40_000], "what was cut inline is stored in full");
+    }
+
+    #[test]
+    fn a_listing_of_long_paths_is_cut_at_its_path_bytes_and_says_so() {
+        let limits = sandcell_protocol::LimitPolicy::default().default;
+        let entry = |i: usize| sandcell_protocol::FileEntry { path: format!("{i:04}/{}", "d".repeat(4000)), size: 0, mtime: 0.0 };
+        let mut out = Outcome::new(&limits);
+        apply(&mut out, DriverEvent::FileList { entries: (0..1000).map(entry).collect(), truncated: false }, Language::Python, &limits);
+        let listing = out.listing.expect("a listing");
+        assert_eq!((listing.entries.len(), listing.truncated), (MAX_LISTED_PATH_BYTES / 4005, true));
+        let mut out = Outcome::new(&limits);
+        apply(&mut out, DriverEvent::FileList { entries: (0..3).map(entry).collect(), truncated: false }, Language::Python, &limits);
+        assert_eq!(out.listing.map(|l| (l.entries.len(), l.truncated)), Some((3, false)));
     }
 
     #[test]
