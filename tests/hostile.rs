@@ -516,3 +516,80 @@ print('done')
     assert_worker_serves(&c, &t, &r.worker_id).await;
     by.assert_unharmed(&c).await;
 }
+
+/// Before, every result, refusal and upload answer stayed in Postgres for ever: the database
+/// all tenants share grew with each tenant's history. Now the sweeper deletes them
+/// `SANDCELL_RESULT_RETENTION_S` (30 days here, as by default) after they ended: aged here by
+/// 31 days, a one-off result, a refusal and a refused upload request are deleted, and the job id
+/// may be used again; a result whose stored file is still available, and the jobs of a session
+/// still open, are kept, until the session ends.
+#[tokio::test]
+async fn results_past_their_retention_are_deleted_unless_a_live_session_or_a_stored_file_needs_them() {
+    use sandcell_protocol::upload::{UploadFile, UploadRequest};
+    let c = client().await;
+    let pool = service_db().await;
+    let t = tenant();
+    let one_off = run(&c, &python(&t, "print('first')")).await;
+    let with_file = run(&c, &python(&t, "open('kept.txt', 'w').write('kept')")).await;
+    assert_eq!((one_off.status, with_file.status, with_file.artifacts.len()), (JobStatus::Succeeded, JobStatus::Succeeded, 1), "{with_file:?}");
+    let opened = run(&c, &open_session(&t, "n = 1", Some(600))).await;
+    let sid = session_id(&opened);
+    let in_it = run(&c, &in_session(&t, &sid, "n += 1")).await;
+    let refused = run(&c, &in_session(&t, "no-such-session", "n")).await;
+    assert_eq!((in_it.status, refused.status), (JobStatus::Succeeded, JobStatus::Rejected), "{refused:?}");
+    let file = || UploadFile { path: "a.csv".into(), size_bytes: 10 };
+    let upload = UploadRequest { tenant: t.clone(), upload_id: unique("up"), files: vec![file(), file()] };
+    c.request_upload(&upload).await.expect("requesting an upload");
+    let answer = eventually(Duration::from_secs(30), || async { c.upload_grant(&t, &upload.upload_id).await.ok().flatten() }).await;
+    assert_eq!(answer.map(|g| g.status), Some("rejected".to_string()), "duplicate paths are refused");
+
+    let jobs_of = |ids: Vec<String>| {
+        let (pool, t) = (pool.clone(), t.clone());
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT job_id FROM jobs WHERE tenant = $1 AND job_id = ANY($2) ORDER BY job_id")
+                .bind(&t)
+                .bind(&ids)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let all = vec![one_off.job_id.clone(), with_file.job_id.clone(), opened.job_id.clone(), in_it.job_id.clone(), refused.job_id.clone()];
+    let mut kept = vec![with_file.job_id.clone(), opened.job_id.clone(), in_it.job_id.clone()];
+    kept.sort();
+    sqlx::query("UPDATE jobs SET finished_at = finished_at - interval '31 days' WHERE tenant = $1").bind(&t).execute(&pool).await.unwrap();
+    sqlx::query("UPDATE uploads SET created_at = created_at - interval '31 days' WHERE tenant = $1").bind(&t).execute(&pool).await.unwrap();
+    let swept = eventually(Duration::from_secs(30), || async {
+        let left = jobs_of(all.clone()).await;
+        let uploads: i64 = sqlx::query_scalar("SELECT count(*) FROM uploads WHERE tenant = $1").bind(&t).fetch_one(&pool).await.ok()?;
+        (left == kept && uploads == 0).then_some(())
+    })
+    .await;
+    assert!(swept.is_some(), "left after the sweep: {:?} (expected {kept:?})", jobs_of(all.clone()).await);
+    assert!(c.result(&t, &one_off.job_id).await.unwrap().is_none(), "a deleted result is unknown");
+    // The kept result is whole, its file still listed.
+    let again = c.result(&t, &with_file.job_id).await.unwrap().expect("the result with a stored file");
+    assert_eq!(again.artifacts.len(), 1, "{again:?}");
+
+    // The id of a deleted job is a new job's.
+    let mut reused = python(&t, "print('second')");
+    reused.job_id = one_off.job_id.clone();
+    let r = run(&c, &reused).await;
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "second\n"), "{r:?}");
+
+    // Once the session ends, its jobs go too (aged again: the close is one of them).
+    let closed = run(&c, &close_session(&t, &sid)).await;
+    assert_eq!(closed.status, JobStatus::Succeeded, "{closed:?}");
+    sqlx::query("UPDATE jobs SET finished_at = now() - interval '31 days' WHERE tenant = $1 AND session_id = $2")
+        .bind(&t)
+        .bind(&sid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let session_gone = eventually(Duration::from_secs(30), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND session_id = $2").bind(&t).bind(&sid).fetch_one(&pool).await.ok()?;
+        (n == 0).then_some(())
+    })
+    .await;
+    assert!(session_gone.is_some(), "an ended session's old jobs were kept");
+}

@@ -13,6 +13,7 @@
 //! - [`tenants`]: quotas as stored, tenant database roles, artifact reservations (the admission
 //!   check itself is the SQL function `sandcell_record_job` that [`jobs`] calls);
 //! - [`api_keys`]: API keys (stored hashed), each naming a tenant;
+//! - [`retention`]: how long finished results and upload answers are kept, and their deletion;
 //! - [`store`]: the S3 artifact store (upload, presign, delete, lifecycle backstop);
 //! - [`telemetry`]: structured logs, the Prometheus registry, `/metrics` and `/healthz`.
 #![warn(missing_docs)]
@@ -25,6 +26,8 @@ pub mod config;
 pub mod jobs;
 pub mod pool;
 pub mod reads;
+#[cfg(feature = "services")]
+pub mod retention;
 #[cfg(feature = "services")]
 pub mod sessions;
 #[cfg(feature = "services")]

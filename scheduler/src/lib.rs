@@ -97,6 +97,12 @@ pub struct Config {
     /// tenant put through an upload grant is kept for its jobs, counted against its
     /// stored-bytes quota, before the sweeper removes it.
     pub upload_ttl: Duration,
+    /// `SANDCELL_RESULT_RETENTION_S`, default 2592000 (30 days), never less than a day past
+    /// the longest artifact TTL or the upload TTL (what the store holds outlives no row that
+    /// names it): how long a finished job's result, a refusal and an upload's answer are kept
+    /// before the sweeper deletes them (`sandcell_core::retention`). A job id is remembered as
+    /// long.
+    pub result_retention: Duration,
 }
 
 impl Config {
@@ -113,9 +119,13 @@ impl Config {
     /// Read the configuration from the environment.
     pub fn from_env() -> Result<Self> {
         let url_ttl_s = config::parse_or("SANDCELL_UPLOAD_URL_TTL_S", 900u64)?.clamp(1, 7 * 86_400);
+        let upload_ttl_s = config::parse_or("SANDCELL_UPLOAD_TTL_S", 86_400u64)?.clamp(url_ttl_s + 3600, 366 * 86_400);
+        let policy = config::limit_policy_from_env()?;
+        let kept_in_store_s = policy.max.artifact_ttl_s.max(upload_ttl_s);
+        let retention_s = config::parse_or("SANDCELL_RESULT_RETENTION_S", 30 * 86_400u64)?.clamp(kept_in_store_s + 86_400, 100 * 366 * 86_400);
         Ok(Config {
             services: Services::from_env()?,
-            policy: config::limit_policy_from_env()?,
+            policy,
             intake: config::intake_limits_from_env()?,
             metrics_addr: config::parse_or("SANDCELL_SCHEDULER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9464)))?,
             sweep_interval: Duration::from_secs_f64(config::parse_or("SANDCELL_SWEEP_INTERVAL_S", 30.0f64)?.max(0.1)),
@@ -137,7 +147,8 @@ impl Config {
             tenant_defaults: Quotas::from_env()?,
             max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
             upload_url_ttl: Duration::from_secs(url_ttl_s),
-            upload_ttl: Duration::from_secs(config::parse_or("SANDCELL_UPLOAD_TTL_S", 86_400u64)?.clamp(url_ttl_s + 3600, 366 * 86_400)),
+            upload_ttl: Duration::from_secs(upload_ttl_s),
+            result_retention: Duration::from_secs(retention_s),
         })
     }
 }
@@ -173,7 +184,12 @@ pub async fn run(cfg: Config) -> Result<()> {
     };
     let server = tokio::spawn(sandcell_core::telemetry::serve(cfg.metrics_addr, metrics.registry.clone(), health));
     let store_for_uploads = store.clone();
-    let limits = sweeper::SweepLimits { worker_dead_after: cfg.worker_dead_after, stuck_after: cfg.stuck_after, session_start_wait: cfg.session_start_wait };
+    let limits = sweeper::SweepLimits {
+        worker_dead_after: cfg.worker_dead_after,
+        stuck_after: cfg.stuck_after,
+        session_start_wait: cfg.session_start_wait,
+        result_retention: cfg.result_retention,
+    };
     let sweeper = tokio::spawn(sweeper::run(jobs.clone(), metrics.clone(), cfg.sweep_interval, limits));
     let store_sweeper = tokio::spawn(sweeper::run_store(jobs.clone(), store, metrics.clone(), cfg.sweep_interval));
     let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));

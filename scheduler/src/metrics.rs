@@ -18,6 +18,9 @@ pub struct Metrics {
     pub artifacts_expired: prometheus::IntCounter,
     /// `sandcell_uploads_removed_total`: upload grants whose objects the sweeper removed.
     pub uploads_removed: prometheus::IntCounter,
+    /// `sandcell_retention_deleted_total{what}`: finished jobs (`job`) and upload answers
+    /// (`upload`) deleted past `SANDCELL_RESULT_RETENTION_S`.
+    pub retention_deleted: IntCounterVec,
     /// `sandcell_intake_ack_failures_total{disposition}`: settling a submission or a request
     /// failed (its channel closed, or the broker left it unanswered); the broker redelivers it.
     pub ack_failures: IntCounterVec,
@@ -56,6 +59,12 @@ impl Metrics {
         registry.register(Box::new(jobs.clone()))?;
         registry.register(Box::new(artifacts_expired.clone()))?;
         registry.register(Box::new(uploads_removed.clone()))?;
+        let retention_deleted =
+            IntCounterVec::new(Opts::new("sandcell_retention_deleted_total", "Finished jobs and upload answers deleted past their retention"), &["what"])?;
+        registry.register(Box::new(retention_deleted.clone()))?;
+        for what in ["job", "upload"] {
+            retention_deleted.with_label_values(&[what]);
+        }
         let ack_failures =
             IntCounterVec::new(Opts::new("sandcell_intake_ack_failures_total", "Submissions whose ack/nack failed, by disposition"), &["disposition"])?;
         let stuck_ended =
@@ -94,6 +103,7 @@ impl Metrics {
             jobs,
             artifacts_expired,
             uploads_removed,
+            retention_deleted,
             ack_failures,
             stuck_ended,
             held_dispatched,

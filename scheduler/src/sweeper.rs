@@ -3,7 +3,8 @@
 //! Each tick also looks for workers whose heartbeat stopped and sets their sessions moving,
 //! expires moving sessions nobody used within their keep-alive,
 //! ends jobs stuck in `queued` (and sessions in `starting`) past `SANDCELL_STUCK_AFTER_S`, and
-//! refuses with `capacity` new sessions no worker took within `SANDCELL_SESSION_START_WAIT_S`.
+//! refuses with `capacity` new sessions no worker took within `SANDCELL_SESSION_START_WAIT_S`,
+//! and deletes finished jobs and upload answers past `SANDCELL_RESULT_RETENTION_S`.
 //!
 //! Each tick deletes the objects of artifacts whose expiry has passed and then marks them
 //! `expired` (so a client sees `artifact_expired` and no URL). Deleting first and marking second
@@ -30,6 +31,8 @@ pub struct SweepLimits {
     pub stuck_after: Duration,
     /// A new session no worker took within this is refused with `capacity`.
     pub session_start_wait: Duration,
+    /// Finished jobs and upload answers older than this are deleted.
+    pub result_retention: Duration,
 }
 
 /// How long past its time limit a `running` job may stay so before the sweeper ends it: room for
@@ -95,7 +98,7 @@ pub async fn run_store(jobs: JobStore, store: ArtifactStore, metrics: Metrics, i
 /// Sweep the database's state forever, every `interval`: dead workers, jobs and sessions that
 /// waited too long, the job gauges.
 pub async fn run(jobs: JobStore, metrics: Metrics, interval: Duration, limits: SweepLimits) {
-    let SweepLimits { worker_dead_after, stuck_after, session_start_wait } = limits;
+    let SweepLimits { worker_dead_after, stuck_after, session_start_wait, result_retention } = limits;
     let sessions = SessionStore::new(jobs.pool().clone());
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -166,6 +169,9 @@ pub async fn run(jobs: JobStore, metrics: Metrics, interval: Duration, limits: S
             Ok(n) => tracing::warn!(jobs = n, "parked jobs recorded for a moved session's old worker"),
             Err(e) => tracing::warn!(error = format!("{e:#}"), "stray-job sweep failed; retrying next tick"),
         }
+        if let Err(e) = sweep_retention(jobs.pool(), result_retention, &metrics).await {
+            tracing::warn!(error = format!("{e:#}"), "retention sweep failed; retrying next tick");
+        }
         match jobs.count_by_status().await {
             Ok(counts) => {
                 metrics.jobs.reset();
@@ -222,6 +228,37 @@ pub async fn sweep_uploads(pool: &sqlx::PgPool, store: &ArtifactStore, metrics: 
         tracing::info!(removed, "removed expired uploads");
     }
     Ok(removed)
+}
+
+/// Batches the retention sweep deletes of each kind in one tick, at most (500 each): ~330 rows
+/// a second at the default interval, more than the intake records on this kind of machine, so
+/// a backlog shrinks; a tick's deletes stay short.
+const RETENTION_BATCHES: u32 = 20;
+
+/// Delete finished jobs and upload answers past their retention ([`sandcell_core::retention`]),
+/// oldest first, in batches, until a batch comes back short. Returns (jobs, uploads) deleted.
+pub async fn sweep_retention(pool: &sqlx::PgPool, retention: Duration, metrics: &Metrics) -> anyhow::Result<(u64, u64)> {
+    let mut deleted = (0, 0);
+    for _ in 0..RETENTION_BATCHES {
+        let n = sandcell_core::retention::forget_jobs(pool, retention, BATCH).await?;
+        deleted.0 += n;
+        if n < BATCH as u64 {
+            break;
+        }
+    }
+    for _ in 0..RETENTION_BATCHES {
+        let n = sandcell_core::retention::forget_uploads(pool, retention, BATCH).await?;
+        deleted.1 += n;
+        if n < BATCH as u64 {
+            break;
+        }
+    }
+    if deleted != (0, 0) {
+        metrics.retention_deleted.with_label_values(&["job"]).inc_by(deleted.0);
+        metrics.retention_deleted.with_label_values(&["upload"]).inc_by(deleted.1);
+        tracing::info!(jobs = deleted.0, uploads = deleted.1, retention_s = retention.as_secs(), "deleted results and upload answers past their retention");
+    }
+    Ok(deleted)
 }
 
 /// Set the sessions of workers that stopped beating `moving`: each continues on another worker
