@@ -593,3 +593,59 @@ async fn results_past_their_retention_are_deleted_unless_a_live_session_or_a_sto
     .await;
     assert!(session_gone.is_some(), "an ended session's old jobs were kept");
 }
+
+/// Before, a worker held every session job it took from its queue (up to 256) whole in memory,
+/// twice (the message, and the decoded job in the session's mailbox): one tenant's session
+/// running a slow cell, fed jobs carrying 10 MiB of inline files, grew the worker until its
+/// pod's memory limit killed it with every other tenant's sessions. Now waiting jobs hold their
+/// inputs only within `SANDCELL_WORKER_HELD_INPUT_BYTES` (64 MiB): the others leave them in
+/// Postgres and read them back when their turn comes. Each job still gets its file intact, in
+/// order.
+#[tokio::test]
+async fn a_sessions_backlog_of_large_inputs_does_not_grow_the_worker_past_its_budget() {
+    let c = client().await;
+    let by = Bystander::start(&c).await;
+    let t = tenant();
+    let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;
+    let sid = session_id(&opened);
+    let left_before = worker_metric("sandcell_worker_inputs_left_in_postgres_total").await.unwrap_or(0.0);
+    let rss_before = worker_rss_kb().expect("the worker's memory");
+    const JOBS: usize = 30;
+    let mut subs = Vec::new();
+    let mut digests = Vec::new();
+    for i in 0..JOBS {
+        // 4 MiB that do not compress, different for each job.
+        let bytes: Vec<u8> = (0..4u32 << 20).map(|k| (k.wrapping_mul(2_654_435_761).wrapping_add(i as u32 * 7919) >> 13) as u8).collect();
+        digests.push(format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&bytes)));
+        let mut sub = in_session(&t, &sid, &format!("import hashlib\nn += 1\nprint(n, hashlib.sha256(open('in_{i}.bin', 'rb').read()).hexdigest())"));
+        sub.files = vec![input(&format!("in_{i}.bin"), &bytes)];
+        subs.push(sub);
+    }
+    // A slow cell first, so that the others wait in the worker; sample its memory meanwhile.
+    let first = in_session(&t, &sid, "import time\ntime.sleep(20)");
+    c.submit(&first).await.expect("submit");
+    let sampling = tokio::spawn(async move {
+        let mut peak = rss_before;
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(19) {
+            peak = peak.max(worker_rss_kb().unwrap_or(0));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        peak
+    });
+    for s in &subs {
+        c.submit(s).await.expect("submit");
+    }
+    let peak = sampling.await.expect("sampling the worker's memory");
+    for (i, s) in subs.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.expect("result");
+        assert_eq!((r.status, r.execution.stdout.clone()), (JobStatus::Succeeded, format!("{} {}\n", i + 1, digests[i])), "job {i}: {:?}", r.reason);
+    }
+    let left = worker_metric("sandcell_worker_inputs_left_in_postgres_total").await.unwrap_or(0.0) - left_before;
+    let grown_mb = peak.saturating_sub(rss_before) / 1024;
+    eprintln!("worker RSS {rss_before} kB before, {peak} kB at most while {JOBS} jobs of 4 MiB waited; {left} left their inputs in Postgres");
+    assert!(left >= 10.0, "only {left} jobs left their inputs in Postgres: the budget was not applied");
+    // 30 × 4 MiB (5.3 MiB as base64) waited: before, the worker grew by ~330 MiB.
+    assert!(grown_mb < 160, "the worker grew by {grown_mb} MiB while the jobs waited");
+    by.assert_unharmed(&c).await;
+}

@@ -27,6 +27,10 @@ pub struct Config {
     pub max_sessions: u16,
     /// `SANDCELL_SESSION_PREFETCH`, default 256: unacked jobs taken from the worker's own queue.
     pub session_prefetch: u16,
+    /// `SANDCELL_WORKER_HELD_INPUT_BYTES`, default 64 MiB: the code and inline input files of
+    /// jobs waiting in this worker's session mailboxes, all together; a waiting job beyond it
+    /// leaves them in Postgres until its turn (`registry::Inputs`).
+    pub held_input_bytes: u64,
     /// `SANDCELL_WARM_POOL`, default 2: started kernels kept ready.
     pub warm_pool: usize,
     /// `SANDCELL_WARM_POOL_PREPARED`, default true where one-off sandboxes are reused
@@ -104,6 +108,7 @@ impl Config {
             slots: config::parse_or("SANDCELL_WORKER_SLOTS", 4u16)?.max(1),
             max_sessions: config::parse_or("SANDCELL_WORKER_MAX_SESSIONS", 32u16)?.max(1),
             session_prefetch: config::parse_or("SANDCELL_SESSION_PREFETCH", 256u16)?.max(1),
+            held_input_bytes: config::parse_or("SANDCELL_WORKER_HELD_INPUT_BYTES", 64u64 << 20)?,
             warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
             warm_pool_prepared: config::parse_or("SANDCELL_WARM_POOL_PREPARED", reuse.max_jobs > 1)?,
             reuse,

@@ -233,7 +233,7 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
                 }
                 if let Some((job, ticket)) = admit(ctx, delivery).await {
                     // Handed to the session synchronously, so delivery order is mailbox order.
-                    route_to_session(ctx, Work { job, ticket, claim: None }).await;
+                    route_to_session(ctx, Work::new(job, ticket, None)).await;
                 }
             }
         }
@@ -268,7 +268,7 @@ async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, qu
         };
         let source = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), payload };
         if let Some(ticket) = ctx.ledger.enter_recovered(&job, source) {
-            route_to_session(ctx, Work { job, ticket, claim: None }).await;
+            route_to_session(ctx, Work::new(job, ticket, None)).await;
             recovered += 1;
         }
     }
@@ -316,9 +316,14 @@ async fn cancel(ctx: &WorkerContext, delivery: Delivery) {
 
 /// Decode a delivery and enter it in the ledger. `None` when there is nothing to run: the
 /// message was not a job (dead-lettered) or is a copy of a job in flight here (absorbed).
-async fn admit(ctx: &WorkerContext, delivery: Delivery) -> Option<(ExecutionJob, Ticket)> {
+async fn admit(ctx: &WorkerContext, mut delivery: Delivery) -> Option<(ExecutionJob, Ticket)> {
     match serde_json::from_slice::<ExecutionJob>(&delivery.data) {
-        Ok(job) => ctx.ledger.enter(&job, delivery).await.map(|ticket| (job, ticket)),
+        Ok(job) => {
+            // Decoded, the body is not needed to settle the message: the ledger keeps the
+            // delivery without it (a job's inputs are not held twice).
+            delivery.data = Vec::new();
+            ctx.ledger.enter(&job, delivery).await.map(|ticket| (job, ticket))
+        }
         Err(e) => {
             tracing::error!(error = %e, bytes = delivery.data.len(), "undecodable execution job; dead-lettering");
             ledger::settle_undecodable(&delivery, &ctx.metrics).await;
@@ -338,7 +343,7 @@ async fn handle_shared(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, pl
         // Opening a session, or taking over one whose worker died or drained.
         Some(s) if s.new || s.adopt.is_some() => open_session(ctx, job, ticket, place).await,
         // Jobs of existing sessions travel on workers' own queues; accept one here all the same.
-        Some(_) => route_to_session(&ctx, Work { job, ticket, claim: None }).await,
+        Some(_) => route_to_session(&ctx, Work::new(job, ticket, None)).await,
     }
 }
 
@@ -368,7 +373,7 @@ async fn open_session(ctx: WorkerContext, job: ExecutionJob, ticket: Ticket, pla
         }
     };
     match run::claim(&ctx, &job, ticket.arrival).await {
-        Ok(Some(claim)) => crate::session::open(ctx, Work { job, ticket, claim: Some(claim) }, permit).await,
+        Ok(Some(claim)) => crate::session::open(ctx, Work::new(job, ticket, Some(claim)), permit).await,
         Ok(None) => ticket.settle(Disposition::Ack).await,
         Err(e) => {
             let disposition = ledger::disposition_of(&job, Err(e)).await;

@@ -73,6 +73,9 @@ pub struct Metrics {
     /// worker when it had no room and went back to the queue (its new-sessions consumer had not
     /// caught up with its room yet).
     pub opening_returned: IntCounter,
+    /// `sandcell_worker_inputs_left_in_postgres_total`: session jobs that waited without their
+    /// inputs in memory (`SANDCELL_WORKER_HELD_INPUT_BYTES` was held) and read them back.
+    pub inputs_left_in_postgres: IntCounter,
     /// `sandcell_worker_sessions_adopted_total{cause}`: sessions this worker took over from a
     /// worker that died or restarted (`worker_lost`) or drained (`drained`).
     pub sessions_adopted: IntCounterVec,
@@ -144,6 +147,11 @@ impl Metrics {
         let opening_returned =
             IntCounter::new("sandcell_worker_opening_jobs_returned_total", "Jobs opening a session returned to the queue for lack of room here")?;
         registry.register(Box::new(opening_returned.clone()))?;
+        let inputs_left_in_postgres = IntCounter::new(
+            "sandcell_worker_inputs_left_in_postgres_total",
+            "Session jobs that waited with their inputs left in Postgres (the held-input budget was full)",
+        )?;
+        registry.register(Box::new(inputs_left_in_postgres.clone()))?;
         let sessions_adopted =
             IntCounterVec::new(Opts::new("sandcell_worker_sessions_adopted_total", "Sessions taken over from another worker, by why they moved"), &["cause"])?;
         registry.register(Box::new(sessions_adopted.clone()))?;
@@ -171,6 +179,7 @@ impl Metrics {
             max_sessions,
             sessions_adopted,
             opening_returned,
+            inputs_left_in_postgres,
             events_published,
             events_dropped,
             oneoff_sandboxes,

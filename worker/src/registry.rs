@@ -4,6 +4,7 @@
 //! worker's context can hold the registry without depending on the session code.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sandcell_core::jobs::Claim;
@@ -24,6 +25,61 @@ pub struct Work {
     pub ticket: Ticket,
     /// Set when the job was claimed before it reached the session (the opening job).
     pub claim: Option<Claim>,
+    /// Where the job's code and inline input files wait for its turn ([`Registry::deliver`]).
+    pub inputs: Inputs,
+}
+
+impl Work {
+    /// A job with its inputs in hand (not yet in a mailbox).
+    pub fn new(job: ExecutionJob, ticket: Ticket, claim: Option<Claim>) -> Self {
+        Work { job, ticket, claim, inputs: Inputs::InHand }
+    }
+}
+
+/// Where a job's code and inline input files are while it waits in a session's mailbox.
+///
+/// Why: a worker takes up to `SANDCELL_SESSION_PREFETCH` (256) session jobs from its queue, each
+/// up to 16 MiB, and its sessions' mailboxes held them all: one tenant's session running a slow
+/// cell, fed 20 jobs of 10 MiB of inline files, made the worker hold ~500 MiB and, in a pod,
+/// killed it with every other tenant's sessions on it. Now a mailbox holds a job's inputs only
+/// while all the worker's waiting jobs' inputs fit `SANDCELL_WORKER_HELD_INPUT_BYTES`; beyond
+/// that they stay in Postgres (`jobs.routed`, kept for every session job) and are read back when
+/// the job's turn comes.
+pub enum Inputs {
+    /// With the job, not counted (not yet delivered to a mailbox).
+    InHand,
+    /// With the job, counted against the budget until the job is done with (the bytes are only
+    /// held, for their `Drop`).
+    Held(#[allow(dead_code)] HeldBytes),
+    /// Left out of the job (its code empty, its inline files without content): read back.
+    InPostgres,
+}
+
+/// Bytes counted against the worker's budget for inputs held in mailboxes, given back when
+/// dropped (the job ran, or was refused).
+pub struct HeldBytes {
+    bytes: u64,
+    total: Arc<AtomicU64>,
+}
+
+impl Drop for HeldBytes {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// The bytes of a job's code and inline input files (base64, as held).
+fn input_bytes(job: &ExecutionJob) -> u64 {
+    let files: usize = job.files.iter().filter_map(|f| f.content_b64.as_ref()).map(String::len).sum();
+    (job.code.len() + files) as u64
+}
+
+/// Reserve `bytes` of `budget` in `total`, unless they do not fit (then nothing is reserved).
+fn reserve(total: &Arc<AtomicU64>, budget: u64, bytes: u64) -> Option<HeldBytes> {
+    total
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| held.checked_add(bytes).filter(|n| *n <= budget))
+        .ok()
+        .map(|_| HeldBytes { bytes, total: total.clone() })
 }
 
 /// What reaches a session's task.
@@ -44,23 +100,50 @@ struct Entry {
 }
 
 /// The sessions this worker holds, cheap to clone.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Registry {
     map: Arc<Mutex<HashMap<String, Entry>>>,
+    /// Bytes of inputs held by jobs in mailboxes, and the most they may be.
+    held_inputs: Arc<AtomicU64>,
+    input_budget: u64,
+    /// `sandcell_worker_inputs_left_in_postgres_total`.
+    left_in_postgres: prometheus::IntCounter,
 }
 
 impl Registry {
-    /// Hand `work` to the session it names. Gives the work back when this worker does not hold
-    /// that session for that tenant.
-    pub fn deliver(&self, work: Work) -> Result<(), Box<Work>> {
+    /// An empty registry whose mailboxes hold at most `input_budget` bytes of jobs' inputs,
+    /// counting in `left_in_postgres` the jobs whose inputs did not fit.
+    pub fn new(input_budget: u64, left_in_postgres: prometheus::IntCounter) -> Self {
+        Registry { map: Arc::default(), held_inputs: Arc::default(), input_budget, left_in_postgres }
+    }
+
+    /// Hand `work` to the session it names, its inputs held or left in Postgres ([`Inputs`]).
+    /// Gives the work back when this worker does not hold that session for that tenant.
+    pub fn deliver(&self, mut work: Work) -> Result<(), Box<Work>> {
         let Some(session) = work.job.session.as_ref() else { return Err(Box::new(work)) };
         let Ok(map) = self.map.lock() else { return Err(Box::new(work)) };
         match map.get(&session.id) {
-            Some(e) if e.tenant == work.job.tenant => match e.mailbox.send(Mail::Job(Box::new(work))) {
-                Err(mpsc::error::SendError(Mail::Job(w))) => Err(w),
-                // Sent (a snapshot request is never what comes back here).
-                _ => Ok(()),
-            },
+            Some(e) if e.tenant == work.job.tenant => {
+                if matches!(work.inputs, Inputs::InHand) {
+                    work.inputs = match reserve(&self.held_inputs, self.input_budget, input_bytes(&work.job)) {
+                        Some(held) => Inputs::Held(held),
+                        None => {
+                            tracing::info!(tenant = %work.job.tenant, job_id = %work.job.job_id, bytes = input_bytes(&work.job), "inputs of a waiting job left in Postgres: the worker holds its budget");
+                            self.left_in_postgres.inc();
+                            work.job.code = String::new();
+                            for f in &mut work.job.files {
+                                f.content_b64 = None;
+                            }
+                            Inputs::InPostgres
+                        }
+                    };
+                }
+                match e.mailbox.send(Mail::Job(Box::new(work))) {
+                    Err(mpsc::error::SendError(Mail::Job(w))) => Err(w),
+                    // Sent (a snapshot request is never what comes back here).
+                    _ => Ok(()),
+                }
+            }
             _ => Err(Box::new(work)),
         }
     }
@@ -114,5 +197,25 @@ impl Registry {
         if let Ok(mut m) = self.map.lock() {
             m.remove(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod held_input_tests {
+    use super::*;
+
+    #[test]
+    fn inputs_are_held_while_they_fit_the_budget_and_given_back_when_dropped() {
+        let total = Arc::new(AtomicU64::new(0));
+        let a = reserve(&total, 100, 60).expect("60 of 100 fits");
+        assert!(reserve(&total, 100, 50).is_none(), "60 + 50 is over 100");
+        let b = reserve(&total, 100, 40).expect("60 + 40 fits exactly");
+        assert_eq!(total.load(Ordering::Relaxed), 100);
+        drop(a);
+        assert_eq!(total.load(Ordering::Relaxed), 40);
+        let c = reserve(&total, 100, 50).expect("40 + 50 fits once the first is given back");
+        drop((b, c));
+        assert_eq!(total.load(Ordering::Relaxed), 0);
+        assert!(reserve(&total, 100, u64::MAX).is_none(), "an overflow never fits");
     }
 }

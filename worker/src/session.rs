@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use sandcell_core::jobs::SessionTouch;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason, SessionMove, SessionState};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
@@ -22,7 +22,7 @@ use crate::context::{Slot, WorkerContext};
 use crate::kernel::{CellRun, Kernel, OnTimeout};
 use crate::ledger::{self, Disposition};
 use crate::outcome::{Extras, Outcome};
-use crate::registry::{Mail, Work};
+use crate::registry::{Inputs, Mail, Work};
 use crate::run;
 use crate::sandbox::container::SandboxSpec;
 
@@ -36,10 +36,10 @@ enum End {
 /// Open the session `work.job` asks for and run the job in it. `work` is already claimed;
 /// `permit` is the session's place in this worker's capacity, released when it ends.
 pub async fn open(ctx: WorkerContext, work: Work, permit: OwnedSemaphorePermit) {
-    let Work { job, ticket, claim } = work;
+    let Work { job, ticket, claim, inputs } = work;
     let disposition = match bind_new(&ctx, &job, permit).await {
         Ok(Opened::Task(task, rx)) => {
-            tokio::spawn((*task).run(Work { job, ticket, claim }, rx));
+            tokio::spawn((*task).run(Work { job, ticket, claim, inputs }, rx));
             return;
         }
         Ok(Opened::Refused) => Disposition::Ack,
@@ -278,6 +278,19 @@ impl run::Host for SessionTask {
     }
 }
 
+/// A waiting job whose inputs were left in Postgres (`registry::Inputs::InPostgres`), whole
+/// again: its execution job as it was routed, read back (tried again like a claim through an
+/// outage of the database).
+async fn read_back_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<ExecutionJob> {
+    let routed =
+        sandcell_core::retry_classified("reading a job's inputs back", 6, sandcell_core::jobs::failure, |_| ctx.jobs.routed_job(&job.tenant, &job.job_id))
+            .await?
+            .with_context(|| format!("job {} of tenant {} has no kept execution job to read its inputs back from", job.job_id, job.tenant))?;
+    let whole: ExecutionJob = serde_json::from_slice(&routed).context("decoding a job's kept execution job")?;
+    anyhow::ensure!(whole.tenant == job.tenant && whole.job_id == job.job_id, "the kept execution job names another job");
+    Ok(whole)
+}
+
 impl SessionTask {
     async fn run(mut self, first: Work, mut mailbox: mpsc::UnboundedReceiver<Mail>) {
         let mut end = self.step(first).await;
@@ -308,8 +321,21 @@ impl SessionTask {
     /// wait behind it and its cells run in order. A job that failed even so (nothing committed) goes back to the
     /// queue and leaves the session as it was: its redelivery runs here again.
     async fn step(&mut self, work: Work) -> Option<End> {
-        let Work { job, ticket, claim } = work;
+        // The held inputs' bytes are given back once the job is done with (`inputs` dropped at
+        // the end of this step).
+        let Work { job, ticket, claim, inputs } = work;
         let ctx = self.ctx.clone();
+        let job = if matches!(inputs, Inputs::InPostgres) {
+            match read_back_inputs(&ctx, &job).await {
+                Ok(job) => job,
+                Err(e) => {
+                    ticket.settle(ledger::disposition_of(&job, Err(e)).await).await;
+                    return None;
+                }
+            }
+        } else {
+            job
+        };
         let result = run::job(&ctx, &job, ticket.arrival, claim, self).await;
         if result.is_err() {
             self.end = None;

@@ -477,6 +477,19 @@ impl JobStore {
         rows.into_iter().map(|r| Ok((r.try_get("tenant")?, r.try_get("job_id")?, r.try_get("routed")?))).collect()
     }
 
+    /// The execution job kept for a job of a session (`jobs.routed`, as it was routed), while
+    /// the job is still `queued`: a worker that left a waiting job's inputs here, rather than
+    /// in its memory, reads them back when the job's turn comes.
+    pub async fn routed_job(&self, tenant: &str, job_id: &str) -> Result<Option<Vec<u8>>> {
+        let routed = sqlx::query_scalar::<_, Option<Vec<u8>>>("SELECT routed FROM jobs WHERE tenant = $1 AND job_id = $2 AND status = 'queued'")
+            .bind(tenant)
+            .bind(job_id)
+            .fetch_optional(&self.pool)
+            .await
+            .context("reading a job's kept execution job")?;
+        Ok(routed.flatten())
+    }
+
     /// End `infrastructure_error/worker_lost` the jobs still `running` on a worker that is gone
     /// (it restarted, or its heartbeat is older than the given silence): their worker will never
     /// commit them. A redelivered copy of such a job is taken over by another worker only once
