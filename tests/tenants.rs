@@ -511,3 +511,73 @@ async fn an_upload_the_store_will_not_delete_is_postponed_and_others_are_removed
     let (stuck_removed, stuck_until) = state(stuck.clone()).await;
     assert!(stuck_removed.is_none() && stuck_until > chrono::Utc::now(), "the upload the store refused: removed {stuck_removed:?}, next try {stuck_until}");
 }
+
+/// The bytes of a tenant's job rows, as the count keeps them and as the rows are now.
+async fn kept_bytes(pool: &sqlx::PgPool, tenant: &str) -> (i64, i64) {
+    let counted: i64 =
+        sqlx::query_scalar("SELECT COALESCE(sum(kept_bytes), 0)::bigint FROM tenant_job_counts WHERE tenant = $1").bind(tenant).fetch_one(pool).await.unwrap();
+    let rows: i64 =
+        sqlx::query_scalar("SELECT COALESCE(sum(sandcell_job_kept_bytes(execution, reason, routed, held_job)), 0)::bigint FROM jobs WHERE tenant = $1")
+            .bind(tenant)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    (counted, rows)
+}
+
+/// Before, the bytes a tenant's results took in Postgres had no bound of their own: a tenant
+/// whose jobs printed their megabyte each filled the database all tenants share. Now they count
+/// against `max_result_bytes`: past it new jobs are refused `quota_exceeded` with the figures,
+/// until the retention deletes old results. The count follows every change of a job's rows
+/// (record, claim, commit, a session's kept jobs, a refusal, a deletion) exactly.
+#[tokio::test]
+async fn kept_results_count_against_the_result_bytes_quota_until_the_retention_deletes_them() {
+    let t = TestTenant::create(Some(Quotas { max_result_bytes: 600_000, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let pool = service_db().await;
+    // Jobs of every kind: a session's (its execution jobs kept while it lives), a refusal, a
+    // one-off job printing 700 kB that cannot be compressed away.
+    let opened = run(&c, &open_session(&t.name, "n = 1", Some(600))).await;
+    let sid = session_id(&opened);
+    let mut with_input = in_session(&t.name, &sid, "n += 1");
+    with_input.files = vec![input("in.bin", &[7u8; 50_000])];
+    assert_eq!(run(&c, &with_input).await.status, JobStatus::Succeeded);
+    let refused = run(&c, &in_session(&t.name, "no-such-session", "n")).await;
+    assert_eq!(refused.status, JobStatus::Rejected, "{refused:?}");
+    let (counted, rows) = kept_bytes(&pool, &t.name).await;
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
+    assert!(counted < 600_000, "{counted}");
+    let big = run(&c, &python(&t.name, "import base64, os\nprint(base64.b64encode(os.urandom(525_000)).decode())")).await;
+    assert_eq!((big.status, big.execution.stdout.len()), (JobStatus::Succeeded, 700_001), "{:?}", big.reason);
+    let (counted, rows) = kept_bytes(&pool, &t.name).await;
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
+    assert!(counted > 600_000, "{counted}");
+
+    // Over the quota: refused with the figures, one-off and in-session alike.
+    for sub in [python(&t.name, "print(1)"), in_session(&t.name, &sid, "n")] {
+        let r = run(&c, &sub).await;
+        let reason = r.reason.as_ref().unwrap_or_else(|| panic!("no reason: {r:?}"));
+        assert_eq!((r.status, reason.code), (JobStatus::Rejected, ErrorCode::QuotaExceeded), "{r:?}");
+        // (Each refusal is a row too: the figure grows by its size.)
+        assert!(reason.message.contains("bytes of job results in the database; its quota is 600000"), "{}", reason.message);
+    }
+    // The retention deletes the big result (aged here): there is room again.
+    sqlx::query("UPDATE jobs SET finished_at = now() - interval '31 days' WHERE tenant = $1 AND job_id = $2")
+        .bind(&t.name)
+        .bind(&big.job_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let room = eventually(Duration::from_secs(30), || async {
+        let (counted, rows) = kept_bytes(&pool, &t.name).await;
+        (counted == rows && counted < 600_000).then_some(())
+    })
+    .await;
+    assert!(room.is_some(), "the count after the deletion: {:?}", kept_bytes(&pool, &t.name).await);
+    let again = run(&c, &in_session(&t.name, &sid, "n += 1\nprint(n)")).await;
+    assert_eq!((again.status, again.execution.stdout.as_str()), (JobStatus::Succeeded, "3\n"), "{again:?}");
+    // A session's end drops the execution jobs it kept: the count follows.
+    assert_eq!(run(&c, &close_session(&t.name, &sid)).await.status, JobStatus::Succeeded);
+    let (counted, rows) = kept_bytes(&pool, &t.name).await;
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows after the session ended");
+}

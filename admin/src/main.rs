@@ -1,7 +1,7 @@
 //! `sandcell-admin`: operator commands. See `docs/security.md` ("Tenants").
 //!
 //! ```text
-//! sandcell-admin tenant create acme [--max-sessions 20] [--max-queued-jobs 1000] [--max-artifact-bytes N] [--max-jobs-in-flight 4]
+//! sandcell-admin tenant create acme [--max-sessions 20] [--max-queued-jobs 1000] [--max-artifact-bytes N] [--max-jobs-in-flight 4] [--max-result-bytes N]
 //! sandcell-admin tenant quotas acme --max-sessions 5
 //! sandcell-admin tenant show acme
 //! sandcell-admin key create acme        # an API key for the E2B-compatible gateway
@@ -105,6 +105,10 @@ struct QuotaArgs {
     /// in Postgres, in order.
     #[arg(long)]
     max_jobs_in_flight: Option<u32>,
+    /// Bytes of job results (and refusals, and execution jobs kept for its sessions) Postgres
+    /// keeps for the tenant; past it new jobs are refused until the retention deletes old ones.
+    #[arg(long)]
+    max_result_bytes: Option<u64>,
 }
 
 impl QuotaArgs {
@@ -114,14 +118,15 @@ impl QuotaArgs {
             max_queued_jobs: self.max_queued_jobs.unwrap_or(base.max_queued_jobs),
             max_artifact_bytes: self.max_artifact_bytes.unwrap_or(base.max_artifact_bytes),
             max_jobs_in_flight: self.max_jobs_in_flight.unwrap_or(base.max_jobs_in_flight).max(1),
+            max_result_bytes: self.max_result_bytes.unwrap_or(base.max_result_bytes).max(1),
         }
     }
 }
 
 fn print_quotas(name: &str, q: &Quotas) {
     println!(
-        "tenant {name}: max_sessions={} max_queued_jobs={} max_artifact_bytes={} max_jobs_in_flight={}",
-        q.max_sessions, q.max_queued_jobs, q.max_artifact_bytes, q.max_jobs_in_flight
+        "tenant {name}: max_sessions={} max_queued_jobs={} max_artifact_bytes={} max_jobs_in_flight={} max_result_bytes={}",
+        q.max_sessions, q.max_queued_jobs, q.max_artifact_bytes, q.max_jobs_in_flight, q.max_result_bytes
     );
 }
 

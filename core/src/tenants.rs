@@ -32,18 +32,27 @@ pub struct Quotas {
     /// Jobs of the shared queue (one-off, or opening a session) dispatched and unfinished at
     /// once; more are held in Postgres and dispatched as these finish (fair share).
     pub max_jobs_in_flight: u32,
+    /// Bytes of its job rows Postgres keeps (results, refusals, execution jobs kept for its
+    /// sessions), until the retention deletes them (migration 0022).
+    pub max_result_bytes: u64,
 }
 
 impl Default for Quotas {
     fn default() -> Self {
-        Quotas { max_sessions: 20, max_queued_jobs: 1000, max_artifact_bytes: 5 * 1024 * 1024 * 1024, max_jobs_in_flight: 4 }
+        Quotas {
+            max_sessions: 20,
+            max_queued_jobs: 1000,
+            max_artifact_bytes: 5 * 1024 * 1024 * 1024,
+            max_jobs_in_flight: 4,
+            max_result_bytes: 2 * 1024 * 1024 * 1024,
+        }
     }
 }
 
 impl Quotas {
     /// The operator's defaults for new tenants: `SANDCELL_DEFAULT_MAX_SESSIONS` (20),
     /// `SANDCELL_DEFAULT_MAX_QUEUED_JOBS` (1000), `SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES` (5 GiB),
-    /// `SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT` (4).
+    /// `SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT` (4), `SANDCELL_DEFAULT_MAX_RESULT_BYTES` (2 GiB).
     pub fn from_env() -> Result<Self> {
         let d = Quotas::default();
         Ok(Quotas {
@@ -51,6 +60,7 @@ impl Quotas {
             max_queued_jobs: parse_or("SANDCELL_DEFAULT_MAX_QUEUED_JOBS", d.max_queued_jobs)?,
             max_artifact_bytes: parse_or("SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES", d.max_artifact_bytes)?,
             max_jobs_in_flight: parse_or("SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT", d.max_jobs_in_flight)?.max(1),
+            max_result_bytes: parse_or("SANDCELL_DEFAULT_MAX_RESULT_BYTES", d.max_result_bytes)?.max(1),
         })
     }
 }
@@ -59,7 +69,8 @@ impl Quotas {
 /// tenant row (its notification channel lives there).
 pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: &Quotas) -> Result<()> {
     sqlx::query(
-        "INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight) VALUES ($1, $2, $3, $4, $5)
+        "INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, max_result_bytes)
+         VALUES ($1, $2, $3, $4, $5, $6)
          ON CONFLICT (tenant) DO NOTHING",
     )
     .bind(tenant)
@@ -67,6 +78,7 @@ pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: 
     .bind(i32::try_from(defaults.max_queued_jobs).unwrap_or(i32::MAX))
     .bind(i64::try_from(defaults.max_artifact_bytes).unwrap_or(i64::MAX))
     .bind(i32::try_from(defaults.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
+    .bind(i64::try_from(defaults.max_result_bytes.max(1)).unwrap_or(i64::MAX))
     .execute(&mut **tx)
     .await
     .with_context(|| format!("registering tenant {tenant}"))?;
@@ -147,22 +159,27 @@ impl TenantStore {
     }
 
     async fn set_quotas_in(&self, tx: &mut Transaction<'_, Postgres>, tenant: &str, q: &Quotas) -> Result<()> {
-        sqlx::query("UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4, max_jobs_in_flight = $5 WHERE tenant = $1")
-            .bind(tenant)
-            .bind(i32::try_from(q.max_sessions).unwrap_or(i32::MAX))
-            .bind(i32::try_from(q.max_queued_jobs).unwrap_or(i32::MAX))
-            .bind(i64::try_from(q.max_artifact_bytes).unwrap_or(i64::MAX))
-            .bind(i32::try_from(q.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
-            .execute(&mut **tx)
-            .await
-            .context("updating quotas")?;
+        sqlx::query(
+            "UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4, max_jobs_in_flight = $5, max_result_bytes = $6
+             WHERE tenant = $1",
+        )
+        .bind(tenant)
+        .bind(i32::try_from(q.max_sessions).unwrap_or(i32::MAX))
+        .bind(i32::try_from(q.max_queued_jobs).unwrap_or(i32::MAX))
+        .bind(i64::try_from(q.max_artifact_bytes).unwrap_or(i64::MAX))
+        .bind(i32::try_from(q.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
+        .bind(i64::try_from(q.max_result_bytes.max(1)).unwrap_or(i64::MAX))
+        .execute(&mut **tx)
+        .await
+        .context("updating quotas")?;
         Ok(())
     }
 
     /// Every registered tenant, by name: its quotas and whether it has a database login.
     pub async fn list(&self) -> Result<Vec<(String, Quotas, bool)>> {
         let rows = sqlx::query(
-            "SELECT tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, db_role IS NOT NULL FROM tenants ORDER BY tenant",
+            "SELECT tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, db_role IS NOT NULL, max_result_bytes
+             FROM tenants ORDER BY tenant",
         )
         .fetch_all(&self.pool)
         .await
@@ -174,6 +191,7 @@ impl TenantStore {
                     max_queued_jobs: u32::try_from(r.try_get::<i32, _>(2)?).unwrap_or(0),
                     max_artifact_bytes: u64::try_from(r.try_get::<i64, _>(3)?).unwrap_or(0),
                     max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>(4)?).unwrap_or(1),
+                    max_result_bytes: u64::try_from(r.try_get::<i64, _>(6)?).unwrap_or(0),
                 };
                 Ok((r.try_get(0)?, quotas, r.try_get(5)?))
             })
@@ -207,7 +225,7 @@ impl TenantStore {
 
     /// The tenant's quotas, if it is registered.
     pub async fn quotas(&self, tenant: &str) -> Result<Option<Quotas>> {
-        let row = sqlx::query("SELECT max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight FROM tenants WHERE tenant = $1")
+        let row = sqlx::query("SELECT max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, max_result_bytes FROM tenants WHERE tenant = $1")
             .bind(tenant)
             .fetch_optional(&self.pool)
             .await
@@ -218,6 +236,7 @@ impl TenantStore {
                 max_queued_jobs: u32::try_from(r.try_get::<i32, _>(1)?).unwrap_or(0),
                 max_artifact_bytes: u64::try_from(r.try_get::<i64, _>(2)?).unwrap_or(0),
                 max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>(3)?).unwrap_or(1),
+                max_result_bytes: u64::try_from(r.try_get::<i64, _>(4)?).unwrap_or(0),
             })
         })
         .transpose()

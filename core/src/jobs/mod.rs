@@ -313,6 +313,11 @@ impl JobStore {
                 "over_artifact_bytes" => {
                     return refuse(format!("tenant stores {used} bytes of artifacts; its quota is {quota} (wait for artifacts to expire)"))
                 }
+                "over_result_bytes" => {
+                    return refuse(format!(
+                        "tenant keeps {used} bytes of job results in the database; its quota is {quota} (results are deleted SANDCELL_RESULT_RETENTION_S after they end)"
+                    ))
+                }
                 other => bail!("recording job {} of tenant {}: unexpected outcome {other:?}", sub.job_id, sub.tenant),
             }
         }
