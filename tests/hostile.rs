@@ -649,3 +649,29 @@ async fn a_sessions_backlog_of_large_inputs_does_not_grow_the_worker_past_its_bu
     assert!(grown_mb < 160, "the worker grew by {grown_mb} MiB while the jobs waited");
     by.assert_unharmed(&c).await;
 }
+
+/// A workspace path may be 1024 bytes; an object key (`<tenant>/<job_id>/<path>`) no longer, and
+/// Garage's LMDB engine takes 479. Before, such a file failed its job's storing at its upload
+/// (`storage_failed`, a Garage internal error quoting an LMDB key error) and the files uploaded
+/// before it stayed in the store, recorded and counted nowhere: a tenant could fill the store
+/// every tenant shares, 100 MiB a job. Now the file is skipped (`invalid_path`) before anything
+/// is uploaded, and the job's other files are stored.
+#[tokio::test]
+async fn a_file_whose_key_the_store_would_refuse_is_skipped_and_the_other_files_are_stored() {
+    let c = client().await;
+    let t = tenant();
+    let code = r#"
+import os
+open('a.bin', 'wb').write(os.urandom(100_000))
+d = '/'.join(['z' * 200] * 4)
+os.makedirs(d, exist_ok=True)
+open(d + '/' + 'f' * 150, 'w').write('x')
+"#;
+    let r = run(&c, &python(&t, code)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}", r.reason);
+    let stored: Vec<&str> = r.artifacts.iter().map(|a| a.path.as_str()).collect();
+    assert_eq!(stored, vec!["a.bin"], "{r:?}");
+    let skipped: Vec<(usize, &str)> = r.execution.skipped_files.iter().map(|f| (f.path.len(), f.reason.as_str())).collect();
+    assert_eq!(skipped, vec![(954, "invalid_path")], "{:?}", r.execution.skipped_files);
+    assert!(r.execution.limits_hit.is_empty() || r.execution.limits_hit.contains(&sandcell_protocol::LimitHit::Artifacts), "{r:?}");
+}

@@ -903,3 +903,28 @@ async fn jobs_run_after_an_engine_restart_and_a_session_whose_kernel_went_is_tol
     assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
     both_healthy_again().await;
 }
+
+/// When the store refuses one of a job's files (here a key Garage's LMDB engine cannot hold,
+/// let through by a worker told the store takes S3's 1024 bytes), the job ends
+/// `storage_failed` and the files uploaded before it are deleted again. Before, they stayed in
+/// the store, recorded and counted nowhere.
+#[tokio::test]
+async fn a_job_whose_storing_fails_midway_leaves_none_of_its_files_in_the_store() {
+    use sandcell_core::store::{artifact_key, ArtifactStore, Fetched};
+    let _serial = SERIAL.lock().await;
+    let _restore = RestoreWorker;
+    restart_service("worker", &[("SANDCELL_S3_MAX_KEY_BYTES", "1024")]);
+    both_healthy_again().await;
+    let c = client().await;
+    let t = tenant();
+    // `a.bin` is stored first (files go in path order); the second key is 500 bytes or so.
+    let code =
+        "import os\nopen('a.bin', 'wb').write(os.urandom(100_000))\nos.makedirs('z' * 200, exist_ok=True)\nopen('z' * 200 + '/' + 'f' * 240, 'w').write('x')";
+    let sub = python(&t, code);
+    let r = run(&c, &sub).await;
+    let reason = r.reason.as_ref().unwrap_or_else(|| panic!("no reason: {r:?}"));
+    assert_eq!((r.status, reason.code), (JobStatus::InfrastructureError, sandcell_protocol::ErrorCode::StorageFailed), "{r:?}");
+    let store = ArtifactStore::new(&sandcell_core::config::Services::from_env().expect("services").s3);
+    let left = store.get_limited(&artifact_key(&t, &sub.job_id, "a.bin"), 1 << 20).await.expect("reading the store");
+    assert!(matches!(left, Fetched::Missing), "a file uploaded before the failure is still in the store");
+}

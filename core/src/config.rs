@@ -65,6 +65,11 @@ pub struct S3Settings {
     /// limit of its own: a store that accepts connections and never answers held every request
     /// for ever (the scheduler's sweeps, a worker's commit).
     pub attempt_timeout: Duration,
+    /// `SANDCELL_S3_MAX_KEY_BYTES`, default 1024 (S3's limit; at most that): the longest object
+    /// key the store takes. Garage with its LMDB metadata engine takes 479 (a longer key fails
+    /// with an internal error), which `deploy/local/up.sh` sets. A job's file whose key would be
+    /// longer is skipped (`invalid_path`) rather than failing the job's storing.
+    pub max_key_bytes: usize,
 }
 
 impl Services {
@@ -80,6 +85,8 @@ impl Services {
                 access_key_id: var_required("SANDCELL_S3_ACCESS_KEY_ID")?,
                 secret_access_key: var_required("SANDCELL_S3_SECRET_ACCESS_KEY")?,
                 attempt_timeout: Duration::from_secs_f64(parse_or("SANDCELL_S3_ATTEMPT_TIMEOUT_S", 120.0f64)?.clamp(0.1, 86_400.0)),
+                max_key_bytes: parse_or("SANDCELL_S3_MAX_KEY_BYTES", sandcell_protocol::MAX_OBJECT_KEY_BYTES)?
+                    .clamp(64, sandcell_protocol::MAX_OBJECT_KEY_BYTES),
             },
         })
     }

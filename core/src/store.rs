@@ -45,6 +45,12 @@ pub fn artifact_key(tenant: &str, job_id: &str, path: &str) -> String {
     format!("{tenant}/{job_id}/{path}")
 }
 
+/// Whether an artifact at `path` of the job has a key of at most `max_key_bytes`
+/// (`S3Settings::max_key_bytes`: what the store takes).
+pub fn artifact_key_fits(tenant: &str, job_id: &str, path: &str, max_key_bytes: usize) -> bool {
+    tenant.len() + job_id.len() + path.len() + 2 <= max_key_bytes
+}
+
 impl ArtifactStore {
     /// Build a client for the configured store. Does no I/O.
     pub fn new(s: &S3Settings) -> Self {

@@ -379,6 +379,8 @@ SANDCELL_S3_REGION=garage
 SANDCELL_S3_BUCKET=$BUCKET
 SANDCELL_S3_ACCESS_KEY_ID=GK$(secret garage.key_id 12)
 SANDCELL_S3_SECRET_ACCESS_KEY=$(secret garage.key_secret 32)
+# Garage's LMDB metadata engine takes object keys of at most 479 bytes (S3 allows 1024).
+SANDCELL_S3_MAX_KEY_BYTES=479
 SANDCELL_SANDBOX_IMAGE=$image
 SANDCELL_DOCKER_RUNTIMES=$(docker_runtimes "$image")
 SANDCELL_GATEWAY_SECRET=$(secret gateway.secret 32)

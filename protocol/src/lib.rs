@@ -33,4 +33,4 @@ pub use result::{
 };
 pub use session::{Adoption, JobSession, KeepAlivePolicy, MoveCause, Session, SessionMove, SessionState};
 pub use status::JobStatus;
-pub use submission::{parse_submission, InputFile, Language, Rejection, SessionRequest, Submission};
+pub use submission::{parse_submission, InputFile, Language, Rejection, SessionRequest, Submission, MAX_OBJECT_KEY_BYTES};

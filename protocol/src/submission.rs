@@ -60,6 +60,11 @@ impl InputFile {
 /// Most entries in `get_files`.
 pub const MAX_GET_FILES: usize = 64;
 
+/// The longest object key the store takes (S3's limit; Garage fails a longer one with an
+/// internal error): a key is `<tenant>/<job_id>/<path>` or an upload's, and a workspace path
+/// alone may be 1024 bytes.
+pub const MAX_OBJECT_KEY_BYTES: usize = 1024;
+
 /// The object-key prefix under which a tenant uploads input files (job ids cannot contain `_`,
 /// so uploads never collide with artifact keys `<tenant>/<job_id>/...`).
 pub fn upload_prefix(tenant: &str) -> String {
@@ -394,7 +399,10 @@ fn validate(sub: &Submission, limits: &IntakeLimits) -> Result<(), Reason> {
 /// empty, `.` or `..` segments, no control characters, at most 1024 bytes.
 pub fn is_valid_upload_key(tenant: &str, key: &str) -> bool {
     let Some(rest) = key.strip_prefix(&upload_prefix(tenant)) else { return false };
-    key.len() <= 1024 && !rest.is_empty() && !key.chars().any(char::is_control) && rest.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != "..")
+    key.len() <= MAX_OBJECT_KEY_BYTES
+        && !rest.is_empty()
+        && !key.chars().any(char::is_control)
+        && rest.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != "..")
 }
 
 fn validate_files(tenant: &str, files: &[InputFile], limits: &IntakeLimits) -> Result<(), Reason> {

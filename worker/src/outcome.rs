@@ -316,6 +316,23 @@ impl Outcome {
         }
     }
 
+    /// Skip, as `invalid_path`, the files whose object key (`fits`: the job's key of the path)
+    /// the store would not take: a workspace path may be 1024 bytes, a key no longer. Before,
+    /// the store refused such a file at its upload, the job ended `storage_failed`, and the
+    /// files uploaded before it stayed in the store, counted nowhere.
+    pub fn skip_unstorable(&mut self, fits: impl Fn(&str) -> bool) {
+        let files = std::mem::take(&mut self.files);
+        for f in files {
+            if fits(&f.path) {
+                self.files.push(f);
+            } else {
+                self.artifacts_kept.0 = self.artifacts_kept.0.saturating_sub(1);
+                self.artifacts_kept.1 = self.artifacts_kept.1.saturating_sub(f.bytes.len() as u64);
+                self.skip(f.path, "invalid_path");
+            }
+        }
+    }
+
     /// Bytes of all artifacts the outcome holds (files and display parts).
     pub fn artifact_bytes(&self) -> u64 {
         let display: u64 = self.outputs.iter().flat_map(|o| &o.binary).map(|p| p.bytes.len() as u64).sum();

@@ -424,6 +424,8 @@ pub async fn commit(ctx: &WorkerContext, job: &ExecutionJob, limits: &ExecutionL
     // The tenant's artifact quota: figures and files beyond what it may still store are
     // skipped and reported. The bytes are reserved before the upload, so the tenant's jobs
     // committing at the same moment cannot together store more than the quota.
+    let max_key = ctx.cfg.services.s3.max_key_bytes;
+    o.skip_unstorable(|path| sandcell_core::store::artifact_key_fits(&job.tenant, &job.job_id, path, max_key));
     let wanted = o.artifact_bytes();
     if wanted > 0 {
         let (tenant, job_id) = (job.tenant.as_str(), job.job_id.as_str());
