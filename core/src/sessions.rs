@@ -76,16 +76,25 @@ pub enum WorkspaceFile {
         /// False once the artifact expired (its object is gone).
         available: bool,
     },
+    /// An input file a job brought inline whose contents would take the workspace past its
+    /// size with the newer files: not read.
+    Over {
+        /// Path in the workspace.
+        path: String,
+    },
 }
 
 impl WorkspaceFile {
     /// Its path in the workspace.
     pub fn path(&self) -> &str {
         match self {
-            WorkspaceFile::Inline { path, .. } | WorkspaceFile::Stored { path, .. } => path,
+            WorkspaceFile::Inline { path, .. } | WorkspaceFile::Stored { path, .. } | WorkspaceFile::Over { path } => path,
         }
     }
 }
+
+/// Most paths of a moved session's history [`SessionStore::workspace_of`] reads.
+pub const MAX_WORKSPACE_ENTRIES: usize = 10_000;
 
 /// Handle on the session tables (shares the job store's pool).
 #[derive(Clone)]
@@ -361,48 +370,78 @@ impl SessionStore {
         }))
     }
 
-    /// The files to put back in a moved session's workspace, in the order to write them (a
-    /// later one replaces an earlier one at the same path): for each of the session's jobs in
-    /// the order they were recorded, the input files it brought, then the files it wrote that
-    /// were stored. A file a job deleted comes back; one that was never stored (too large,
-    /// over quota) or whose artifact expired is missing.
-    pub async fn workspace_of(&self, tenant: &str, session_id: &str) -> Result<Vec<WorkspaceFile>> {
-        let rows = sqlx::query(
+    /// The files to put back in a moved session's workspace, in the order to write them: of
+    /// each path, the version of the session's latest job that has it (a job's own files after
+    /// its input files), oldest first. A file a job deleted comes back; one that was never
+    /// stored (too large, over quota) or whose artifact expired is missing.
+    ///
+    /// Bounded whatever the session's history: the jobs are read newest first, one at a time
+    /// (not the history at once: a long-lived session keeps every job's execution job, inline
+    /// files included, and a worker taking it over read them all into its memory), an older
+    /// version of a path is dropped as it is read, inline contents beyond `inline_budget` bytes
+    /// (the workspace's size: no more could be written back) are [`WorkspaceFile::Over`], and
+    /// at most [`MAX_WORKSPACE_ENTRIES`] paths are read.
+    pub async fn workspace_of(&self, tenant: &str, session_id: &str, inline_budget: u64) -> Result<Vec<WorkspaceFile>> {
+        use futures::TryStreamExt;
+        let mut rows = sqlx::query(
             "SELECT j.job_id, j.routed, COALESCE(
                     (SELECT jsonb_agg(jsonb_build_array(a.path, a.s3_key, a.state) ORDER BY a.id)
                      FROM artifacts a WHERE a.tenant = j.tenant AND a.job_id = j.job_id AND a.kind = 'file'), '[]'::jsonb) AS files
              FROM jobs j WHERE j.tenant = $1 AND j.session_id = $2 AND j.status NOT IN ('queued', 'rejected')
-             ORDER BY j.queued_at, j.job_id",
+             ORDER BY j.queued_at DESC, j.job_id DESC",
         )
         .bind(tenant)
         .bind(session_id)
-        .fetch_all(&self.pool)
-        .await
-        .context("listing a session's stored workspace")?;
-        let mut out = Vec::new();
-        for row in rows {
+        .fetch(&self.pool);
+        let mut newest_first = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut inline_bytes = 0u64;
+        while let Some(row) = rows.try_next().await.context("reading a session's stored workspace")? {
+            // This job's files in the order it had them: its inputs, then what it wrote.
+            let mut files = Vec::new();
             let routed: Option<Vec<u8>> = row.try_get("routed")?;
             // Every job of the session keeps its execution job (rows recorded before migration 0009 do not).
             if let Some(job) = routed.and_then(|r| serde_json::from_slice::<sandcell_protocol::ExecutionJob>(&r).ok()) {
                 for f in job.files {
-                    out.push(match (f.content_b64, f.s3_key) {
+                    files.push(match (f.content_b64, f.s3_key) {
                         (Some(b64), _) => WorkspaceFile::Inline { path: f.path, content_b64: b64 },
                         (None, Some(key)) => WorkspaceFile::Stored { path: f.path, s3_key: key, available: true },
                         (None, None) => continue,
                     });
                 }
             }
-            let files: serde_json::Value = row.try_get("files")?;
-            for f in files.as_array().into_iter().flatten() {
+            let stored: serde_json::Value = row.try_get("files")?;
+            for f in stored.as_array().into_iter().flatten() {
                 let (Some(path), Some(key), Some(state)) =
                     (f.get(0).and_then(|v| v.as_str()), f.get(1).and_then(|v| v.as_str()), f.get(2).and_then(|v| v.as_str()))
                 else {
                     continue;
                 };
-                out.push(WorkspaceFile::Stored { path: path.to_string(), s3_key: key.to_string(), available: state == "available" });
+                files.push(WorkspaceFile::Stored { path: path.to_string(), s3_key: key.to_string(), available: state == "available" });
+            }
+            for f in files.into_iter().rev() {
+                if !seen.insert(f.path().to_string()) {
+                    continue;
+                }
+                let f = match f {
+                    WorkspaceFile::Inline { path, content_b64 } if inline_bytes.saturating_add(content_b64.len() as u64 / 4 * 3) > inline_budget => {
+                        WorkspaceFile::Over { path }
+                    }
+                    WorkspaceFile::Inline { path, content_b64 } => {
+                        inline_bytes += content_b64.len() as u64 / 4 * 3;
+                        WorkspaceFile::Inline { path, content_b64 }
+                    }
+                    other => other,
+                };
+                newest_first.push(f);
+            }
+            if seen.len() >= MAX_WORKSPACE_ENTRIES {
+                tracing::warn!(session_id, paths = seen.len(), "a moved session's history names too many paths; its older files are not put back");
+                break;
             }
         }
-        Ok(out)
+        newest_first.reverse();
+        Ok(newest_first)
     }
 
     /// Note that a worker is alive, with its capacity.
