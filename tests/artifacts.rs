@@ -99,3 +99,46 @@ async fn a_store_that_never_answers_fails_a_request_within_its_attempt_timeouts(
     assert!(outcome.is_err(), "a silent store's answer cannot be a success");
     assert!(started.elapsed() < Duration::from_secs(20), "gave up after {:?}", started.elapsed());
 }
+
+/// A draining worker saves a session's variables in the store for the worker that takes the
+/// session over, which deletes the object once it has used it. Before, a session that ended
+/// before any worker took it over (it expired or was lost while moving), or whose snapshot
+/// could not be deleted, left its object in the store for good, counted nowhere. Now the
+/// scheduler's sweeper deletes the snapshot of every session that ended, and leaves a live
+/// session's alone. (The sessions' rows are written here as a drain leaves them.)
+#[tokio::test]
+async fn the_snapshot_of_a_session_that_ended_is_deleted_and_a_live_ones_kept() {
+    use sandcell_core::store::{ArtifactStore, Fetched};
+    let store = ArtifactStore::new(&sandcell_core::config::Services::from_env().unwrap().s3);
+    let pool = service_db().await;
+    let t = tenant();
+    let (ended, live) = (unique("s"), unique("s"));
+    let key = |sid: &str| format!("{t}/_sessions/{sid}/variables-1.dill");
+    for (sid, state) in [(&ended, "expired"), (&live, "moving")] {
+        store.put(&key(sid), b"pickled variables".to_vec(), "application/octet-stream").await.expect("putting a snapshot");
+        sqlx::query(
+            "INSERT INTO sessions (session_id, tenant, state, keep_alive_s, created_by_job, snapshot_key, snapshot_move, ended_at)
+             VALUES ($1, $2, $3, 60, 'opening', $4, 1, CASE WHEN $3 = 'expired' THEN now() END)",
+        )
+        .bind(sid)
+        .bind(&t)
+        .bind(state)
+        .bind(key(sid))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let gone = eventually(Duration::from_secs(30), || async {
+        let left: Option<String> = sqlx::query_scalar("SELECT snapshot_key FROM sessions WHERE session_id = $1").bind(&ended).fetch_one(&pool).await.ok()?;
+        let object = store.get_limited(&key(&ended), 1 << 20).await.ok()?;
+        (left.is_none() && matches!(object, Fetched::Missing)).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "the ended session's snapshot is still recorded or stored");
+    let kept = store.get_limited(&key(&live), 1 << 20).await.expect("reading the store");
+    assert!(matches!(kept, Fetched::Found(_)), "a moving session's snapshot was deleted");
+    let still: Option<String> = sqlx::query_scalar("SELECT snapshot_key FROM sessions WHERE session_id = $1").bind(&live).fetch_one(&pool).await.unwrap();
+    assert_eq!(still, Some(key(&live)));
+    // Not left for the next run: the live one ends too, and the sweeper takes its snapshot.
+    sqlx::query("UPDATE sessions SET state = 'lost', ended_at = now() WHERE session_id = $1").bind(&live).execute(&pool).await.unwrap();
+}

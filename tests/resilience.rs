@@ -917,9 +917,9 @@ async fn a_job_whose_storing_fails_midway_leaves_none_of_its_files_in_the_store(
     both_healthy_again().await;
     let c = client().await;
     let t = tenant();
-    // `a.bin` is stored first (files go in path order); the second key is 500 bytes or so.
+    // `a.bin` is stored first (files go in path order); the second key is over 550 bytes.
     let code =
-        "import os\nopen('a.bin', 'wb').write(os.urandom(100_000))\nos.makedirs('z' * 200, exist_ok=True)\nopen('z' * 200 + '/' + 'f' * 240, 'w').write('x')";
+        "import os\nopen('a.bin', 'wb').write(os.urandom(100_000))\nos.makedirs('z' * 250, exist_ok=True)\nopen('z' * 250 + '/' + 'f' * 250, 'w').write('x')";
     let sub = python(&t, code);
     let r = run(&c, &sub).await;
     let reason = r.reason.as_ref().unwrap_or_else(|| panic!("no reason: {r:?}"));

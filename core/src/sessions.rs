@@ -96,6 +96,50 @@ impl WorkspaceFile {
 /// Most paths of a moved session's history [`SessionStore::workspace_of`] reads.
 pub const MAX_WORKSPACE_ENTRIES: usize = 10_000;
 
+/// The paths of a workspace being rebuilt newest first, and their directories: an older file
+/// is left out when a newer one has its path, or one of them is a directory of the other (a
+/// file where a directory now is, or the reverse). Sets, so that a history of many paths costs
+/// in proportion to them.
+#[derive(Default)]
+struct KeptPaths {
+    paths: std::collections::HashSet<String>,
+    dirs: std::collections::HashSet<String>,
+}
+
+impl KeptPaths {
+    /// Keep `path` unless a kept one clashes with it; whether it was kept.
+    fn admit(&mut self, path: &str) -> bool {
+        let ancestors: Vec<&str> = path.match_indices('/').map(|(i, _)| &path[..i]).collect();
+        if self.paths.contains(path) || self.dirs.contains(path) || ancestors.iter().any(|a| self.paths.contains(*a)) {
+            return false;
+        }
+        self.dirs.extend(ancestors.iter().map(|a| a.to_string()));
+        self.paths.insert(path.to_string());
+        true
+    }
+
+    fn len(&self) -> usize {
+        self.paths.len()
+    }
+}
+
+#[cfg(test)]
+mod kept_paths_tests {
+    use super::KeptPaths;
+
+    #[test]
+    fn a_newer_path_hides_the_same_path_and_its_directories_and_files_below_it() {
+        let mut kept = KeptPaths::default();
+        // Newest first: `out/y` (so `out` is a directory), `a`, `x`.
+        assert!(kept.admit("out/y") && kept.admit("a") && kept.admit("x"));
+        assert!(!kept.admit("x"), "the same path, older");
+        assert!(!kept.admit("a/b.csv"), "below a path that is now a file");
+        assert!(!kept.admit("out"), "a file where a directory now is");
+        assert!(kept.admit("output.csv") && kept.admit("ab") && kept.admit("out/z"), "no clash: a longer name, a sibling");
+        assert_eq!(kept.len(), 6);
+    }
+}
+
 /// Handle on the session tables (shares the job store's pool).
 #[derive(Clone)]
 pub struct SessionStore {
@@ -174,21 +218,50 @@ impl SessionStore {
     }
 
     /// Record the snapshot of a session's variables that `worker_id`, draining, took before it
-    /// sets the session moving: it is for the coming move only.
-    pub async fn record_snapshot(&self, session_id: &str, worker_id: &str, snapshot: &Snapshot) -> Result<bool> {
-        let n = sqlx::query(
-            "UPDATE sessions SET snapshot_key = $3, variables_lost = $4, snapshot_move = moves + 1
-             WHERE session_id = $1 AND worker_id = $2 AND state = 'active'",
+    /// sets the session moving: it is for the coming move only. `None` when it was not recorded
+    /// (the session is not active on that worker); otherwise the key of the snapshot it
+    /// replaced, if any (its object is for no move any more).
+    pub async fn record_snapshot(&self, session_id: &str, worker_id: &str, snapshot: &Snapshot) -> Result<Option<Option<String>>> {
+        sqlx::query_scalar(
+            "WITH old AS (SELECT session_id, snapshot_key FROM sessions
+                           WHERE session_id = $1 AND worker_id = $2 AND state = 'active' FOR UPDATE)
+             UPDATE sessions s SET snapshot_key = $3, variables_lost = $4, snapshot_move = s.moves + 1
+               FROM old WHERE s.session_id = old.session_id
+             RETURNING old.snapshot_key",
         )
         .bind(session_id)
         .bind(worker_id)
         .bind(&snapshot.key)
         .bind(serde_json::to_value(&snapshot.variables_lost).context("serializing lost variable names")?)
-        .execute(&self.pool)
+        .fetch_optional(&self.pool)
         .await
-        .context("recording a session's snapshot")?
-        .rows_affected();
-        Ok(n == 1)
+        .context("recording a session's snapshot")
+    }
+
+    /// Up to `limit` snapshots of sessions that ended: (session id, object key). No move will
+    /// read them.
+    pub async fn ended_snapshots(&self, limit: i64) -> Result<Vec<(String, String)>> {
+        let rows = sqlx::query_as(
+            "SELECT session_id, snapshot_key FROM sessions
+              WHERE snapshot_key IS NOT NULL AND state IN ('expired', 'closed', 'lost', 'failed')
+              LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .context("finding the snapshots of ended sessions")?;
+        Ok(rows)
+    }
+
+    /// Forget a session's snapshot `key` once its object is deleted (unless another replaced it).
+    pub async fn forget_snapshot(&self, session_id: &str, key: &str) -> Result<()> {
+        sqlx::query("UPDATE sessions SET snapshot_key = NULL WHERE session_id = $1 AND snapshot_key = $2")
+            .bind(session_id)
+            .bind(key)
+            .execute(&self.pool)
+            .await
+            .context("forgetting a session's snapshot")?;
+        Ok(())
     }
 
     /// The state of a session and the worker holding it, checked against its tenant.
@@ -394,7 +467,7 @@ impl SessionStore {
         .bind(session_id)
         .fetch(&self.pool);
         let mut newest_first = Vec::new();
-        let mut seen = std::collections::HashSet::new();
+        let mut kept = KeptPaths::default();
         let mut inline_bytes = 0u64;
         while let Some(row) = rows.try_next().await.context("reading a session's stored workspace")? {
             // This job's files in the order it had them: its inputs, then what it wrote.
@@ -420,7 +493,7 @@ impl SessionStore {
                 files.push(WorkspaceFile::Stored { path: path.to_string(), s3_key: key.to_string(), available: state == "available" });
             }
             for f in files.into_iter().rev() {
-                if !seen.insert(f.path().to_string()) {
+                if !kept.admit(f.path()) {
                     continue;
                 }
                 let f = match f {
@@ -435,8 +508,8 @@ impl SessionStore {
                 };
                 newest_first.push(f);
             }
-            if seen.len() >= MAX_WORKSPACE_ENTRIES {
-                tracing::warn!(session_id, paths = seen.len(), "a moved session's history names too many paths; its older files are not put back");
+            if kept.len() >= MAX_WORKSPACE_ENTRIES {
+                tracing::warn!(session_id, paths = kept.len(), "a moved session's history names too many paths; its older files are not put back");
                 break;
             }
         }

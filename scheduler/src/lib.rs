@@ -122,7 +122,9 @@ impl Config {
         let upload_ttl_s = config::parse_or("SANDCELL_UPLOAD_TTL_S", 86_400u64)?.clamp(url_ttl_s + 3600, 366 * 86_400);
         let policy = config::limit_policy_from_env()?;
         let kept_in_store_s = policy.max.artifact_ttl_s.max(upload_ttl_s);
-        let retention_s = config::parse_or("SANDCELL_RESULT_RETENTION_S", 30 * 86_400u64)?.clamp(kept_in_store_s + 86_400, 100 * 366 * 86_400);
+        let longest_retention_s = 100 * 366 * 86_400;
+        let shortest_retention_s = kept_in_store_s.saturating_add(86_400).min(longest_retention_s);
+        let retention_s = config::parse_or("SANDCELL_RESULT_RETENTION_S", 30 * 86_400u64)?.clamp(shortest_retention_s, longest_retention_s);
         Ok(Config {
             services: Services::from_env()?,
             policy,

@@ -92,6 +92,9 @@ pub async fn run_store(jobs: JobStore, store: ArtifactStore, metrics: Metrics, i
         if let Err(e) = sweep_uploads(jobs.pool(), &store, &metrics).await {
             tracing::warn!(error = format!("{e:#}"), "upload sweep failed; retrying next tick");
         }
+        if let Err(e) = sweep_snapshots(&SessionStore::new(jobs.pool().clone()), &store).await {
+            tracing::warn!(error = format!("{e:#}"), "snapshot sweep failed; retrying next tick");
+        }
     }
 }
 
@@ -230,26 +233,29 @@ pub async fn sweep_uploads(pool: &sqlx::PgPool, store: &ArtifactStore, metrics: 
     Ok(removed)
 }
 
-/// Batches the retention sweep deletes of each kind in one tick, at most (500 each): ~330 rows
-/// a second at the default interval, more than the intake records on this kind of machine, so
-/// a backlog shrinks; a tick's deletes stay short.
-const RETENTION_BATCHES: u32 = 20;
+/// How long the retention sweep deletes in one tick, at most (of each kind): a batch of 500
+/// takes ~10 ms here, so a backlog of old results goes at thousands a second, while the tick's
+/// other sweeps (dead workers, stuck jobs) wait at most this long.
+const RETENTION_TIME: Duration = Duration::from_secs(2);
 
 /// Delete finished jobs and upload answers past their retention ([`sandcell_core::retention`]),
-/// oldest first, in batches, until a batch comes back short. Returns (jobs, uploads) deleted.
+/// oldest first, in batches, until a batch comes back short or [`RETENTION_TIME`] is spent.
+/// Returns (jobs, uploads) deleted.
 pub async fn sweep_retention(pool: &sqlx::PgPool, retention: Duration, metrics: &Metrics) -> anyhow::Result<(u64, u64)> {
     let mut deleted = (0, 0);
-    for _ in 0..RETENTION_BATCHES {
+    let started = Instant::now();
+    loop {
         let n = sandcell_core::retention::forget_jobs(pool, retention, BATCH).await?;
         deleted.0 += n;
-        if n < BATCH as u64 {
+        if n < BATCH as u64 || started.elapsed() >= RETENTION_TIME {
             break;
         }
     }
-    for _ in 0..RETENTION_BATCHES {
+    let started = Instant::now();
+    loop {
         let n = sandcell_core::retention::forget_uploads(pool, retention, BATCH).await?;
         deleted.1 += n;
-        if n < BATCH as u64 {
+        if n < BATCH as u64 || started.elapsed() >= RETENTION_TIME {
             break;
         }
     }
@@ -257,6 +263,27 @@ pub async fn sweep_retention(pool: &sqlx::PgPool, retention: Duration, metrics: 
         metrics.retention_deleted.with_label_values(&["job"]).inc_by(deleted.0);
         metrics.retention_deleted.with_label_values(&["upload"]).inc_by(deleted.1);
         tracing::info!(jobs = deleted.0, uploads = deleted.1, retention_s = retention.as_secs(), "deleted results and upload answers past their retention");
+    }
+    Ok(deleted)
+}
+
+/// Delete the snapshots (pickled variables saved by a draining worker) of sessions that ended
+/// before a move used them: a session that expired or was lost while moving, or one whose
+/// taking-over worker could not delete it. Before, they stayed in the store, counted nowhere.
+/// Returns how many were deleted; one that could not be is tried again next tick.
+pub async fn sweep_snapshots(sessions: &SessionStore, store: &ArtifactStore) -> anyhow::Result<u64> {
+    let mut deleted = 0;
+    for (session_id, key) in sessions.ended_snapshots(BATCH).await? {
+        match store.delete(&key).await {
+            Ok(()) => {
+                sessions.forget_snapshot(&session_id, &key).await?;
+                deleted += 1;
+            }
+            Err(e) => tracing::warn!(key = %key, error = format!("{e:#}"), "could not delete an ended session's snapshot; will retry"),
+        }
+    }
+    if deleted > 0 {
+        tracing::info!(deleted, "deleted the snapshots of ended sessions");
     }
     Ok(deleted)
 }

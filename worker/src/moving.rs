@@ -150,10 +150,16 @@ pub async fn restore(
     lost.extend(printed_names(&out.stdout.text).unwrap_or_else(|_| everything_lost()));
     lost.sort();
     lost.dedup();
-    if let Err(e) = ctx.store.delete(&snapshot.key).await {
-        tracing::warn!(key = %snapshot.key, error = format!("{e:#}"), "could not delete a restored snapshot");
-    }
     Restored { files: true, variables: true, lost }
+}
+
+/// Delete a snapshot's object that nothing will read again (it was for one move). A failure
+/// is logged: the scheduler's sweeper deletes the snapshot of every session that ended
+/// (`sweeper::sweep_snapshots`), and the bucket's lifecycle rule anything left.
+pub async fn discard_snapshot(ctx: &WorkerContext, key: &str) {
+    if let Err(e) = ctx.store.delete(key).await {
+        tracing::warn!(key, error = format!("{e:#}"), "could not delete a session's snapshot");
+    }
 }
 
 /// Whether `files` and `extra` more bytes fit in a workspace of `workspace_mb`.
@@ -170,35 +176,6 @@ pub async fn fetch_snapshot(ctx: &WorkerContext, snapshot: &Snapshot) -> Result<
     }
 }
 
-/// Whether `a` and `b` cannot both be in a workspace: the same path, or one a directory of
-/// the other.
-#[cfg(test)]
-fn clash(a: &str, b: &str) -> bool {
-    a == b || b.strip_prefix(a).is_some_and(|rest| rest.starts_with('/')) || a.strip_prefix(b).is_some_and(|rest| rest.starts_with('/'))
-}
-
-/// The files of `stored` (oldest first) that no later one clashes with (the same path, or one
-/// a directory of the other: a file where a directory now is, or the reverse), oldest first.
-/// Sets of the paths kept and of their directories, so that a history of many paths costs in
-/// proportion to them (a comparison with every kept path cost their square).
-fn without_clashes(stored: Vec<WorkspaceFile>) -> Vec<WorkspaceFile> {
-    let mut paths = std::collections::HashSet::new();
-    let mut dirs = std::collections::HashSet::new();
-    let mut latest = Vec::new();
-    for f in stored.into_iter().rev() {
-        let path = f.path().to_string();
-        let ancestors: Vec<&str> = path.match_indices('/').map(|(i, _)| &path[..i]).collect();
-        if paths.contains(&path) || dirs.contains(&path) || ancestors.iter().any(|a| paths.contains(*a)) {
-            continue;
-        }
-        dirs.extend(ancestors.iter().map(|a| a.to_string()));
-        paths.insert(path);
-        latest.push(f);
-    }
-    latest.reverse();
-    latest
-}
-
 /// A taken-over session's workspace from the store: the files to write (the latest of each
 /// path; an older file that would clash with a newer one — a file where a directory now is, or
 /// the reverse — is left out), and the paths that could not be put back (their object expired
@@ -207,8 +184,8 @@ fn without_clashes(stored: Vec<WorkspaceFile>) -> Vec<WorkspaceFile> {
 pub async fn restore_workspace(ctx: &WorkerContext, job: &ExecutionJob) -> Result<(Vec<InputFile>, Vec<String>)> {
     let Some(session) = &job.session else { return Ok((Vec::new(), Vec::new())) };
     let mut left = ctx.cfg.policy.cap(&job.limits).workspace_mb.saturating_mul(1 << 20);
-    let stored = ctx.sessions.workspace_of(&job.tenant, &session.id, left).await?;
-    let latest = without_clashes(stored);
+    // The newest version of each path, without older files that clash with newer ones.
+    let latest = ctx.sessions.workspace_of(&job.tenant, &session.id, left).await?;
     let (mut files, mut missing) = (Vec::new(), Vec::new());
     for f in latest {
         match f {
@@ -241,29 +218,7 @@ pub async fn restore_workspace(ctx: &WorkerContext, job: &ExecutionJob) -> Resul
 
 #[cfg(test)]
 mod tests {
-    use super::{clash, printed_names, without_clashes};
-
-    #[test]
-    fn the_latest_file_of_each_path_is_kept_and_older_ones_that_clash_are_left_out() {
-        use sandcell_core::sessions::WorkspaceFile;
-        let file = |p: &str, v: &str| WorkspaceFile::Inline { path: p.into(), content_b64: v.into() };
-        let stored = vec![file("out", "1"), file("a/b.csv", "1"), file("x", "1"), file("out/y", "2"), file("a", "2"), file("x", "2"), file("z/q", "2")];
-        let kept: Vec<(String, String)> = without_clashes(stored)
-            .into_iter()
-            .map(|f| match f {
-                WorkspaceFile::Inline { path, content_b64 } => (path, content_b64),
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        let want = [("out/y", "2"), ("a", "2"), ("x", "2"), ("z/q", "2")];
-        assert_eq!(kept, want.map(|(p, v)| (p.to_string(), v.to_string())).to_vec());
-    }
-
-    #[test]
-    fn a_path_clashes_with_itself_and_with_its_directories_only() {
-        assert!(clash("out", "out") && clash("out", "out/x.csv") && clash("a/b/c", "a/b"));
-        assert!(!clash("out", "output.csv") && !clash("a/b", "a/bc") && !clash("x", "y"));
-    }
+    use super::printed_names;
 
     #[test]
     fn the_names_a_cell_prints_are_read_from_its_last_line() {

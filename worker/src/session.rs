@@ -154,6 +154,10 @@ async fn bind_new(ctx: &WorkerContext, job: &ExecutionJob, permit: OwnedSemaphor
                     }
                 },
             };
+            // A snapshot is for this move only: used or not, its object goes.
+            if let Some(snapshot) = &a.snapshot {
+                crate::moving::discard_snapshot(ctx, &snapshot.key).await;
+            }
             ctx.metrics.sessions_adopted.with_label_values(&[a.cause.as_str()]).inc();
             tracing::info!(tenant = %job.tenant, session_id = %session.id, from_worker = %a.from_worker, cause = a.cause.as_str(),
                 files = files_restored, missing = missing.len(), variables_restored, container = %kernel.id(), "session taken over");
@@ -280,15 +284,15 @@ impl run::Host for SessionTask {
 
 /// A waiting job whose inputs were left in Postgres (`registry::Inputs::InPostgres`), whole
 /// again: its execution job as it was routed, read back (tried again like a claim through an
-/// outage of the database).
-async fn read_back_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<ExecutionJob> {
+/// outage of the database). `None` when the job is no longer queued.
+async fn read_back_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Option<ExecutionJob>> {
     let routed =
         sandcell_core::retry_classified("reading a job's inputs back", 6, sandcell_core::jobs::failure, |_| ctx.jobs.routed_job(&job.tenant, &job.job_id))
-            .await?
-            .with_context(|| format!("job {} of tenant {} has no kept execution job to read its inputs back from", job.job_id, job.tenant))?;
+            .await?;
+    let Some(routed) = routed else { return Ok(None) };
     let whole: ExecutionJob = serde_json::from_slice(&routed).context("decoding a job's kept execution job")?;
     anyhow::ensure!(whole.tenant == job.tenant && whole.job_id == job.job_id, "the kept execution job names another job");
-    Ok(whole)
+    Ok(Some(whole))
 }
 
 impl SessionTask {
@@ -327,7 +331,14 @@ impl SessionTask {
         let ctx = self.ctx.clone();
         let job = if matches!(inputs, Inputs::InPostgres) {
             match read_back_inputs(&ctx, &job).await {
-                Ok(job) => job,
+                Ok(Some(job)) => job,
+                // No longer queued (ended meanwhile: stuck, or a copy of a job that ran): there
+                // is nothing to run, as a claim would have found.
+                Ok(None) => {
+                    tracing::info!(tenant = %job.tenant, job_id = %job.job_id, "a waiting job whose inputs were left in Postgres is no longer queued; dropped");
+                    ticket.settle(Disposition::Ack).await;
+                    return None;
+                }
                 Err(e) => {
                     ticket.settle(ledger::disposition_of(&job, Err(e)).await).await;
                     return None;
@@ -351,7 +362,22 @@ impl SessionTask {
         let Some(kernel) = self.kernel.as_mut() else { return };
         let limits = self.spec.limits.clone();
         let saved = match crate::moving::snapshot(&ctx, kernel, &self.tenant, &self.id, &limits).await {
-            Ok(snapshot) => ctx.sessions.record_snapshot(&self.id, &ctx.cfg.worker_id, &snapshot).await.map(|_| snapshot.variables_lost.len()),
+            Ok(snapshot) => match ctx.sessions.record_snapshot(&self.id, &ctx.cfg.worker_id, &snapshot).await {
+                // An earlier snapshot no move used (a drain that did not end in a move) is
+                // replaced: its object goes.
+                Ok(Some(replaced)) => {
+                    if let Some(old) = replaced.filter(|old| *old != snapshot.key) {
+                        crate::moving::discard_snapshot(&ctx, &old).await;
+                    }
+                    Ok(snapshot.variables_lost.len())
+                }
+                // Not recorded (the session is no longer active here), or not known to be:
+                // nothing will read the object.
+                recorded => {
+                    crate::moving::discard_snapshot(&ctx, &snapshot.key).await;
+                    Err(recorded.err().unwrap_or_else(|| anyhow::anyhow!("the session was no longer active on this worker")))
+                }
+            },
             Err(e) => Err(e),
         };
         match saved {
