@@ -50,6 +50,17 @@ impl Default for Quotas {
 }
 
 impl Quotas {
+    /// The quotas of a `tenants` row (its columns by name).
+    fn from_row(r: &sqlx::postgres::PgRow) -> Result<Self> {
+        Ok(Quotas {
+            max_sessions: u32::try_from(r.try_get::<i32, _>("max_sessions")?).unwrap_or(0),
+            max_queued_jobs: u32::try_from(r.try_get::<i32, _>("max_queued_jobs")?).unwrap_or(0),
+            max_artifact_bytes: u64::try_from(r.try_get::<i64, _>("max_artifact_bytes")?).unwrap_or(0),
+            max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>("max_jobs_in_flight")?).unwrap_or(1),
+            max_result_bytes: u64::try_from(r.try_get::<i64, _>("max_result_bytes")?).unwrap_or(0),
+        })
+    }
+
     /// The operator's defaults for new tenants: `SANDCELL_DEFAULT_MAX_SESSIONS` (20),
     /// `SANDCELL_DEFAULT_MAX_QUEUED_JOBS` (1000), `SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES` (5 GiB),
     /// `SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT` (4), `SANDCELL_DEFAULT_MAX_RESULT_BYTES` (2 GiB).
@@ -184,18 +195,7 @@ impl TenantStore {
         .fetch_all(&self.pool)
         .await
         .context("listing tenants")?;
-        rows.iter()
-            .map(|r| {
-                let quotas = Quotas {
-                    max_sessions: u32::try_from(r.try_get::<i32, _>(1)?).unwrap_or(0),
-                    max_queued_jobs: u32::try_from(r.try_get::<i32, _>(2)?).unwrap_or(0),
-                    max_artifact_bytes: u64::try_from(r.try_get::<i64, _>(3)?).unwrap_or(0),
-                    max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>(4)?).unwrap_or(1),
-                    max_result_bytes: u64::try_from(r.try_get::<i64, _>(6)?).unwrap_or(0),
-                };
-                Ok((r.try_get(0)?, quotas, r.try_get(5)?))
-            })
-            .collect()
+        rows.iter().map(|r| Ok((r.try_get(0)?, Quotas::from_row(r)?, r.try_get(5)?))).collect()
     }
 
     /// Take a tenant's database login away (its role is dropped) and set its session and job
@@ -230,16 +230,7 @@ impl TenantStore {
             .fetch_optional(&self.pool)
             .await
             .context("reading quotas")?;
-        row.map(|r| {
-            Ok(Quotas {
-                max_sessions: u32::try_from(r.try_get::<i32, _>(0)?).unwrap_or(0),
-                max_queued_jobs: u32::try_from(r.try_get::<i32, _>(1)?).unwrap_or(0),
-                max_artifact_bytes: u64::try_from(r.try_get::<i64, _>(2)?).unwrap_or(0),
-                max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>(3)?).unwrap_or(1),
-                max_result_bytes: u64::try_from(r.try_get::<i64, _>(4)?).unwrap_or(0),
-            })
-        })
-        .transpose()
+        row.as_ref().map(Quotas::from_row).transpose()
     }
 
     /// Reserve for `job_id` the artifact bytes it may store, at most `wanted`, and return them

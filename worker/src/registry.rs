@@ -125,10 +125,11 @@ impl Registry {
         match map.get(&session.id) {
             Some(e) if e.tenant == work.job.tenant => {
                 if matches!(work.inputs, Inputs::InHand) {
-                    work.inputs = match reserve(&self.held_inputs, self.input_budget, input_bytes(&work.job)) {
+                    let bytes = input_bytes(&work.job);
+                    work.inputs = match reserve(&self.held_inputs, self.input_budget, bytes) {
                         Some(held) => Inputs::Held(held),
                         None => {
-                            tracing::info!(tenant = %work.job.tenant, job_id = %work.job.job_id, bytes = input_bytes(&work.job), "inputs of a waiting job left in Postgres: the worker holds its budget");
+                            tracing::info!(tenant = %work.job.tenant, job_id = %work.job.job_id, bytes, "inputs of a waiting job left in Postgres: the worker holds its budget");
                             self.left_in_postgres.inc();
                             work.job.code = String::new();
                             for f in &mut work.job.files {
