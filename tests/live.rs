@@ -227,3 +227,113 @@ async fn events_a_tenant_routes_into_the_intake_become_no_job_and_no_rejection()
         .await
         .expect("unbind");
 }
+
+/// A broker connection of tenant `t`, and what its close said when the broker closed it.
+async fn tenant_connection(t: &TestTenant) -> (lapin::Connection, std::sync::Arc<std::sync::Mutex<Option<String>>>) {
+    let conn = lapin::Connection::connect(&t.creds.amqp_url, lapin::ConnectionProperties::default()).await.expect("the tenant connects");
+    let closed = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let on_close = closed.clone();
+    let mut events = conn.events_listener();
+    tokio::spawn(async move {
+        use futures::StreamExt as _;
+        while let Some(event) = events.next().await {
+            if let lapin::Event::Error(e) = event {
+                if let Ok(mut c) = on_close.lock() {
+                    c.get_or_insert(format!("{e}"));
+                }
+            }
+        }
+    });
+    (conn, closed)
+}
+
+/// Waits (up to 30 s: a few of the scheduler's `SANDCELL_LIVE_OUTPUT_CHECK_S`) for the broker to
+/// close a connection, and returns what its close said.
+async fn closed_by_the_broker(closed: &std::sync::Arc<std::sync::Mutex<Option<String>>>) -> String {
+    eventually(Duration::from_secs(30), || async { closed.lock().ok().and_then(|c| c.clone()) })
+        .await
+        .expect("the tenant's connection was not closed within 30 s")
+}
+
+/// Whether tenant `t`'s queue `name` exists (a passive declare on a connection of its own).
+async fn live_queue_exists(t: &TestTenant, name: &str) -> bool {
+    let conn = lapin::Connection::connect(&t.creds.amqp_url, lapin::ConnectionProperties::default()).await.expect("the tenant connects");
+    let ch = conn.create_channel().await.expect("channel");
+    let found = ch.queue_declare(name.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await.is_ok();
+    let _ = conn.close(0, "".into()).await;
+    found
+}
+
+/// A bystander's live output still arrives: a job of `b` heard from start to end.
+async fn still_hears_its_own_jobs(b: &TestTenant, b_client: &sandcell_client::Client, b_live: &mut LiveOutput) {
+    let sub = python(&b.name, "print('still here')");
+    b_client.submit(&sub).await.expect("submit");
+    let events = events_until_end(b_live).await;
+    assert_eq!(stream(&events, true), "still here\n");
+}
+
+#[tokio::test]
+async fn a_tenant_declaring_more_live_queues_than_its_limit_loses_them_and_its_connections_while_another_tenant_keeps_its_own() {
+    let limit = sandcell_core::broker::DEFAULT_TENANT_MAX_LIVE_QUEUES as usize;
+    let flooder = TestTenant::create(None).await;
+    let b = TestTenant::create(None).await;
+    let b_client = b.client().await;
+    let mut b_live = b_client.live(&b.name, None).await.expect("B subscribes to its own jobs");
+    let enforced_before = scheduler_metric("sandcell_live_output_enforced_total{limit=\"queues\"}").await.unwrap_or(0.0);
+
+    // Non-exclusive queues: they would outlive the connection (an hour, the operator policy).
+    let (conn, closed) = tenant_connection(&flooder).await;
+    let ch = conn.create_channel().await.expect("channel");
+    let names: Vec<String> = (0..limit + 8).map(|i| format!("sandcell.live.{}.flood-{i}", flooder.name)).collect();
+    for name in &names {
+        if ch.queue_declare(name.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.is_err() {
+            break; // the watch closed the connection already
+        }
+    }
+    let reason = closed_by_the_broker(&closed).await;
+    assert!(reason.contains("CONNECTION_FORCED") && reason.contains("live-output queues, more than its 64"), "the close says why: {reason}");
+    // Its queues go too (after its connections), the first and the last declared alike.
+    let gone = eventually(Duration::from_secs(30), || async {
+        (!live_queue_exists(&flooder, &names[0]).await && !live_queue_exists(&flooder, &names[limit]).await).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "the flooder's queues are still there");
+    let enforced = scheduler_metric("sandcell_live_output_enforced_total{limit=\"queues\"}").await.unwrap_or(0.0);
+    assert!(enforced > enforced_before, "counted: {enforced_before} -> {enforced}");
+
+    // The bystander's subscription never noticed; the flooder may subscribe again, within its limit.
+    still_hears_its_own_jobs(&b, &b_client, &mut b_live).await;
+    let f_client = flooder.client().await;
+    let mut f_live = f_client.live(&flooder.name, None).await.expect("the flooder subscribes again");
+    still_hears_its_own_jobs(&flooder, &f_client, &mut f_live).await;
+}
+
+#[tokio::test]
+async fn a_tenant_binding_more_live_keys_than_its_limit_loses_its_queue_and_connections_while_another_tenant_keeps_its_own() {
+    let limit = sandcell_core::broker::DEFAULT_TENANT_MAX_LIVE_BINDINGS as usize;
+    let flooder = TestTenant::create(None).await;
+    let b = TestTenant::create(None).await;
+    let b_client = b.client().await;
+    let mut b_live = b_client.live(&b.name, None).await.expect("B subscribes to its own jobs");
+
+    // One queue, each binding a routing key of its own (a job id it may watch), non-exclusive.
+    let (conn, closed) = tenant_connection(&flooder).await;
+    let ch = conn.create_channel().await.expect("channel");
+    let queue = format!("sandcell.live.{}.bindings", flooder.name);
+    ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.expect("the flooder declares a queue");
+    for i in 0..limit + 64 {
+        let key = format!("{}.job-{i}", flooder.name);
+        if ch
+            .queue_bind(queue.as_str().into(), "sandcell.events".into(), key.as_str().into(), QueueBindOptions::default(), FieldTable::default())
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    let reason = closed_by_the_broker(&closed).await;
+    assert!(reason.contains("live-output bindings, more than its 4096"), "the close says why: {reason}");
+    let gone = eventually(Duration::from_secs(30), || async { (!live_queue_exists(&flooder, &queue).await).then_some(()) }).await;
+    assert!(gone.is_some(), "the flooder's queue (and its bindings) is still there");
+    still_hears_its_own_jobs(&b, &b_client, &mut b_live).await;
+}

@@ -10,6 +10,7 @@
 
 use anyhow::{bail, Context, Result};
 use sandcell_core::broker;
+use sandcell_core::management::Management;
 use sandcell_core::tenants::{random_hex, Quotas, TenantStore};
 use sqlx::PgPool;
 
@@ -50,15 +51,15 @@ pub struct TenantCredentials {
 pub struct Admin {
     settings: AdminSettings,
     pool: PgPool,
-    http: reqwest::Client,
+    management: Management,
 }
 
 impl Admin {
     /// Connect to Postgres (applying migrations, so the policies exist) as the service role.
     pub async fn connect(settings: AdminSettings) -> Result<Self> {
         let pool = sandcell_core::jobs::connect(&settings.database_url, 2).await?;
-        let http = reqwest::Client::builder().timeout(std::time::Duration::from_secs(10)).build().context("building HTTP client")?;
-        Ok(Admin { settings, pool, http })
+        let management = Management::new(&settings.management_url, &settings.amqp_url, std::time::Duration::from_secs(10))?;
+        Ok(Admin { settings, pool, management })
     }
 
     /// Create `tenant` — or, if it exists, give it new credentials (the old broker password and
@@ -73,7 +74,7 @@ impl Admin {
         }
         // A broker user of that name that is not a tenant's (an operator's, a monitoring tool's)
         // must not have its password and permissions replaced.
-        if self.management_get(&format!("users/{tenant}")).await? && self.quotas(tenant).await?.is_none() {
+        if self.management.get::<serde_json::Value>(&format!("users/{tenant}")).await?.is_some() && self.quotas(tenant).await?.is_none() {
             bail!("the broker already has a user {tenant:?} that is not a sandcell tenant: choose another name");
         }
         let broker_password = random_hex(40);
@@ -116,7 +117,7 @@ impl Admin {
         if broker::url_user(&self.settings.amqp_url).as_deref() == Some(tenant) {
             bail!("{tenant:?} is the service's own broker user");
         }
-        self.management(reqwest::Method::DELETE, &format!("users/{tenant}"), None).await?;
+        self.management.delete(&format!("users/{tenant}"), None).await?;
         sqlx::query("UPDATE api_keys SET revoked_at = now() WHERE tenant = $1 AND revoked_at IS NULL")
             .bind(tenant)
             .execute(&self.pool)
@@ -133,75 +134,30 @@ impl Admin {
         }
         let (configure, write, read) = broker::tenant_permissions(tenant);
         let (exchange, topic_write, topic_read) = broker::tenant_topic_permission(tenant);
-        self.put_management(&format!("permissions/{{vhost}}/{tenant}"), serde_json::json!({"configure": configure, "write": write, "read": read})).await?;
-        self.put_management(
-            &format!("topic-permissions/{{vhost}}/{tenant}"),
-            serde_json::json!({"exchange": exchange, "write": topic_write, "read": topic_read}),
-        )
-        .await?;
+        self.management.put(&format!("permissions/{{vhost}}/{tenant}"), serde_json::json!({"configure": configure, "write": write, "read": read})).await?;
+        self.management
+            .put(&format!("topic-permissions/{{vhost}}/{tenant}"), serde_json::json!({"exchange": exchange, "write": topic_write, "read": topic_read}))
+            .await?;
         // What a tenant may hold on the shared broker: connections, channels, and (for every
         // tenant at once, an operator policy) the size and life of the queues it declares.
         for (limit, value) in [("max-connections", broker::TENANT_MAX_CONNECTIONS), ("max-channels", broker::TENANT_MAX_CHANNELS)] {
-            self.put_management(&format!("user-limits/{tenant}/{limit}"), serde_json::json!({"value": value})).await?;
+            self.management.put(&format!("user-limits/{tenant}/{limit}"), serde_json::json!({"value": value})).await?;
         }
         // And what any tenant can make the broker keep for operators: its dead letters.
         for (policy, pattern, definition) in broker::operator_policies() {
-            self.put_management(
-                &format!("operator-policies/{{vhost}}/{policy}"),
-                serde_json::json!({"pattern": pattern, "definition": definition, "apply-to": "queues", "priority": 0}),
-            )
-            .await?;
+            self.management
+                .put(
+                    &format!("operator-policies/{{vhost}}/{policy}"),
+                    serde_json::json!({"pattern": pattern, "definition": definition, "apply-to": "queues", "priority": 0}),
+                )
+                .await?;
         }
         Ok(())
     }
 
     async fn put_broker_user(&self, user: &str, password: &str) -> Result<()> {
-        self.put_management(&format!("users/{user}"), serde_json::json!({"password": password, "tags": ""})).await?;
+        self.management.put(&format!("users/{user}"), serde_json::json!({"password": password, "tags": ""})).await?;
         self.grant_broker_permissions(user).await
-    }
-
-    /// Whether the management API has `/api/<path>`.
-    async fn management_get(&self, path: &str) -> Result<bool> {
-        let resp = self.management_send(reqwest::Method::GET, path, None).await?;
-        match resp.status() {
-            s if s.is_success() => Ok(true),
-            reqwest::StatusCode::NOT_FOUND => Ok(false),
-            s => bail!("RabbitMQ management API: GET /api/{path} answered {s}"),
-        }
-    }
-
-    /// PUT `body` to the management API at `/api/<path>` (`{vhost}` replaced by the encoded
-    /// vhost of `SANDCELL_AMQP_URL`), as the operator's broker user.
-    async fn put_management(&self, path: &str, body: serde_json::Value) -> Result<()> {
-        self.management(reqwest::Method::PUT, path, Some(body)).await
-    }
-
-    /// Call the management API; a DELETE of something that is not there is not an error.
-    async fn management(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Result<()> {
-        let resp = self.management_send(method.clone(), path, body).await?;
-        if method == reqwest::Method::DELETE && resp.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(());
-        }
-        if !resp.status().is_success() {
-            let status = resp.status();
-            let text = resp.text().await.unwrap_or_default();
-            bail!("RabbitMQ management API: {method} /api/{path} answered {status}: {text}");
-        }
-        Ok(())
-    }
-
-    /// Send `method` to `/api/<path>` (`{vhost}` replaced by the encoded vhost of
-    /// `SANDCELL_AMQP_URL`) as the operator's broker user.
-    async fn management_send(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Result<reqwest::Response> {
-        let uri: lapin::uri::AMQPUri = self.settings.amqp_url.parse().map_err(|e| anyhow::anyhow!("parsing SANDCELL_AMQP_URL: {e}"))?;
-        let (admin, admin_pw) = (&uri.authority.userinfo.username, &uri.authority.userinfo.password);
-        let base = self.settings.management_url.trim_end_matches('/');
-        let url = format!("{base}/api/{}", path.replace("{vhost}", &encode_component(&uri.vhost)));
-        let mut req = self.http.request(method, &url).basic_auth(admin, Some(admin_pw));
-        if let Some(body) = body {
-            req = req.json(&body);
-        }
-        req.send().await.with_context(|| format!("calling the RabbitMQ management API at {base} (is rabbitmq_management enabled?)"))
     }
 }
 
@@ -212,16 +168,6 @@ fn replace_userinfo(url: &str, user: &str, password: &str) -> Result<String> {
     Ok(format!("{}{user}:{password}@{}", &url[..scheme_end], &url[host_start..]))
 }
 
-/// Percent-encode a path component (the vhost `/` is `%2F`).
-fn encode_component(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -230,11 +176,5 @@ mod tests {
     fn credentials_keep_the_services_host_and_path() {
         assert_eq!(replace_userinfo("amqp://sandcell:pw@127.0.0.1:5672/%2f", "acme", "s3cret").unwrap(), "amqp://acme:s3cret@127.0.0.1:5672/%2f");
         assert_eq!(replace_userinfo("postgres://127.0.0.1/sandcell", "r", "p").unwrap(), "postgres://r:p@127.0.0.1/sandcell");
-    }
-
-    #[test]
-    fn the_default_vhost_is_encoded() {
-        assert_eq!(encode_component("/"), "%2F");
-        assert_eq!(encode_component("prod"), "prod");
     }
 }

@@ -143,8 +143,27 @@ pub fn tenant_permissions(tenant: &str) -> (String, String, String) {
 
 /// The prefix of the queues a tenant may declare (see [`tenant_permissions`]).
 pub fn tenant_queue_prefix(tenant: &str) -> String {
-    format!("sandcell.live.{tenant}.")
+    format!("{LIVE_QUEUE_PREFIX}{tenant}.")
 }
+
+/// What every tenant queue's name starts with: `sandcell.live.`, then the tenant's name.
+pub const LIVE_QUEUE_PREFIX: &str = "sandcell.live.";
+
+/// The tenant whose namespace a queue named `queue` is in (the only broker user besides the
+/// service's that may declare it, [`tenant_permissions`]), if it is a tenant queue.
+pub fn live_queue_tenant(queue: &str) -> Option<&str> {
+    let rest = queue.strip_prefix(LIVE_QUEUE_PREFIX)?;
+    let (tenant, _) = rest.split_once('.')?;
+    Some(tenant).filter(|t| sandcell_protocol::submission::is_valid_tenant(t))
+}
+
+/// `SANDCELL_TENANT_MAX_LIVE_QUEUES`' default: a client holds one live-output queue (the
+/// Python SDK and the CLI, one per connection), and a tenant at most
+/// [`TENANT_MAX_CONNECTIONS`]; an idle queue costs the broker ~40 KB.
+pub const DEFAULT_TENANT_MAX_LIVE_QUEUES: u32 = 64;
+/// `SANDCELL_TENANT_MAX_LIVE_BINDINGS`' default: a binding a watched job (the default
+/// `max_queued_jobs` is 1,000); a binding costs the broker ~2.7 KB.
+pub const DEFAULT_TENANT_MAX_LIVE_BINDINGS: u32 = 4096;
 
 /// Most connections a tenant's broker user may hold at once.
 pub const TENANT_MAX_CONNECTIONS: u32 = 32;
@@ -530,6 +549,10 @@ mod tests {
         assert_eq!(configure, "^(sandcell\\.live\\.acme\\..*)$");
         assert!(write.starts_with("^(sandcell\\.intake|") && read.starts_with("^(sandcell\\.events|"));
         assert_eq!(super::tenant_queue_prefix("acme"), "sandcell.live.acme.");
+        assert_eq!(super::live_queue_tenant("sandcell.live.acme.q.1"), Some("acme"));
+        assert_eq!(super::live_queue_tenant("sandcell.live.acme"), None);
+        assert_eq!(super::live_queue_tenant("sandcell.live..q"), None);
+        assert_eq!(super::live_queue_tenant("sandcell.gateway.abc"), None);
     }
 
     #[test]

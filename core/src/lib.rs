@@ -13,6 +13,7 @@
 //! - [`tenants`]: quotas as stored, tenant database roles, artifact reservations (the admission
 //!   check itself is the SQL function `sandcell_record_job` that [`jobs`] calls);
 //! - [`api_keys`]: API keys (stored hashed), each naming a tenant;
+//! - [`management`]: RabbitMQ's management API (tenants' broker users, the live-output watch);
 //! - [`retention`]: how long finished results and upload answers are kept, and their deletion;
 //! - [`store`]: the S3 artifact store (upload, presign, delete, lifecycle backstop);
 //! - [`telemetry`]: structured logs, the Prometheus registry, `/metrics` and `/healthz`.
@@ -24,6 +25,8 @@ pub mod broker;
 pub mod config;
 #[cfg(feature = "services")]
 pub mod jobs;
+#[cfg(feature = "services")]
+pub mod management;
 pub mod pool;
 pub mod reads;
 #[cfg(feature = "services")]

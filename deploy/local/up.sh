@@ -373,6 +373,7 @@ step_env() {
     docker image inspect "$image" >/dev/null 2>&1 || die "image $image missing: run the image step"
     write_if_changed "$ENV_FILE" 0600 <<EOF || true
 SANDCELL_AMQP_URL=amqp://sandcell:$(secret rabbitmq.password)@127.0.0.1:5672/%2f
+SANDCELL_RABBITMQ_MANAGEMENT_URL=http://127.0.0.1:15672
 SANDCELL_DATABASE_URL=postgres://sandcell:$(secret postgres.password)@127.0.0.1:5432/sandcell
 SANDCELL_S3_ENDPOINT=http://127.0.0.1:3900
 SANDCELL_S3_REGION=garage

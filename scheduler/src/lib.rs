@@ -16,6 +16,8 @@
 //! - [`dead_letters`] records the outcome of a job whose message was dead-lettered (a
 //!   submission or an execution job returned to its queue too often, or a session's job its
 //!   worker gave up on), from a copy of each;
+//! - [`live_output`] holds each tenant to its share of the broker's live-output queues and
+//!   bindings (closing its connections and deleting its queues past it);
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 
@@ -23,6 +25,7 @@ mod cancels;
 mod dead_letters;
 mod dispatch;
 mod intake;
+mod live_output;
 mod metrics;
 mod partitions;
 mod sweeper;
@@ -103,6 +106,16 @@ pub struct Config {
     /// before the sweeper deletes them (`sandcell_core::retention`). A job id is remembered as
     /// long.
     pub result_retention: Duration,
+    /// `SANDCELL_RABBITMQ_MANAGEMENT_URL`, default `http://127.0.0.1:15672`: the broker's
+    /// management API, where the live-output watch counts tenants' queues (as the user of
+    /// `SANDCELL_AMQP_URL`, which must be a broker administrator).
+    pub management_url: String,
+    /// `SANDCELL_LIVE_OUTPUT_CHECK_S`, default 5 (0: off): how often the live-output watch
+    /// counts each tenant's queues and bindings, so about how long a tenant may hold more.
+    pub live_output_check: Duration,
+    /// `SANDCELL_TENANT_MAX_LIVE_QUEUES` (default 64) and `SANDCELL_TENANT_MAX_LIVE_BINDINGS`
+    /// (default 4096): what a tenant may hold of the broker's live output.
+    pub live_output_limits: live_output::Limits,
 }
 
 impl Config {
@@ -151,6 +164,12 @@ impl Config {
             upload_url_ttl: Duration::from_secs(url_ttl_s),
             upload_ttl: Duration::from_secs(upload_ttl_s),
             result_retention: Duration::from_secs(retention_s),
+            management_url: config::var_or("SANDCELL_RABBITMQ_MANAGEMENT_URL", "http://127.0.0.1:15672"),
+            live_output_check: Duration::from_secs_f64(config::parse_or("SANDCELL_LIVE_OUTPUT_CHECK_S", 5.0f64)?.max(0.0)),
+            live_output_limits: live_output::Limits {
+                max_queues: config::parse_or("SANDCELL_TENANT_MAX_LIVE_QUEUES", sandcell_core::broker::DEFAULT_TENANT_MAX_LIVE_QUEUES)?,
+                max_bindings: config::parse_or("SANDCELL_TENANT_MAX_LIVE_BINDINGS", sandcell_core::broker::DEFAULT_TENANT_MAX_LIVE_BINDINGS)?,
+            },
         })
     }
 }
@@ -197,6 +216,9 @@ pub async fn run(cfg: Config) -> Result<()> {
     let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));
     let rules = dead_letters::Rules { trusted_publishers: cfg.trusted_publishers.clone(), intake: cfg.intake.clone(), max_upload_bytes: cfg.max_upload_bytes };
     let recorder = tokio::spawn(dead_letters::run(cfg.services.amqp_url.clone(), rules, jobs.clone(), metrics.clone()));
+    let management = sandcell_core::management::Management::new(&cfg.management_url, &cfg.services.amqp_url, Duration::from_secs(10))?;
+    let service_user = sandcell_core::broker::url_user(&cfg.services.amqp_url).unwrap_or_default();
+    let live_watch = tokio::spawn(live_output::run(management, cfg.live_output_limits, service_user, metrics.clone(), cfg.live_output_check));
     let shutdown = CancellationToken::new();
     let stop_grace = cfg.stop_grace;
     let mut intake = tokio::spawn(intake::run(cfg, jobs, store_for_uploads, metrics, broker_up, shutdown.clone()));
@@ -207,6 +229,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         r = store_sweeper => r.context("store sweeper task panicked"),
         r = dispatcher => r.context("dispatcher task panicked"),
         r = recorder => r.context("dead-letter recorder task panicked"),
+        r = live_watch => r.context("live-output watch task panicked"),
         r = &mut intake => r.context("intake task panicked"),
         signal = sandcell_core::telemetry::stop_signal() => {
             // Stop taking submissions, finish those taken, close the partitions' channels (the

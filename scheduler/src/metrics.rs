@@ -40,6 +40,13 @@ pub struct Metrics {
     /// running, ended, or its copy waits in Postgres), or that carried no job (`request`,
     /// `undecodable`, `not_published_to_intake`, `other`).
     pub dead_letters: IntCounterVec,
+    /// `sandcell_live_output_enforced_total{limit}`: tenants found holding more live-output
+    /// `queues` or `bindings` than their limit, whose connections were closed and live queues
+    /// deleted.
+    pub live_output_enforced: IntCounterVec,
+    /// `sandcell_live_output_check_failures_total`: live-output checks that could not read the
+    /// broker (its management API unreachable or refusing).
+    pub live_output_check_failures: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -79,6 +86,17 @@ impl Metrics {
         registry.register(Box::new(parked_released.clone()))?;
         let dead_letters = IntCounterVec::new(Opts::new("sandcell_dead_letters_total", "Dead letters by the outcome the scheduler recorded"), &["outcome"])?;
         registry.register(Box::new(dead_letters.clone()))?;
+        let live_output_enforced = IntCounterVec::new(
+            Opts::new("sandcell_live_output_enforced_total", "Tenants held to their live-output limit (connections closed, live queues deleted)"),
+            &["limit"],
+        )?;
+        registry.register(Box::new(live_output_enforced.clone()))?;
+        for limit in ["queues", "bindings"] {
+            live_output_enforced.with_label_values(&[limit]);
+        }
+        let live_output_check_failures =
+            prometheus::IntCounter::new("sandcell_live_output_check_failures_total", "Live-output checks that could not read the broker's management API")?;
+        registry.register(Box::new(live_output_check_failures.clone()))?;
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
@@ -110,6 +128,8 @@ impl Metrics {
             partitions_held,
             parked_released,
             dead_letters,
+            live_output_enforced,
+            live_output_check_failures,
         })
     }
 }

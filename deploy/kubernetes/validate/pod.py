@@ -83,7 +83,7 @@ MOUNT_FIELDS = {"name", "mountPath", "readOnly"}
 LIMIT_FIELDS = {"memory", "cpu"}
 EMPTYDIR_FIELDS = {"medium", "sizeLimit"}
 # ConfigMap keys whose manifest value names a cluster service: the local stack's value is used.
-SERVICE_KEYS = {"SANDCELL_S3_ENDPOINT"}
+SERVICE_KEYS = {"SANDCELL_S3_ENDPOINT", "SANDCELL_RABBITMQ_MANAGEMENT_URL"}
 
 
 def log(msg: str) -> None:
