@@ -210,14 +210,6 @@ async fn figures_count_against_the_tenants_stored_bytes() {
     assert_eq!(stored, 0);
 }
 
-/// The worker's resident memory, from /proc (the worker started by deploy/local/test.sh).
-fn worker_rss_kb() -> Option<u64> {
-    let out = std::process::Command::new("pgrep").args(["-f", "target/debug/sandcell-worker"]).output().ok()?;
-    let pid = String::from_utf8_lossy(&out.stdout).split_whitespace().next()?.to_string();
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
-}
-
 #[tokio::test]
 async fn a_forged_giant_frame_fails_its_job_without_growing_the_worker() {
     let _memory = MEMORY.lock().await;

@@ -207,6 +207,76 @@ async fn a_sessions_jobs_held_by_its_worker_across_a_broker_restart_run_once_in_
     assert_eq!(jobs_recovered().await - recovered_before, 0.0, "jobs the worker held were entered again");
 }
 
+/// A worker that reconnects reads back from Postgres every session job routed to it that has not
+/// run (its transient message may be gone), and keeps each until it is settled. It used to keep
+/// each one's whole execution job for that, so a session's backlog of jobs with large inline
+/// files, waiting behind a slow cell across a broker restart, came back into the worker's memory
+/// whole, past the budget its mailboxes hold inputs within (`SANDCELL_WORKER_HELD_INPUT_BYTES`).
+/// Now it reads one job at a time and keeps none: should one have to go back to its queue, it is
+/// read again then.
+#[tokio::test]
+async fn a_backlog_of_large_session_jobs_read_back_after_a_broker_restart_stays_within_the_workers_input_budget() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let (t, sid) = counting_session(&c).await;
+    const JOBS: usize = 24;
+    let mut subs = Vec::new();
+    let mut digests = Vec::new();
+    for i in 0..JOBS {
+        // 4 MiB that do not compress, different for each job.
+        let bytes: Vec<u8> = (0..4u32 << 20).map(|k| (k.wrapping_mul(2_654_435_761).wrapping_add(i as u32 * 7919) >> 13) as u8).collect();
+        digests.push(format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&bytes)));
+        let mut sub = in_session(&t, &sid, &format!("import hashlib\nn += 1\nprint(n, hashlib.sha256(open('in_{i}.bin', 'rb').read()).hexdigest())"));
+        sub.files = vec![input(&format!("in_{i}.bin"), &bytes)];
+        subs.push(sub);
+    }
+    let mut slow = in_session(&t, &sid, "import time\ntime.sleep(280)");
+    slow.timeout_ms = Some(290_000);
+    c.submit(&slow).await.expect("submit");
+    for s in &subs {
+        c.submit(s).await.expect("submit");
+    }
+    // Every job waits in the worker (none in the broker), behind the slow cell.
+    let pool = service_db().await;
+    let owner: String =
+        sqlx::query_scalar("SELECT worker_id FROM sessions WHERE session_id = $1").bind(&sid).fetch_one(&pool).await.expect("the session's worker");
+    let queue = format!("sandcell.worker.{owner}");
+    let arrived = eventually(Duration::from_secs(120), || async {
+        let running = job_status(&pool, &slow).await? == "running";
+        (running && job_status(&pool, &subs[JOBS - 1]).await? == "queued" && messages_ready(&queue) == Some(0)).then_some(())
+    })
+    .await;
+    assert!(arrived.is_some(), "the backlog never reached the worker behind a running cell");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_before = worker_rss_kb().expect("the worker's memory");
+
+    restart_broker();
+    both_healthy_again().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_after = worker_rss_kb().expect("the worker's memory");
+    assert_eq!(job_status(&pool, &slow).await.as_deref(), Some("running"), "the slow cell ended before the restart was over");
+    let grown_mb = rss_after.saturating_sub(rss_before) / 1024;
+    eprintln!("worker RSS {rss_before} kB before the broker restart, {rss_after} kB after it, with {JOBS} jobs of 4 MiB read back");
+    // Kept whole, the 24 read back weigh 24 × 5.6 MB (base64 in JSON): the worker grew by 134
+    // MiB; read one at a time, by 26-34 MiB (what the allocator keeps of the reads).
+    assert!(grown_mb < 64, "reading back the backlog grew the worker by {grown_mb} MiB");
+
+    // A client of its own: the last one's broker connection went with the restart.
+    let c = client().await;
+    c.cancel(&t, &slow.job_id, &sid).await.expect("cancelling the slow cell");
+    let r = c.wait(&t, &slow.job_id, JOB_WAIT).await.expect("the slow cell's result");
+    assert_eq!(r.status, JobStatus::Cancelled, "{r:?}");
+    for (i, s) in subs.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.expect("result");
+        assert_eq!(
+            (r.status, r.execution.stdout.clone(), r.attempts),
+            (JobStatus::Succeeded, format!("{} {}\n", i + 1, digests[i]), 1),
+            "job {i}: {:?}",
+            r.reason
+        );
+    }
+}
+
 /// A fault injected into Postgres for one job: a trigger on `jobs` that raises a SQLSTATE
 /// ([`OUTAGE`] unless the constructor says otherwise) as one of the job's statements runs,
 /// counted by a sequence (a sequence is not rolled back with the failed

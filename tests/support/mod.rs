@@ -387,3 +387,11 @@ pub async fn worker_metric(name: &str) -> Option<f64> {
     let (_, body) = http_get("http://127.0.0.1:9465/metrics").await.ok()?;
     String::from_utf8_lossy(&body).lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
+
+/// The worker's resident memory, from /proc (the worker started by deploy/local/test.sh).
+pub fn worker_rss_kb() -> Option<u64> {
+    let out = std::process::Command::new("pgrep").args(["-f", "target/debug/sandcell-worker"]).output().ok()?;
+    let pid = String::from_utf8_lossy(&out.stdout).split_whitespace().next()?.to_string();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+}

@@ -256,7 +256,14 @@ async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, qu
     })
     .await?;
     let mut recovered = 0u64;
-    for (tenant, job_id, payload) in routed {
+    for (tenant, job_id) in routed {
+        // One job's execution job in memory at a time: its mailbox keeps its inputs only within
+        // the worker's budget (`registry::Inputs`), like those its queue delivers.
+        let payload = sandcell_core::retry_classified("reading back a job routed to this worker", 6, sandcell_core::jobs::failure, |_| {
+            ctx.jobs.routed_job(&tenant, &job_id)
+        })
+        .await?;
+        let Some(payload) = payload else { continue }; // no longer queued (cancelled, ended)
         let job = match serde_json::from_slice::<ExecutionJob>(&payload) {
             Ok(job) => job,
             Err(e) => {
@@ -266,7 +273,8 @@ async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, qu
                 continue;
             }
         };
-        let source = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), payload };
+        drop(payload);
+        let source = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), jobs: ctx.jobs.clone() };
         if let Some(ticket) = ctx.ledger.enter_recovered(&job, source) {
             route_to_session(ctx, Work::new(job, ticket, None)).await;
             recovered += 1;

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use lapin::message::Delivery;
 use sandcell_core::broker;
-use sandcell_core::jobs::Arrival;
+use sandcell_core::jobs::{Arrival, JobStore};
 use sandcell_protocol::ExecutionJob;
 
 use crate::metrics::Metrics;
@@ -92,14 +92,16 @@ enum Source {
 /// A session job read back from Postgres when this worker (re)connected to the broker
 /// (`JobStore::routed_to_worker`): its transient message may have been dropped by a broker
 /// restart. There is no message to ack; should its handler fail, the job is published again,
-/// persistent, to this worker's queue.
+/// persistent, to this worker's queue, as Postgres still keeps it (read again then, not held
+/// meanwhile: a backlog read back would otherwise keep every job's inputs in memory, outside
+/// the mailboxes' budget).
 pub struct Recovered {
     /// A channel of the connection that read it, to publish it again on.
     pub channel: lapin::Channel,
     /// This worker's own queue.
     pub queue: String,
-    /// The execution job as the scheduler routed it.
-    pub payload: Vec<u8>,
+    /// Where the execution job, as the scheduler routed it, is kept while it is `queued`.
+    pub jobs: JobStore,
 }
 
 /// A job's place in the ledger: whoever holds it must settle it.
@@ -234,13 +236,27 @@ impl Source {
             // again (its copy is no redelivery, and a session's job may have had effects, as
             // when its worker dies): the sweeper ends it `stuck` once overdue. Should the publish
             // fail too, the job is still in Postgres, and the next connection reads it back.
+            // A job no longer `queued` (claimed) has no kept copy to return: as before, its
+            // claim would refuse it, and the sweeper ends it.
             Source::Recovered(r) => {
+                let payload = match r.jobs.routed_job(&key.0, &key.1).await {
+                    Ok(Some(payload)) => payload,
+                    Ok(None) => {
+                        tracing::info!(tenant = %key.0, job_id = %key.1, disposition = disposition.as_str(), "a job read back from Postgres is no longer queued; nothing to return to the queue");
+                        return;
+                    }
+                    Err(e) => {
+                        metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
+                        tracing::warn!(tenant = %key.0, job_id = %key.1, error = format!("{e:#}"), "reading a job back to return it to this worker's queue failed; the next connection reads it again");
+                        return;
+                    }
+                };
                 let props = broker::dispatch_properties(&format!("{}/{}", key.0, key.1));
                 let (exchange, routing_key) = match disposition {
                     Disposition::DeadLetter => (broker::DEAD_LETTER_EXCHANGE, r.queue.as_str()),
                     _ => ("", r.queue.as_str()),
                 };
-                if let Err(e) = broker::publish_within_settle(&r.channel, exchange, routing_key, &r.payload, props).await {
+                if let Err(e) = broker::publish_within_settle(&r.channel, exchange, routing_key, &payload, props).await {
                     metrics.ack_failures.with_label_values(&[disposition.as_str()]).inc();
                     tracing::warn!(
                         tenant = %key.0,

@@ -464,14 +464,16 @@ impl JobStore {
     }
 
     /// The session jobs addressed to `worker_id`'s own queue that have not run (`queued`, not
-    /// parked), oldest first: each as `(tenant, job_id, execution job as routed)`. Their messages
-    /// are transient ([`crate::broker::session_dispatch_properties`]), so a broker restart drops
-    /// those still in the queue; the worker reads these whenever it (re)connects and runs them
-    /// before anything its queue delivers. Read through `jobs_unfinished`: the backlog of
-    /// unfinished jobs, once per connection, never per job.
-    pub async fn routed_to_worker(&self, worker_id: &str) -> Result<Vec<(String, String, Vec<u8>)>> {
+    /// parked), oldest first: each as `(tenant, job_id)`, its execution job as routed to read
+    /// with [`JobStore::routed_job`], one at a time (a backlog of jobs with inline files of up to
+    /// 10 MiB each must not come into the worker's memory at once). Their messages are transient
+    /// ([`crate::broker::session_dispatch_properties`]), so a broker restart drops those still
+    /// in the queue; the worker reads these whenever it (re)connects and runs them before
+    /// anything its queue delivers. Read through `jobs_unfinished`: the backlog of unfinished
+    /// jobs, once per connection, never per job.
+    pub async fn routed_to_worker(&self, worker_id: &str) -> Result<Vec<(String, String)>> {
         let rows = sqlx::query(
-            "SELECT tenant, job_id, routed FROM jobs
+            "SELECT tenant, job_id FROM jobs
              WHERE status = 'queued' AND routed_to = $1 AND NOT parked AND routed IS NOT NULL
              ORDER BY queued_at, job_id",
         )
@@ -479,12 +481,14 @@ impl JobStore {
         .fetch_all(&self.pool)
         .await
         .context("reading the jobs routed to this worker")?;
-        rows.into_iter().map(|r| Ok((r.try_get("tenant")?, r.try_get("job_id")?, r.try_get("routed")?))).collect()
+        rows.into_iter().map(|r| Ok((r.try_get("tenant")?, r.try_get("job_id")?))).collect()
     }
 
     /// The execution job kept for a job of a session (`jobs.routed`, as it was routed), while
     /// the job is still `queued`: a worker that left a waiting job's inputs here, rather than
-    /// in its memory, reads them back when the job's turn comes.
+    /// in its memory, reads them back when the job's turn comes; one that (re)connected reads
+    /// each job routed to it ([`JobStore::routed_to_worker`]), and each it must return to its
+    /// queue.
     pub async fn routed_job(&self, tenant: &str, job_id: &str) -> Result<Option<Vec<u8>>> {
         let routed = sqlx::query_scalar::<_, Option<Vec<u8>>>("SELECT routed FROM jobs WHERE tenant = $1 AND job_id = $2 AND status = 'queued'")
             .bind(tenant)
