@@ -255,13 +255,29 @@ async fn closed_by_the_broker(closed: &std::sync::Arc<std::sync::Mutex<Option<St
         .expect("the tenant's connection was not closed within 30 s")
 }
 
-/// Whether tenant `t`'s queue `name` exists (a passive declare on a connection of its own).
-async fn live_queue_exists(t: &TestTenant, name: &str) -> bool {
-    let conn = lapin::Connection::connect(&t.creds.amqp_url, lapin::ConnectionProperties::default()).await.expect("the tenant connects");
-    let ch = conn.create_channel().await.expect("channel");
-    let found = ch.queue_declare(name.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await.is_ok();
-    let _ = conn.close(0, "".into()).await;
-    found
+/// The broker's management API, as the operator.
+fn management() -> sandcell_core::management::Management {
+    let settings = sandcell_admin::AdminSettings::from_env().expect("admin settings from the environment");
+    sandcell_core::management::Management::new(&settings.management_url, &settings.amqp_url, Duration::from_secs(10)).expect("a management client")
+}
+
+/// Whether the queue `name` exists (asked as the operator: the tenant may be barred from
+/// connecting while its queues are deleted).
+async fn live_queue_exists(name: &str) -> bool {
+    let path = format!("queues/{{vhost}}/{}", sandcell_core::management::encode_component(name));
+    management().get::<serde_json::Value>(&path).await.expect("asking the management API for a queue").is_some()
+}
+
+/// How many bindings of `sandcell.events` to an exchange carry `tenant`'s keys (through the
+/// management API, as the operator).
+async fn bindings_to_exchanges(tenant: &str) -> usize {
+    let bindings: Vec<serde_json::Value> = management()
+        .get("exchanges/{vhost}/sandcell.events/bindings/source?columns=destination_type,routing_key")
+        .await
+        .expect("listing the events exchange's bindings")
+        .expect("the events exchange");
+    let prefix = format!("{tenant}.");
+    bindings.iter().filter(|b| b["destination_type"] == "exchange" && b["routing_key"].as_str().is_some_and(|k| k.starts_with(&prefix))).count()
 }
 
 /// A bystander's live output still arrives: a job of `b` heard from start to end.
@@ -293,10 +309,8 @@ async fn a_tenant_declaring_more_live_queues_than_its_limit_loses_them_and_its_c
     let reason = closed_by_the_broker(&closed).await;
     assert!(reason.contains("CONNECTION_FORCED") && reason.contains("live-output queues, more than its 64"), "the close says why: {reason}");
     // Its queues go too (after its connections), the first and the last declared alike.
-    let gone = eventually(Duration::from_secs(30), || async {
-        (!live_queue_exists(&flooder, &names[0]).await && !live_queue_exists(&flooder, &names[limit]).await).then_some(())
-    })
-    .await;
+    let gone =
+        eventually(Duration::from_secs(30), || async { (!live_queue_exists(&names[0]).await && !live_queue_exists(&names[limit]).await).then_some(()) }).await;
     assert!(gone.is_some(), "the flooder's queues are still there");
     let enforced = scheduler_metric("sandcell_live_output_enforced_total{limit=\"queues\"}").await.unwrap_or(0.0);
     assert!(enforced > enforced_before, "counted: {enforced_before} -> {enforced}");
@@ -316,12 +330,22 @@ async fn a_tenant_binding_more_live_keys_than_its_limit_loses_its_queue_and_conn
     let b_client = b.client().await;
     let mut b_live = b_client.live(&b.name, None).await.expect("B subscribes to its own jobs");
 
-    // One queue, each binding a routing key of its own (a job id it may watch), non-exclusive.
+    // One queue, each binding a routing key of its own (a job id it may watch), non-exclusive;
+    // and the events exchange bound into the intake (which the broker cannot refuse it), keys
+    // that would stay bound, durable, after its connections.
     let (conn, closed) = tenant_connection(&flooder).await;
     let ch = conn.create_channel().await.expect("channel");
+    const TO_INTAKE: usize = 64;
+    for i in 0..TO_INTAKE {
+        let key = format!("{}.intake-{i}", flooder.name);
+        ch.exchange_bind("sandcell.intake".into(), "sandcell.events".into(), key.as_str().into(), Default::default(), FieldTable::default())
+            .await
+            .expect("the flooder binds the events exchange into the intake");
+    }
+    assert_eq!(bindings_to_exchanges(&flooder.name).await, TO_INTAKE);
     let queue = format!("sandcell.live.{}.bindings", flooder.name);
     ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.expect("the flooder declares a queue");
-    for i in 0..limit + 64 {
+    for i in 0..limit + 64 - TO_INTAKE {
         let key = format!("{}.job-{i}", flooder.name);
         if ch
             .queue_bind(queue.as_str().into(), "sandcell.events".into(), key.as_str().into(), QueueBindOptions::default(), FieldTable::default())
@@ -333,7 +357,9 @@ async fn a_tenant_binding_more_live_keys_than_its_limit_loses_its_queue_and_conn
     }
     let reason = closed_by_the_broker(&closed).await;
     assert!(reason.contains("live-output bindings, more than its 4096"), "the close says why: {reason}");
-    let gone = eventually(Duration::from_secs(30), || async { (!live_queue_exists(&flooder, &queue).await).then_some(()) }).await;
-    assert!(gone.is_some(), "the flooder's queue (and its bindings) is still there");
+    let gone =
+        eventually(Duration::from_secs(30), || async { (!live_queue_exists(&queue).await && bindings_to_exchanges(&flooder.name).await == 0).then_some(()) })
+            .await;
+    assert!(gone.is_some(), "the flooder's queue (and its bindings) or its bindings into the intake are still there");
     still_hears_its_own_jobs(&b, &b_client, &mut b_live).await;
 }

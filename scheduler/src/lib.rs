@@ -165,13 +165,20 @@ impl Config {
             upload_ttl: Duration::from_secs(upload_ttl_s),
             result_retention: Duration::from_secs(retention_s),
             management_url: config::var_or("SANDCELL_RABBITMQ_MANAGEMENT_URL", "http://127.0.0.1:15672"),
-            live_output_check: Duration::from_secs_f64(config::parse_or("SANDCELL_LIVE_OUTPUT_CHECK_S", 5.0f64)?.max(0.0)),
+            live_output_check: live_output_check(config::parse_or("SANDCELL_LIVE_OUTPUT_CHECK_S", 5.0f64)?)?,
             live_output_limits: live_output::Limits {
                 max_queues: config::parse_or("SANDCELL_TENANT_MAX_LIVE_QUEUES", sandcell_core::broker::DEFAULT_TENANT_MAX_LIVE_QUEUES)?,
                 max_bindings: config::parse_or("SANDCELL_TENANT_MAX_LIVE_BINDINGS", sandcell_core::broker::DEFAULT_TENANT_MAX_LIVE_BINDINGS)?,
             },
         })
     }
+}
+
+/// `SANDCELL_LIVE_OUTPUT_CHECK_S` as a period: 0 turns the watch off; otherwise at least half a
+/// second (each check lists the broker's queues) and at most an hour.
+fn live_output_check(secs: f64) -> Result<Duration> {
+    anyhow::ensure!(secs.is_finite() && secs >= 0.0, "SANDCELL_LIVE_OUTPUT_CHECK_S must be a number of seconds, 0 or more; got {secs}");
+    Ok(if secs == 0.0 { Duration::ZERO } else { Duration::from_secs_f64(secs.clamp(0.5, 3600.0)) })
 }
 
 /// Run the scheduler until a fatal error. Services that are down are waited for, not fatal.
@@ -216,7 +223,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let dispatcher = tokio::spawn(dispatch::run(cfg.services.amqp_url.clone(), jobs.clone(), metrics.clone(), cfg.dispatch_interval));
     let rules = dead_letters::Rules { trusted_publishers: cfg.trusted_publishers.clone(), intake: cfg.intake.clone(), max_upload_bytes: cfg.max_upload_bytes };
     let recorder = tokio::spawn(dead_letters::run(cfg.services.amqp_url.clone(), rules, jobs.clone(), metrics.clone()));
-    let management = sandcell_core::management::Management::new(&cfg.management_url, &cfg.services.amqp_url, Duration::from_secs(10))?;
+    let management = sandcell_core::management::Management::new(&cfg.management_url, &cfg.services.amqp_url, Duration::from_secs(30))?;
     let service_user = sandcell_core::broker::url_user(&cfg.services.amqp_url).unwrap_or_default();
     let live_watch = tokio::spawn(live_output::run(management, cfg.live_output_limits, service_user, metrics.clone(), cfg.live_output_check));
     let shutdown = CancellationToken::new();

@@ -256,16 +256,31 @@ async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, qu
     })
     .await?;
     let mut recovered = 0u64;
+    let source = || crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), jobs: ctx.jobs.clone() };
     for (tenant, job_id) in routed {
+        if ctx.ledger.hold_as_recovered(&tenant, &job_id, source()) {
+            continue; // held here already, with its inputs (or its place in the budget)
+        }
         // One job's execution job in memory at a time: its mailbox keeps its inputs only within
-        // the worker's budget (`registry::Inputs`), like those its queue delivers.
-        let payload = sandcell_core::retry_classified("reading back a job routed to this worker", 6, sandcell_core::jobs::failure, |_| {
+        // the worker's budget (`registry::Inputs`), like those its queue delivers. A job that
+        // cannot be read is left in Postgres, for the next connection or the stuck sweep.
+        let read = sandcell_core::retry_classified("reading back a job routed to this worker", 6, sandcell_core::jobs::failure, |_| {
             ctx.jobs.routed_job(&tenant, &job_id)
-        })
-        .await?;
-        let Some(payload) = payload else { continue }; // no longer queued (cancelled, ended)
+        });
+        let payload = match read.await {
+            Ok(Some(payload)) => payload,
+            Ok(None) => continue, // no longer queued (cancelled, ended)
+            Err(e) => {
+                tracing::error!(%tenant, %job_id, error = format!("{e:#}"), "a job routed to this worker could not be read back; left for the next connection");
+                continue;
+            }
+        };
         let job = match serde_json::from_slice::<ExecutionJob>(&payload) {
-            Ok(job) => job,
+            Ok(job) if job.tenant == tenant && job.job_id == job_id => job,
+            Ok(_) => {
+                tracing::error!(%tenant, %job_id, "a job routed to this worker holds another job's execution job; not run");
+                continue;
+            }
             Err(e) => {
                 // Written by a scheduler that spoke another protocol: its message, if still
                 // queued, is dead-lettered as undecodable; otherwise the sweeper ends it stuck.
@@ -274,8 +289,7 @@ async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, qu
             }
         };
         drop(payload);
-        let source = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), jobs: ctx.jobs.clone() };
-        if let Some(ticket) = ctx.ledger.enter_recovered(&job, source) {
+        if let Some(ticket) = ctx.ledger.enter_recovered(&job, source()) {
             route_to_session(ctx, Work::new(job, ticket, None)).await;
             recovered += 1;
         }

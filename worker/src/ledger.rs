@@ -16,9 +16,9 @@
 //!   refuses a finished job);
 //! - **a session job read back from Postgres is held like a delivery** ([`Ledger::enter_recovered`]):
 //!   session jobs travel in transient messages, so after a reconnect the worker reads the jobs
-//!   routed to it; one already held here is not entered twice, a copy the queue still delivers
-//!   takes its place (absorbed), and one whose handler fails is published again, persistent, to
-//!   this worker's queue.
+//!   routed to it; one already held here is not entered twice (nor read again), a copy the
+//!   queue still delivers takes its place (absorbed), and one whose handler fails is read again
+//!   from Postgres and published, persistent, to this worker's queue while it is still `queued`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -163,11 +163,24 @@ impl Ledger {
         }
     }
 
-    /// Enter a session job read back from Postgres on a (re)connection. `None` when this worker
-    /// already holds the job (its delivery from before the reconnect waits in a mailbox or
-    /// runs): the handler holding it goes on, and settles it as read back, since that delivery's
-    /// channel is gone and a broker restart dropped its message (a message that survived takes
-    /// the place back when the queue redelivers it).
+    /// A session job routed here, found on a (re)connection, that this worker already holds
+    /// (its delivery from before the reconnect waits in a mailbox or runs): from now on it is
+    /// settled as read back, since that delivery's channel is gone and a broker restart dropped
+    /// its message (a message that survived takes the place back when the queue redelivers it).
+    /// Returns whether it was held; the handler holding it goes on.
+    pub fn hold_as_recovered(&self, tenant: &str, job_id: &str, recovered: Recovered) -> bool {
+        let Ok(mut held) = self.held.lock() else { return false };
+        match held.get_mut(&(tenant.to_string(), job_id.to_string())) {
+            Some(current) => {
+                *current = Source::Recovered(recovered);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Enter a session job read back from Postgres on a (re)connection, not held here
+    /// ([`Ledger::hold_as_recovered`] first). `None` when it is held after all (entered since).
     pub fn enter_recovered(&self, job: &ExecutionJob, recovered: Recovered) -> Option<Ticket> {
         let key = (job.tenant.clone(), job.job_id.clone());
         // Not a redelivery: the claim takes it only while it is `queued`. Its dispatch is now.
@@ -239,7 +252,10 @@ impl Source {
             // A job no longer `queued` (claimed) has no kept copy to return: as before, its
             // claim would refuse it, and the sweeper ends it.
             Source::Recovered(r) => {
-                let payload = match r.jobs.routed_job(&key.0, &key.1).await {
+                let read = sandcell_core::retry_classified("reading a job back to return it to this worker's queue", 6, sandcell_core::jobs::failure, |_| {
+                    r.jobs.routed_job(&key.0, &key.1)
+                });
+                let payload = match read.await {
                     Ok(Some(payload)) => payload,
                     Ok(None) => {
                         tracing::info!(tenant = %key.0, job_id = %key.1, disposition = disposition.as_str(), "a job read back from Postgres is no longer queued; nothing to return to the queue");

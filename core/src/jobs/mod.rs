@@ -470,7 +470,7 @@ impl JobStore {
     /// ([`crate::broker::session_dispatch_properties`]), so a broker restart drops those still
     /// in the queue; the worker reads these whenever it (re)connects and runs them before
     /// anything its queue delivers. Read through `jobs_unfinished`: the backlog of unfinished
-    /// jobs, once per connection, never per job.
+    /// jobs, once per connection, not on a job's path.
     pub async fn routed_to_worker(&self, worker_id: &str) -> Result<Vec<(String, String)>> {
         let rows = sqlx::query(
             "SELECT tenant, job_id FROM jobs
