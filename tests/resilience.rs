@@ -277,6 +277,33 @@ async fn a_backlog_of_large_session_jobs_read_back_after_a_broker_restart_stays_
     }
 }
 
+/// A scheduler holding a tenant to its live-output limit bars the tenant's broker user from
+/// connecting (`max-connections` 0) while it deletes the tenant's queues, and lets it in again
+/// at the end. One killed in between (SIGKILL: no stop to finish on) left the bar: the next
+/// scheduler to start lifts it.
+#[tokio::test]
+async fn a_tenant_left_barred_from_the_broker_by_a_killed_scheduler_may_connect_again_once_a_scheduler_starts() {
+    let _serial = SERIAL.lock().await;
+    let t = TestTenant::create(None).await;
+    let settings = sandcell_admin::AdminSettings::from_env().expect("admin settings from the environment");
+    let api = sandcell_core::management::Management::new(&settings.management_url, &settings.amqp_url, Duration::from_secs(10)).expect("a management client");
+    let limit_path = format!("user-limits/{}/max-connections", t.name);
+    kill_service("scheduler");
+    api.put(&limit_path, serde_json::json!({"value": 0})).await.expect("barring the tenant as a killed scheduler would have left it");
+    let barred = lapin::Connection::connect(&t.creds.amqp_url, lapin::ConnectionProperties::default()).await;
+    assert!(barred.is_err(), "a barred tenant connected");
+
+    start_service("scheduler", &[]);
+    both_healthy_again().await;
+    let connected =
+        eventually(Duration::from_secs(30), || async { lapin::Connection::connect(&t.creds.amqp_url, lapin::ConnectionProperties::default()).await.ok() })
+            .await;
+    assert!(connected.is_some(), "the tenant still cannot connect after a scheduler started");
+    let c = t.client().await;
+    let r = run(&c, &python(&t.name, "print(6 * 7)")).await;
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "42\n"), "{r:?}");
+}
+
 /// A fault injected into Postgres for one job: a trigger on `jobs` that raises a SQLSTATE
 /// ([`OUTAGE`] unless the constructor says otherwise) as one of the job's statements runs,
 /// counted by a sequence (a sequence is not rolled back with the failed

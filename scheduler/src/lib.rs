@@ -225,8 +225,9 @@ pub async fn run(cfg: Config) -> Result<()> {
     let recorder = tokio::spawn(dead_letters::run(cfg.services.amqp_url.clone(), rules, jobs.clone(), metrics.clone()));
     let management = sandcell_core::management::Management::new(&cfg.management_url, &cfg.services.amqp_url, Duration::from_secs(30))?;
     let service_user = sandcell_core::broker::url_user(&cfg.services.amqp_url).unwrap_or_default();
-    let live_watch = tokio::spawn(live_output::run(management, cfg.live_output_limits, service_user, metrics.clone(), cfg.live_output_check));
     let shutdown = CancellationToken::new();
+    let mut live_watch =
+        tokio::spawn(live_output::run(management, cfg.live_output_limits, service_user, metrics.clone(), cfg.live_output_check, shutdown.clone()));
     let stop_grace = cfg.stop_grace;
     let mut intake = tokio::spawn(intake::run(cfg, jobs, store_for_uploads, metrics, broker_up, shutdown.clone()));
 
@@ -236,7 +237,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         r = store_sweeper => r.context("store sweeper task panicked"),
         r = dispatcher => r.context("dispatcher task panicked"),
         r = recorder => r.context("dead-letter recorder task panicked"),
-        r = live_watch => r.context("live-output watch task panicked"),
+        r = &mut live_watch => r.context("live-output watch task panicked"),
         r = &mut intake => r.context("intake task panicked"),
         signal = sandcell_core::telemetry::stop_signal() => {
             // Stop taking submissions, finish those taken, close the partitions' channels (the
@@ -245,6 +246,10 @@ pub async fn run(cfg: Config) -> Result<()> {
             shutdown.cancel();
             if tokio::time::timeout(stop_grace, intake).await.is_err() {
                 tracing::warn!("the intake did not finish within the grace; exiting (the broker returns what was not acked)");
+            }
+            // A tenant being held to its live-output limit is let in again before the exit.
+            if tokio::time::timeout(stop_grace, live_watch).await.is_err() {
+                tracing::warn!("the live-output watch did not finish within the grace; exiting (the next scheduler to start lets a barred tenant connect again)");
             }
             Ok(())
         }

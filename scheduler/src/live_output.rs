@@ -35,6 +35,7 @@ use futures::StreamExt;
 use sandcell_core::broker::{self, EVENTS_EXCHANGE};
 use sandcell_core::management::{encode_component, Management};
 use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 
@@ -180,8 +181,8 @@ async fn listing<T: serde::de::DeserializeOwned>(api: &Management, path: &str) -
 /// deleted, and then it may connect again (up to [`broker::TENANT_MAX_CONNECTIONS`]: a client
 /// that reconnects at once, declaring again, is not racing the deletions). Every step is tried
 /// whatever the last one did; a step that failed is logged, and the next check finds what is
-/// left. Should this process die between the block and its end, the tenant stays unable to
-/// connect until the next breach or `sandcell-admin tenant permissions <tenant>`.
+/// left. A stop waits for this to end; should the process die between the block and its end,
+/// the next watch to start lifts the bar ([`lift_leftover_bars`]).
 async fn enforce(api: &Management, breach: &Breach) {
     let reason = breach.reason();
     tracing::warn!(tenant = %breach.tenant, limit = breach.limit, held = breach.held, allowed = breach.allowed, "a tenant holds more live output than its limit: closing its connections and deleting its live queues");
@@ -230,19 +231,49 @@ async fn deletes(api: &Management, paths: Vec<String>) -> u64 {
     done
 }
 
-/// Run the watch every `interval` (not at all when it is zero).
-pub async fn run(api: Management, limits: Limits, spared: String, metrics: Metrics, interval: Duration) {
+/// Run the watch every `interval` (not at all when it is zero) until `stop`; an enforcement
+/// under way when `stop` comes is finished (a tenant is never left barred by a stop).
+pub async fn run(api: Management, limits: Limits, spared: String, metrics: Metrics, interval: Duration, stop: CancellationToken) {
     if interval.is_zero() {
         tracing::info!("the live-output watch is off (SANDCELL_LIVE_OUTPUT_CHECK_S=0)");
-        return std::future::pending().await;
+        return stop.cancelled().await; // the scheduler ends when one of its tasks does
     }
+    lift_leftover_bars(&api, &spared).await;
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
         if let Err(e) = check_once(&api, limits, &spared, &metrics).await {
             metrics.live_output_check_failures.inc();
             tracing::warn!(error = format!("{e:#}"), "the live-output watch could not check the broker; trying again at the next tick");
+        }
+    }
+}
+
+/// A broker user's `max-connections` of 0 is the watch's: set while a tenant's live output is
+/// deleted, lifted at the end. A scheduler that died in between (killed, out of memory) left its
+/// tenant barred: the next watch to start lets every such user connect again.
+async fn lift_leftover_bars(api: &Management, spared: &str) {
+    #[derive(Deserialize)]
+    struct UserLimits {
+        user: String,
+        value: serde_json::Map<String, serde_json::Value>,
+    }
+    let limits: Vec<UserLimits> = match listing(api, "user-limits").await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = format!("{e:#}"), "could not read the broker users' limits to lift bars a stopped scheduler left");
+            return;
+        }
+    };
+    for l in limits.iter().filter(|l| l.user != spared && l.value.get("max-connections").and_then(|v| v.as_i64()) == Some(0)) {
+        let path = format!("user-limits/{}/max-connections", encode_component(&l.user));
+        match api.put(&path, serde_json::json!({"value": broker::TENANT_MAX_CONNECTIONS})).await {
+            Ok(()) => tracing::warn!(tenant = %l.user, "a tenant left barred from the broker by a stopped scheduler may connect again"),
+            Err(e) => tracing::warn!(tenant = %l.user, error = format!("{e:#}"), "could not let a tenant left barred connect again"),
         }
     }
 }
