@@ -148,7 +148,7 @@ struct Named {
     name: String,
 }
 
-/// Deletions and closes in flight at once against the management API.
+/// Deletions in flight at once against the management API.
 const CONCURRENT_CALLS: usize = 8;
 
 /// Count, and hold every tenant over a limit to it. Returns the breaches acted on.
@@ -160,9 +160,6 @@ pub async fn check_once(api: &Management, limits: Limits, spared: &str, metrics:
     )
     .await?;
     let found = breaches(queues.iter().map(|q| q.name.as_str()), &bindings, limits, spared);
-    if found.is_empty() {
-        return Ok(found);
-    }
     for breach in &found {
         enforce(api, breach).await;
         metrics.live_output_enforced.with_label_values(&[breach.limit]).inc();
@@ -238,13 +235,17 @@ pub async fn run(api: Management, limits: Limits, spared: String, metrics: Metri
         tracing::info!("the live-output watch is off (SANDCELL_LIVE_OUTPUT_CHECK_S=0)");
         return stop.cancelled().await; // the scheduler ends when one of its tasks does
     }
-    lift_leftover_bars(&api, &spared).await;
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut bars_lifted = false;
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             _ = tick.tick() => {}
+        }
+        if !bars_lifted {
+            // Once, as soon as the broker answers (it may still be starting).
+            bars_lifted = lift_leftover_bars(&api, &spared).await;
         }
         if let Err(e) = check_once(&api, limits, &spared, &metrics).await {
             metrics.live_output_check_failures.inc();
@@ -255,8 +256,9 @@ pub async fn run(api: Management, limits: Limits, spared: String, metrics: Metri
 
 /// A broker user's `max-connections` of 0 is the watch's: set while a tenant's live output is
 /// deleted, lifted at the end. A scheduler that died in between (killed, out of memory) left its
-/// tenant barred: the next watch to start lets every such user connect again.
-async fn lift_leftover_bars(api: &Management, spared: &str) {
+/// tenant barred: the next watch to start lets every such user connect again. Returns whether
+/// the broker's limits could be read.
+async fn lift_leftover_bars(api: &Management, spared: &str) -> bool {
     #[derive(Deserialize)]
     struct UserLimits {
         user: String,
@@ -265,8 +267,11 @@ async fn lift_leftover_bars(api: &Management, spared: &str) {
     let limits: Vec<UserLimits> = match listing(api, "user-limits").await {
         Ok(l) => l,
         Err(e) => {
-            tracing::warn!(error = format!("{e:#}"), "could not read the broker users' limits to lift bars a stopped scheduler left");
-            return;
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "could not read the broker users' limits to lift bars a stopped scheduler left; trying again at the next tick"
+            );
+            return false;
         }
     };
     for l in limits.iter().filter(|l| l.user != spared && l.value.get("max-connections").and_then(|v| v.as_i64()) == Some(0)) {
@@ -276,6 +281,7 @@ async fn lift_leftover_bars(api: &Management, spared: &str) {
             Err(e) => tracing::warn!(tenant = %l.user, error = format!("{e:#}"), "could not let a tenant left barred connect again"),
         }
     }
+    true
 }
 
 #[cfg(test)]
