@@ -312,8 +312,12 @@ async fn a_tenant_declaring_more_live_queues_than_its_limit_loses_them_and_its_c
     let gone =
         eventually(Duration::from_secs(30), || async { (!live_queue_exists(&names[0]).await && !live_queue_exists(&names[limit]).await).then_some(()) }).await;
     assert!(gone.is_some(), "the flooder's queues are still there");
-    let enforced = scheduler_metric("sandcell_live_output_enforced_total{limit=\"queues\"}").await.unwrap_or(0.0);
-    assert!(enforced > enforced_before, "counted: {enforced_before} -> {enforced}");
+    let counted = eventually(Duration::from_secs(10), || async {
+        let enforced = scheduler_metric("sandcell_live_output_enforced_total{limit=\"queues\"}").await?;
+        (enforced > enforced_before).then_some(enforced)
+    })
+    .await;
+    assert!(counted.is_some(), "the hold was not counted (from {enforced_before})");
 
     // The bystander's subscription never noticed; the flooder may subscribe again, within its limit.
     still_hears_its_own_jobs(&b, &b_client, &mut b_live).await;

@@ -161,8 +161,8 @@ pub async fn check_once(api: &Management, limits: Limits, spared: &str, metrics:
     .await?;
     let found = breaches(queues.iter().map(|q| q.name.as_str()), &bindings, limits, spared);
     for breach in &found {
-        enforce(api, breach).await;
         metrics.live_output_enforced.with_label_values(&[breach.limit]).inc();
+        enforce(api, breach).await;
     }
     Ok(found)
 }
