@@ -610,16 +610,7 @@ async fn a_sessions_backlog_of_large_inputs_does_not_grow_the_worker_past_its_bu
     let left_before = worker_metric("sandcell_worker_inputs_left_in_postgres_total").await.unwrap_or(0.0);
     let rss_before = worker_rss_kb().expect("the worker's memory");
     const JOBS: usize = 30;
-    let mut subs = Vec::new();
-    let mut digests = Vec::new();
-    for i in 0..JOBS {
-        // 4 MiB that do not compress, different for each job.
-        let bytes: Vec<u8> = (0..4u32 << 20).map(|k| (k.wrapping_mul(2_654_435_761).wrapping_add(i as u32 * 7919) >> 13) as u8).collect();
-        digests.push(format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&bytes)));
-        let mut sub = in_session(&t, &sid, &format!("import hashlib\nn += 1\nprint(n, hashlib.sha256(open('in_{i}.bin', 'rb').read()).hexdigest())"));
-        sub.files = vec![input(&format!("in_{i}.bin"), &bytes)];
-        subs.push(sub);
-    }
+    let (subs, expected) = hashed_input_backlog(&t, &sid, JOBS);
     // A slow cell first, so that the others wait in the worker, until 15 of them arrived there
     // with their inputs left in Postgres (or two minutes passed); its memory sampled meanwhile.
     // Then the slow cell is cancelled and the others run.
@@ -648,7 +639,7 @@ async fn a_sessions_backlog_of_large_inputs_does_not_grow_the_worker_past_its_bu
     assert_eq!(slow.status, JobStatus::Cancelled, "{slow:?}");
     for (i, s) in subs.iter().enumerate() {
         let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.expect("result");
-        assert_eq!((r.status, r.execution.stdout.clone()), (JobStatus::Succeeded, format!("{} {}\n", i + 1, digests[i])), "job {i}: {:?}", r.reason);
+        assert_eq!((r.status, r.execution.stdout.clone()), (JobStatus::Succeeded, expected[i].clone()), "job {i}: {:?}", r.reason);
     }
     let left = worker_metric("sandcell_worker_inputs_left_in_postgres_total").await.unwrap_or(0.0) - left_before;
     let grown_mb = peak.saturating_sub(rss_before) / 1024;

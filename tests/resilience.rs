@@ -220,16 +220,7 @@ async fn a_backlog_of_large_session_jobs_read_back_after_a_broker_restart_stays_
     let c = client().await;
     let (t, sid) = counting_session(&c).await;
     const JOBS: usize = 24;
-    let mut subs = Vec::new();
-    let mut digests = Vec::new();
-    for i in 0..JOBS {
-        // 4 MiB that do not compress, different for each job.
-        let bytes: Vec<u8> = (0..4u32 << 20).map(|k| (k.wrapping_mul(2_654_435_761).wrapping_add(i as u32 * 7919) >> 13) as u8).collect();
-        digests.push(format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&bytes)));
-        let mut sub = in_session(&t, &sid, &format!("import hashlib\nn += 1\nprint(n, hashlib.sha256(open('in_{i}.bin', 'rb').read()).hexdigest())"));
-        sub.files = vec![input(&format!("in_{i}.bin"), &bytes)];
-        subs.push(sub);
-    }
+    let (subs, expected) = hashed_input_backlog(&t, &sid, JOBS);
     let mut slow = in_session(&t, &sid, "import time\ntime.sleep(280)");
     slow.timeout_ms = Some(290_000);
     c.submit(&slow).await.expect("submit");
@@ -268,12 +259,7 @@ async fn a_backlog_of_large_session_jobs_read_back_after_a_broker_restart_stays_
     assert_eq!(r.status, JobStatus::Cancelled, "{r:?}");
     for (i, s) in subs.iter().enumerate() {
         let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.expect("result");
-        assert_eq!(
-            (r.status, r.execution.stdout.clone(), r.attempts),
-            (JobStatus::Succeeded, format!("{} {}\n", i + 1, digests[i]), 1),
-            "job {i}: {:?}",
-            r.reason
-        );
+        assert_eq!((r.status, r.execution.stdout.clone(), r.attempts), (JobStatus::Succeeded, expected[i].clone(), 1), "job {i}: {:?}", r.reason);
     }
 }
 

@@ -142,6 +142,24 @@ pub fn input(path: &str, bytes: &[u8]) -> InputFile {
     InputFile::inline(path, bytes)
 }
 
+/// A session's backlog of `count` jobs, each carrying 4 MiB of its own incompressible input
+/// file, adding one to the session's `n` (opened at 0) and printing it with the file's SHA-256.
+/// Returned with the stdout each job must print, in order: a job that ran out of order, twice,
+/// or on a damaged file prints something else.
+pub fn hashed_input_backlog(tenant: &str, session_id: &str, count: usize) -> (Vec<Submission>, Vec<String>) {
+    let mut subs = Vec::with_capacity(count);
+    let mut expected = Vec::with_capacity(count);
+    for i in 0..count {
+        let bytes: Vec<u8> = (0..4u32 << 20).map(|k| (k.wrapping_mul(2_654_435_761).wrapping_add(i as u32 * 7919) >> 13) as u8).collect();
+        let digest = <sha2::Sha256 as sha2::Digest>::digest(&bytes);
+        expected.push(format!("{} {digest:x}\n", i + 1));
+        let mut sub = in_session(tenant, session_id, &format!("import hashlib\nn += 1\nprint(n, hashlib.sha256(open('in_{i}.bin', 'rb').read()).hexdigest())"));
+        sub.files = vec![input(&format!("in_{i}.bin"), &bytes)];
+        subs.push(sub);
+    }
+    (subs, expected)
+}
+
 /// Submit and wait for the terminal result.
 pub async fn run(client: &Client, sub: &Submission) -> JobResult {
     client.submit(sub).await.expect("submit");
