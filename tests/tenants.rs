@@ -581,3 +581,41 @@ async fn kept_results_count_against_the_result_bytes_quota_until_the_retention_d
     let (counted, rows) = kept_bytes(&pool, &t.name).await;
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows after the session ended");
 }
+
+/// Before, a tenant over a quota on stored bytes could not close its sessions: the close was
+/// refused `quota_exceeded` like any job, so each session kept its sandbox, a place in
+/// `max_sessions` and its kept execution jobs (the bytes that quota counts) until its keep-alive
+/// ran out, up to an hour. Now a job that does nothing but close a session passes the quotas on
+/// stored bytes (migration 0024); one that also runs code is refused as before, and so is a new
+/// session.
+#[tokio::test]
+async fn a_tenant_over_its_result_bytes_quota_may_still_close_its_sessions() {
+    let t = TestTenant::create(Some(Quotas { max_result_bytes: 600_000, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let pool = service_db().await;
+    let opened = run(&c, &open_session(&t.name, "n = 1", Some(600))).await;
+    let sid = session_id(&opened);
+    let container = container_of(&t.name, &opened.job_id).await.expect("the session's container");
+    let big = run(&c, &python(&t.name, "import base64, os\nprint(base64.b64encode(os.urandom(525_000)).decode())")).await;
+    assert_eq!(big.status, JobStatus::Succeeded, "{:?}", big.reason);
+    assert!(kept_bytes(&pool, &t.name).await.0 > 600_000);
+
+    let mut close_with_code = close_session(&t.name, &sid);
+    close_with_code.code = "print(n)".into();
+    for refused in [close_with_code, open_session(&t.name, "m = 1", None)] {
+        let r = run(&c, &refused).await;
+        let reason = r.reason.as_ref().unwrap_or_else(|| panic!("no reason: {r:?}"));
+        assert_eq!((r.status, reason.code), (JobStatus::Rejected, ErrorCode::QuotaExceeded), "{r:?}");
+        assert!(reason.message.contains("a job that only closes a session is still accepted"), "{}", reason.message);
+    }
+
+    let closed = run(&c, &close_session(&t.name, &sid)).await;
+    assert_eq!(closed.status, JobStatus::Succeeded, "{:?}", closed.reason);
+    let state: String = sqlx::query_scalar("SELECT state FROM sessions WHERE session_id = $1").bind(&sid).fetch_one(&pool).await.unwrap();
+    assert_eq!(state, "closed");
+    let gone = eventually(Duration::from_secs(30), || async { (!container_exists(&container).await).then_some(()) }).await;
+    assert!(gone.is_some(), "the closed session's container {container} is still there");
+    // A closed session takes no more closes: refused for what it is, not for the quota.
+    let again = run(&c, &close_session(&t.name, &sid)).await;
+    assert_eq!((again.status, again.reason.as_ref().map(|r| r.code)), (JobStatus::Rejected, Some(ErrorCode::SessionClosed)), "{again:?}");
+}

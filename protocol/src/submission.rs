@@ -194,6 +194,19 @@ impl Submission {
     pub fn resource_request(&self) -> ResourceRequest {
         ResourceRequest { timeout_ms: self.timeout_ms, memory_mb: self.memory_mb, cpus: self.cpus, artifact_ttl_s: self.artifact_ttl_s }
     }
+
+    /// Whether this job does nothing but close its session: no code, no input file, nothing to
+    /// read back. Such a job adds nothing to what the tenant stores (its result is a few hundred
+    /// bytes) and frees a sandbox, so the quotas on stored bytes (artifacts, results kept) do not
+    /// refuse it: a tenant over them can still end its sessions rather than leave them running
+    /// out their keep-alive.
+    pub fn only_closes_its_session(&self) -> bool {
+        self.session.as_ref().is_some_and(|s| s.close && s.id.is_some())
+            && self.code.trim().is_empty()
+            && self.files.is_empty()
+            && self.get_files.is_empty()
+            && !self.list_files
+    }
 }
 
 /// A submission the intake refused.
@@ -688,5 +701,30 @@ mod tests {
         let mut v = valid();
         v["files"] = json!([{"path": "in.csv"}]);
         assert_eq!(code_of(parse(v)), ErrorCode::InvalidValue);
+    }
+
+    #[test]
+    fn only_a_job_with_nothing_but_a_close_counts_as_only_closing_its_session() {
+        let close = || {
+            let mut v = valid();
+            v["code"] = json!("");
+            v["session"] = json!({"id": "ses_0123456789abcdef0123456789abcdef", "close": true});
+            v
+        };
+        assert!(parse(close()).unwrap().only_closes_its_session());
+        let mut blank = close();
+        blank["code"] = json!("  \n");
+        assert!(parse(blank).unwrap().only_closes_its_session());
+        for (field, value) in [
+            ("code", json!("print(1)")),
+            ("files", json!([{"path": "in.csv", "content_b64": "aGk="}])),
+            ("get_files", json!(["out.csv"])),
+            ("list_files", json!(true)),
+        ] {
+            let mut v = close();
+            v[field] = value.clone();
+            assert!(!parse(v).unwrap().only_closes_its_session(), "{field} = {value}");
+        }
+        assert!(!parse(valid()).unwrap().only_closes_its_session());
     }
 }

@@ -231,7 +231,8 @@ impl JobStore {
     /// duplicate submission never creates a second session. The tenant's row lock, its quotas,
     /// its fair share and the rows are one round trip: the function `sandcell_record_job`
     /// (`migrations/0014_record_job_routes.sql`), which owns the quota checks and the route of a
-    /// job in an existing session.
+    /// job in an existing session. A job that only closes its session passes the quotas on stored
+    /// bytes (`migrations/0024_closing_past_stored_quotas.sql`).
     ///
     /// `shared` is the execution job of a job that travels on the shared queue (one-off, or
     /// opening a session): when its tenant already has `max_jobs_in_flight` such jobs out, or
@@ -263,21 +264,23 @@ impl JobStore {
         // the job is published (the session moved meanwhile): such a stray is parked by the
         // sweeper (`SessionStore::park_strays`).
         let record = || async {
-            let recorded =
-                sqlx::query("SELECT outcome, used, quota, session_state, routed_to FROM sandcell_record_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")
-                    .bind(&sub.tenant)
-                    .bind(&sub.job_id)
-                    .bind(sub.language.as_str())
-                    .bind(sha256)
-                    .bind(&limits_json)
-                    .bind(not_run())
-                    .bind(open)
-                    .bind(keep_alive_s)
-                    .bind(existing)
-                    .bind(shared)
-                    .bind(routed)
-                    .fetch_one(&self.pool)
-                    .await;
+            let recorded = sqlx::query(
+                "SELECT outcome, used, quota, session_state, routed_to FROM sandcell_record_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            )
+            .bind(&sub.tenant)
+            .bind(&sub.job_id)
+            .bind(sub.language.as_str())
+            .bind(sha256)
+            .bind(&limits_json)
+            .bind(not_run())
+            .bind(open)
+            .bind(keep_alive_s)
+            .bind(existing)
+            .bind(shared)
+            .bind(routed)
+            .bind(sub.only_closes_its_session())
+            .fetch_one(&self.pool)
+            .await;
             match recorded {
                 Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("SCDUP") => Ok(None),
                 other => other.map(Some).context("recording job"),
@@ -311,11 +314,11 @@ impl JobStore {
                 "over_queued_jobs" => return refuse(format!("tenant has {used} jobs queued or running; its quota is {quota}")),
                 "over_sessions" => return refuse(format!("tenant has {used} live sessions; its quota is {quota}")),
                 "over_artifact_bytes" => {
-                    return refuse(format!("tenant stores {used} bytes of artifacts; its quota is {quota} (wait for artifacts to expire)"))
+                    return refuse(format!("tenant stores {used} bytes of artifacts; its quota is {quota} (wait for artifacts to expire; a job that only closes a session is still accepted)"))
                 }
                 "over_result_bytes" => {
                     return refuse(format!(
-                        "tenant keeps {used} bytes of job results in the database; its quota is {quota} (results are deleted SANDCELL_RESULT_RETENTION_S after they end)"
+                        "tenant keeps {used} bytes of job results in the database; its quota is {quota} (results are deleted SANDCELL_RESULT_RETENTION_S after they end; a job that only closes a session is still accepted)"
                     ))
                 }
                 other => bail!("recording job {} of tenant {}: unexpected outcome {other:?}", sub.job_id, sub.tenant),
