@@ -520,7 +520,8 @@ print('done')
 /// `SANDCELL_RESULT_RETENTION_S` (30 days here, as by default) after they ended: aged here by
 /// 31 days, a one-off result, a refusal and a refused upload request are deleted, and the job id
 /// may be used again; a result whose stored file is still available, and the jobs of a session
-/// still open, are kept, until the session ends.
+/// still open, are kept, until the session ends. An ended session's own row (and the gateway's
+/// rows for it) stayed for ever: now it goes after its jobs.
 #[tokio::test]
 async fn results_past_their_retention_are_deleted_unless_a_live_session_or_a_stored_file_needs_them() {
     use sandcell_protocol::upload::{UploadFile, UploadRequest};
@@ -575,21 +576,52 @@ async fn results_past_their_retention_are_deleted_unless_a_live_session_or_a_sto
     let r = run(&c, &reused).await;
     assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "second\n"), "{r:?}");
 
-    // Once the session ends, its jobs go too (aged again: the close is one of them).
+    // Once the session ends, its jobs go too (aged again: the close is one of them), then the
+    // session's own row, and the rows the E2B gateway keeps for a sandbox (written here as the
+    // gateway writes them, for this session).
+    sqlx::query("INSERT INTO gateway_sandboxes (session_id, tenant, template_id, cpu_count, memory_mb, disk_mb) VALUES ($1, $2, 'base', 1, 512, 1024)")
+        .bind(&sid)
+        .bind(&t)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO gateway_contexts (session_id, context_id, namespace, language, cwd) VALUES ($1, 'ctx', 'ns', 'python', '/home/user')")
+        .bind(&sid)
+        .execute(&pool)
+        .await
+        .unwrap();
     let closed = run(&c, &close_session(&t, &sid)).await;
     assert_eq!(closed.status, JobStatus::Succeeded, "{closed:?}");
+    let rows_of_session = || {
+        let (pool, sid) = (pool.clone(), sid.clone());
+        async move {
+            sqlx::query_as::<_, (i64, i64, i64, i64)>(
+                "SELECT (SELECT count(*) FROM jobs WHERE session_id = $1), (SELECT count(*) FROM sessions WHERE session_id = $1),
+                        (SELECT count(*) FROM gateway_sandboxes WHERE session_id = $1), (SELECT count(*) FROM gateway_contexts WHERE session_id = $1)",
+            )
+            .bind(&sid)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    // Ended long ago, but its jobs are not yet past their retention: the session stays with them.
+    sqlx::query("UPDATE sessions SET ended_at = now() - interval '31 days' WHERE session_id = $1").bind(&sid).execute(&pool).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // (Its first jobs, aged above, may go now; the close is recent.)
+    let kept = rows_of_session().await;
+    assert!(kept.0 >= 1 && (kept.1, kept.2, kept.3) == (1, 1, 1), "(jobs, session, gateway sandbox, contexts) after sweeps with a job kept: {kept:?}");
     sqlx::query("UPDATE jobs SET finished_at = now() - interval '31 days' WHERE tenant = $1 AND session_id = $2")
         .bind(&t)
         .bind(&sid)
         .execute(&pool)
         .await
         .unwrap();
-    let session_gone = eventually(Duration::from_secs(30), || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND session_id = $2").bind(&t).bind(&sid).fetch_one(&pool).await.ok()?;
-        (n == 0).then_some(())
-    })
-    .await;
-    assert!(session_gone.is_some(), "an ended session's old jobs were kept");
+    let session_gone = eventually(Duration::from_secs(30), || async { (rows_of_session().await == (0, 0, 0, 0)).then_some(()) }).await;
+    assert!(session_gone.is_some(), "(jobs, session, gateway sandbox, contexts) left of an ended session: {:?}", rows_of_session().await);
+    // A job naming it now is refused as naming no session.
+    let late = run(&c, &in_session(&t, &sid, "n")).await;
+    assert_eq!((late.status, late.reason.as_ref().map(|r| r.code)), (JobStatus::Rejected, Some(ErrorCode::SessionNotFound)), "{late:?}");
 }
 
 /// Before, a worker held every session job it took from its queue (up to 256) whole in memory,

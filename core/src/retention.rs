@@ -15,8 +15,10 @@
 //!   object the store would not delete);
 //! - an upload whose objects are still in the store (the upload sweeper has not removed them).
 //!
-//! Sessions' own rows stay (one per session, a few hundred bytes, their rate bounded by
-//! container starts); so do gateway sandboxes' rows.
+//! A session's own row (and, for a sandbox the E2B gateway opened, its `gateway_sandboxes` and
+//! `gateway_contexts` rows) goes once the session ended that long ago and its jobs are gone
+//! (they reference it), unless a snapshot of it still waits for the sweeper (migration 0025).
+//! A job naming a forgotten session is refused as naming no session.
 //!
 //! A job id is remembered as long as its result: a submission reusing it after the retention
 //! is a new job.
@@ -70,5 +72,48 @@ pub async fn forget_uploads(pool: &PgPool, retention: Duration, batch: i64) -> R
     .execute(pool)
     .await
     .context("deleting upload answers past their retention")?;
+    Ok(done.rows_affected())
+}
+
+/// Delete up to `batch` sessions that ended more than `retention` ago and have no job left,
+/// oldest first, with the gateway's rows for them (its sandbox and code contexts), in one
+/// transaction. A session whose snapshot the sweeper has not yet deleted is kept. Returns how
+/// many sessions were deleted.
+pub async fn forget_sessions(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64> {
+    let mut tx = pool.begin().await.context("beginning the deletion of ended sessions")?;
+    let ids: Vec<String> = sqlx::query_scalar(
+        "SELECT s.session_id FROM sessions s
+          WHERE s.ended_at < now() - make_interval(secs => $1)
+            AND s.state NOT IN ('starting', 'active', 'moving')
+            AND s.snapshot_key IS NULL
+            AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.session_id = s.session_id)
+          ORDER BY s.ended_at
+          LIMIT $2
+          FOR UPDATE OF s SKIP LOCKED",
+    )
+    .bind(retention.as_secs_f64())
+    .bind(batch)
+    .fetch_all(&mut *tx)
+    .await
+    .context("finding ended sessions past their retention")?;
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    sqlx::query("DELETE FROM gateway_contexts WHERE session_id = ANY($1)")
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await
+        .context("deleting the code contexts of ended sessions")?;
+    sqlx::query("DELETE FROM gateway_sandboxes WHERE session_id = ANY($1)")
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await
+        .context("deleting the gateway sandboxes of ended sessions")?;
+    let done = sqlx::query("DELETE FROM sessions WHERE session_id = ANY($1)")
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await
+        .context("deleting ended sessions past their retention")?;
+    tx.commit().await.context("committing the deletion of ended sessions")?;
     Ok(done.rows_affected())
 }

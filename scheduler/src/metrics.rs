@@ -18,8 +18,8 @@ pub struct Metrics {
     pub artifacts_expired: prometheus::IntCounter,
     /// `sandcell_uploads_removed_total`: upload grants whose objects the sweeper removed.
     pub uploads_removed: prometheus::IntCounter,
-    /// `sandcell_retention_deleted_total{what}`: finished jobs (`job`) and upload answers
-    /// (`upload`) deleted past `SANDCELL_RESULT_RETENTION_S`.
+    /// `sandcell_retention_deleted_total{what}`: finished jobs (`job`), upload answers
+    /// (`upload`) and ended sessions (`session`) deleted past `SANDCELL_RESULT_RETENTION_S`.
     pub retention_deleted: IntCounterVec,
     /// `sandcell_intake_ack_failures_total{disposition}`: settling a submission or a request
     /// failed (its channel closed, or the broker left it unanswered); the broker redelivers it.
@@ -66,10 +66,12 @@ impl Metrics {
         registry.register(Box::new(jobs.clone()))?;
         registry.register(Box::new(artifacts_expired.clone()))?;
         registry.register(Box::new(uploads_removed.clone()))?;
-        let retention_deleted =
-            IntCounterVec::new(Opts::new("sandcell_retention_deleted_total", "Finished jobs and upload answers deleted past their retention"), &["what"])?;
+        let retention_deleted = IntCounterVec::new(
+            Opts::new("sandcell_retention_deleted_total", "Finished jobs, upload answers and ended sessions deleted past their retention"),
+            &["what"],
+        )?;
         registry.register(Box::new(retention_deleted.clone()))?;
-        for what in ["job", "upload"] {
+        for what in ["job", "upload", "session"] {
             retention_deleted.with_label_values(&[what]);
         }
         let ack_failures =

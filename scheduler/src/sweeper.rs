@@ -238,33 +238,39 @@ pub async fn sweep_uploads(pool: &sqlx::PgPool, store: &ArtifactStore, metrics: 
 /// other sweeps (dead workers, stuck jobs) wait at most this long.
 const RETENTION_TIME: Duration = Duration::from_secs(2);
 
-/// Delete finished jobs and upload answers past their retention ([`sandcell_core::retention`]),
-/// oldest first, in batches, until a batch comes back short or [`RETENTION_TIME`] is spent.
-/// Returns (jobs, uploads) deleted.
-pub async fn sweep_retention(pool: &sqlx::PgPool, retention: Duration, metrics: &Metrics) -> anyhow::Result<(u64, u64)> {
-    let mut deleted = (0, 0);
+/// Delete finished jobs, upload answers and ended sessions past their retention
+/// ([`sandcell_core::retention`]), oldest first, in batches, each kind until a batch comes back
+/// short or [`RETENTION_TIME`] is spent. Sessions go after the jobs: a session's row is deleted
+/// once its jobs are. Returns (jobs, uploads, sessions) deleted.
+pub async fn sweep_retention(pool: &sqlx::PgPool, retention: Duration, metrics: &Metrics) -> anyhow::Result<(u64, u64, u64)> {
+    use sandcell_core::retention::{forget_jobs, forget_sessions, forget_uploads};
+    let jobs = in_batches(|| forget_jobs(pool, retention, BATCH)).await?;
+    let uploads = in_batches(|| forget_uploads(pool, retention, BATCH)).await?;
+    let sessions = in_batches(|| forget_sessions(pool, retention, BATCH)).await?;
+    for (what, n) in [("job", jobs), ("upload", uploads), ("session", sessions)] {
+        metrics.retention_deleted.with_label_values(&[what]).inc_by(n);
+    }
+    if (jobs, uploads, sessions) != (0, 0, 0) {
+        tracing::info!(jobs, uploads, sessions, retention_s = retention.as_secs(), "deleted results, upload answers and sessions past their retention");
+    }
+    Ok((jobs, uploads, sessions))
+}
+
+/// Run `batch` until it deletes fewer than [`BATCH`] or [`RETENTION_TIME`] is spent; the total.
+async fn in_batches<F, Fut>(mut batch: F) -> anyhow::Result<u64>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<u64>>,
+{
     let started = Instant::now();
+    let mut deleted = 0;
     loop {
-        let n = sandcell_core::retention::forget_jobs(pool, retention, BATCH).await?;
-        deleted.0 += n;
+        let n = batch().await?;
+        deleted += n;
         if n < BATCH as u64 || started.elapsed() >= RETENTION_TIME {
-            break;
+            return Ok(deleted);
         }
     }
-    let started = Instant::now();
-    loop {
-        let n = sandcell_core::retention::forget_uploads(pool, retention, BATCH).await?;
-        deleted.1 += n;
-        if n < BATCH as u64 || started.elapsed() >= RETENTION_TIME {
-            break;
-        }
-    }
-    if deleted != (0, 0) {
-        metrics.retention_deleted.with_label_values(&["job"]).inc_by(deleted.0);
-        metrics.retention_deleted.with_label_values(&["upload"]).inc_by(deleted.1);
-        tracing::info!(jobs = deleted.0, uploads = deleted.1, retention_s = retention.as_secs(), "deleted results and upload answers past their retention");
-    }
-    Ok(deleted)
 }
 
 /// Delete the snapshots (pickled variables saved by a draining worker) of sessions that ended
