@@ -619,3 +619,42 @@ async fn a_tenant_over_its_result_bytes_quota_may_still_close_its_sessions() {
     let again = run(&c, &close_session(&t.name, &sid)).await;
     assert_eq!((again.status, again.reason.as_ref().map(|r| r.code)), (JobStatus::Rejected, Some(ErrorCode::SessionClosed)), "{again:?}");
 }
+
+/// Before, every refusal was a row kept for the retention (30 days), even past the tenant's
+/// `max_result_bytes`: a tenant over that quota, submitting without end, grew the database all
+/// tenants share at the intake's rate. Now, while a tenant is over it, only its newest
+/// `KEPT_REFUSALS_OVER_QUOTA` refusals are kept (each submission is still answered, and the
+/// newest answers stay readable); another tenant's refusals are not touched.
+#[tokio::test]
+async fn a_tenant_over_its_result_bytes_quota_keeps_only_its_newest_refusals() {
+    let kept = sandcell_core::jobs::KEPT_REFUSALS_OVER_QUOTA;
+    let t = TestTenant::create(Some(Quotas { max_result_bytes: 100_000, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let pool = service_db().await;
+    let other = TestTenant::create(None).await;
+    let oc = other.client().await;
+    let theirs = run(&oc, &in_session(&other.name, "no-such-session", "n")).await;
+    assert_eq!(theirs.status, JobStatus::Rejected, "{theirs:?}");
+    let big = run(&c, &python(&t.name, "import base64, os\nprint(base64.b64encode(os.urandom(100_000)).decode())")).await;
+    assert_eq!(big.status, JobStatus::Succeeded, "{:?}", big.reason);
+
+    let sent = usize::try_from(kept).unwrap() + 500;
+    let subs: Vec<_> = (0..sent).map(|_| python(&t.name, "print(1)")).collect();
+    let started = std::time::Instant::now();
+    for s in &subs {
+        c.submit(s).await.expect("submit");
+    }
+    let last = c.wait(&t.name, &subs[sent - 1].job_id, JOB_WAIT).await.expect("the last submission's answer");
+    assert_eq!((last.status, last.reason.as_ref().map(|r| r.code)), (JobStatus::Rejected, Some(ErrorCode::QuotaExceeded)), "{last:?}");
+    let answered = started.elapsed();
+    // Whatever is still being handled lands too (as in the intake rejections' test).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let refusals: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status = 'rejected'").bind(&t.name).fetch_one(&pool).await.unwrap();
+    let (counted, rows) = kept_bytes(&pool, &t.name).await;
+    eprintln!("{sent} submissions over the quota answered in {answered:?}; {refusals} refusals kept, the tenant's rows {rows} bytes");
+    assert!((kept..kept + 100).contains(&refusals), "{refusals} refusals kept of {sent} submissions over the quota");
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
+    let newest = c.result(&t.name, &last.job_id).await.unwrap();
+    assert!(newest.is_some_and(|r| r.status == JobStatus::Rejected), "the newest refusal is no longer readable");
+    assert!(oc.result(&other.name, &theirs.job_id).await.unwrap().is_some(), "another tenant's refusal was deleted");
+}

@@ -197,6 +197,12 @@ pub struct Claim {
 /// all the same).
 pub const KEPT_INTAKE_REJECTIONS: i64 = 1000;
 
+/// How many refusals of a tenant over its `max_result_bytes` are kept, the newest (older ones
+/// are deleted as each new one is recorded): a tenant over that quota, whose every submission
+/// is refused, must not grow the database all tenants share at the intake's rate. Enough for a
+/// client to read the answers to its latest submissions.
+pub const KEPT_REFUSALS_OVER_QUOTA: i64 = 1000;
+
 /// Handle on the job tables.
 #[derive(Clone)]
 pub struct JobStore {
@@ -363,6 +369,8 @@ impl JobStore {
 
     /// Record a rejected submission under its `(tenant, job_id)`. An existing job with that id is
     /// left alone (a bad retry must not overwrite a good job); returns whether a row was written.
+    /// A tenant keeping its `max_result_bytes` or more keeps only its newest
+    /// [`KEPT_REFUSALS_OVER_QUOTA`] refusals: older ones are deleted in the same transaction.
     pub async fn record_rejection(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
         tenants::ensure(&mut tx, tenant, &self.tenant_defaults).await?;
@@ -379,6 +387,30 @@ impl JobStore {
         .await
         .context("recording rejection")?
         .rows_affected();
+        if n == 1 {
+            // Walks `jobs_refused` (migration 0026) past the newest ones, only while the tenant
+            // is over its quota; rows another recording is deleting are skipped, not waited for.
+            let forgotten = sqlx::query(
+                "DELETE FROM jobs j USING (
+                     SELECT r.tenant, r.job_id FROM jobs r
+                      WHERE r.tenant = $1 AND r.status = 'rejected'
+                        AND (SELECT COALESCE(sum(c.kept_bytes), 0) FROM tenant_job_counts c WHERE c.tenant = $1)
+                            >= (SELECT t.max_result_bytes FROM tenants t WHERE t.tenant = $1)
+                      ORDER BY r.finished_at DESC
+                      OFFSET $2
+                      FOR UPDATE SKIP LOCKED) old
+                  WHERE j.tenant = old.tenant AND j.job_id = old.job_id",
+            )
+            .bind(tenant)
+            .bind(KEPT_REFUSALS_OVER_QUOTA)
+            .execute(&mut *tx)
+            .await
+            .context("deleting the old refusals of a tenant over its result bytes quota")?
+            .rows_affected();
+            if forgotten > 0 {
+                tracing::debug!(tenant, forgotten, "deleted old refusals of a tenant over its result bytes quota");
+            }
+        }
         tx.commit().await.context("committing rejection")?;
         Ok(n == 1)
     }
