@@ -11,3 +11,13 @@
 -- This index walks a tenant's refusals newest first. It holds refused jobs only: a job that ran
 -- is never in it.
 CREATE INDEX jobs_refused ON jobs (tenant, finished_at) WHERE status = 'rejected';
+
+-- Whether a tenant keeps its `max_result_bytes` or more (false for a tenant with no row): the
+-- one test of it outside `sandcell_record_job`.
+CREATE FUNCTION sandcell_over_result_bytes(p_tenant text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT COALESCE((SELECT sum(c.kept_bytes) FROM tenant_job_counts c WHERE c.tenant = p_tenant), 0)
+           >= COALESCE((SELECT t.max_result_bytes FROM tenants t WHERE t.tenant = p_tenant), 9223372036854775807)
+$$;
+
+REVOKE ALL ON FUNCTION sandcell_over_result_bytes(text) FROM PUBLIC;

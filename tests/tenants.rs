@@ -512,16 +512,19 @@ async fn an_upload_the_store_will_not_delete_is_postponed_and_others_are_removed
     assert!(stuck_removed.is_none() && stuck_until > chrono::Utc::now(), "the upload the store refused: removed {stuck_removed:?}, next try {stuck_until}");
 }
 
-/// The bytes of a tenant's job rows, as the count keeps them and as the rows are now.
+/// The bytes of a tenant's job rows and upload answers, as the count keeps them and as the rows
+/// are now.
 async fn kept_bytes(pool: &sqlx::PgPool, tenant: &str) -> (i64, i64) {
     let counted: i64 =
         sqlx::query_scalar("SELECT COALESCE(sum(kept_bytes), 0)::bigint FROM tenant_job_counts WHERE tenant = $1").bind(tenant).fetch_one(pool).await.unwrap();
-    let rows: i64 =
-        sqlx::query_scalar("SELECT COALESCE(sum(sandcell_job_kept_bytes(execution, reason, routed, held_job)), 0)::bigint FROM jobs WHERE tenant = $1")
-            .bind(tenant)
-            .fetch_one(pool)
-            .await
-            .unwrap();
+    let rows: i64 = sqlx::query_scalar(
+        "SELECT (COALESCE((SELECT sum(sandcell_job_kept_bytes(execution, reason, routed, held_job)) FROM jobs WHERE tenant = $1), 0)
+               + COALESCE((SELECT sum(pg_column_size(grant_doc)) FROM uploads WHERE tenant = $1), 0))::bigint",
+    )
+    .bind(tenant)
+    .fetch_one(pool)
+    .await
+    .unwrap();
     (counted, rows)
 }
 
@@ -559,7 +562,7 @@ async fn kept_results_count_against_the_result_bytes_quota_until_the_retention_d
         let reason = r.reason.as_ref().unwrap_or_else(|| panic!("no reason: {r:?}"));
         assert_eq!((r.status, reason.code), (JobStatus::Rejected, ErrorCode::QuotaExceeded), "{r:?}");
         // (Each refusal is a row too: the figure grows by its size.)
-        assert!(reason.message.contains("bytes of job results in the database; its quota is 600000"), "{}", reason.message);
+        assert!(reason.message.contains("bytes of job results and upload answers in the database; its quota is 600000"), "{}", reason.message);
     }
     // The retention deletes the big result (aged here): there is room again.
     sqlx::query("UPDATE jobs SET finished_at = now() - interval '31 days' WHERE tenant = $1 AND job_id = $2")
@@ -627,7 +630,7 @@ async fn a_tenant_over_its_result_bytes_quota_may_still_close_its_sessions() {
 /// newest answers stay readable); another tenant's refusals are not touched.
 #[tokio::test]
 async fn a_tenant_over_its_result_bytes_quota_keeps_only_its_newest_refusals() {
-    let kept = sandcell_core::jobs::KEPT_REFUSALS_OVER_QUOTA;
+    let kept = sandcell_core::tenants::KEPT_REFUSALS_OVER_QUOTA;
     let t = TestTenant::create(Some(Quotas { max_result_bytes: 100_000, ..Quotas::default() })).await;
     let c = t.client().await;
     let pool = service_db().await;
@@ -657,4 +660,67 @@ async fn a_tenant_over_its_result_bytes_quota_keeps_only_its_newest_refusals() {
     let newest = c.result(&t.name, &last.job_id).await.unwrap();
     assert!(newest.is_some_and(|r| r.status == JobStatus::Rejected), "the newest refusal is no longer readable");
     assert!(oc.result(&other.name, &theirs.job_id).await.unwrap().is_some(), "another tenant's refusal was deleted");
+}
+
+/// Before, a tenant's upload answers had no bound but the stored-bytes quota on what their files
+/// may hold, which a tenant declaring one byte a file never reaches: each `ready` answer (a
+/// presigned URL for each of up to 32 files) was a row of kilobytes kept for 30 days, added at
+/// the intake's rate. Now upload answers count in `max_result_bytes` like job rows: past it an
+/// upload request is refused `quota_exceeded` with the figures, and while the tenant is over it
+/// only its newest `KEPT_REFUSALS_OVER_QUOTA` refused answers are kept.
+#[tokio::test]
+async fn a_tenants_upload_answers_count_against_its_result_bytes_quota() {
+    use sandcell_protocol::upload::{UploadFile, UploadRequest};
+    let kept = sandcell_core::tenants::KEPT_REFUSALS_OVER_QUOTA;
+    let t = TestTenant::create(Some(Quotas { max_result_bytes: 100_000, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let pool = service_db().await;
+    let request = || UploadRequest {
+        tenant: t.name.clone(),
+        upload_id: unique("up"),
+        files: (0..32).map(|k| UploadFile { path: format!("f{k}.csv"), size_bytes: 1 }).collect(),
+    };
+    let answer = |req: UploadRequest| {
+        let c = &c;
+        async move {
+            c.request_upload(&req).await.expect("requesting an upload");
+            eventually(Duration::from_secs(30), || async { c.upload_grant(&req.tenant, &req.upload_id).await.ok().flatten() }).await.expect("an answer")
+        }
+    };
+    let mut granted = 0;
+    let mut refusal = None;
+    for _ in 0..200 {
+        let g = answer(request()).await;
+        if g.status == "ready" {
+            granted += 1;
+        } else {
+            refusal = Some(g);
+            break;
+        }
+    }
+    let (counted, rows) = kept_bytes(&pool, &t.name).await;
+    eprintln!("{granted} upload answers of 32 files granted before the refusal; the tenant's rows {rows} bytes");
+    let reason = refusal.and_then(|g| g.reason).unwrap_or_else(|| panic!("{granted} upload answers granted, none refused; the tenant keeps {rows} bytes"));
+    assert_eq!(reason.code, ErrorCode::QuotaExceeded, "{reason:?}");
+    assert!(reason.message.contains("bytes of job results and upload answers in the database; its quota is 100000"), "{}", reason.message);
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
+
+    // Refused without end: only the newest refusals stay.
+    let sent = usize::try_from(kept).unwrap() + 300;
+    let reqs: Vec<_> = (0..sent).map(|_| request()).collect();
+    for r in &reqs {
+        c.request_upload(r).await.expect("requesting an upload");
+    }
+    let last = &reqs[sent - 1];
+    let answered = eventually(Duration::from_secs(120), || async { c.upload_grant(&t.name, &last.upload_id).await.ok().flatten() }).await;
+    assert_eq!(answered.map(|g| g.status), Some("rejected".to_string()));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let refused: i64 = sqlx::query_scalar("SELECT count(*) FROM uploads WHERE tenant = $1 AND grant_doc->>'status' = 'rejected'")
+        .bind(&t.name)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!((kept..kept + 100).contains(&refused), "{refused} refused upload answers kept of {} requests over the quota", sent + 1);
+    let (counted, rows) = kept_bytes(&pool, &t.name).await;
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows after the deletions");
 }

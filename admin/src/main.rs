@@ -105,8 +105,9 @@ struct QuotaArgs {
     /// in Postgres, in order.
     #[arg(long)]
     max_jobs_in_flight: Option<u32>,
-    /// Bytes of job results (and refusals, and execution jobs kept for its sessions) Postgres
-    /// keeps for the tenant; past it new jobs are refused until the retention deletes old ones.
+    /// Bytes of job results (and refusals, execution jobs kept for its sessions, upload answers)
+    /// Postgres keeps for the tenant; past it new jobs and upload requests are refused until the
+    /// retention deletes old ones.
     #[arg(long)]
     max_result_bytes: Option<u64>,
 }

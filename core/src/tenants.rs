@@ -32,8 +32,9 @@ pub struct Quotas {
     /// Jobs of the shared queue (one-off, or opening a session) dispatched and unfinished at
     /// once; more are held in Postgres and dispatched as these finish (fair share).
     pub max_jobs_in_flight: u32,
-    /// Bytes of its job rows Postgres keeps (results, refusals, execution jobs kept for its
-    /// sessions), until the retention deletes them (migration 0022).
+    /// Bytes of its job rows and upload answers Postgres keeps (results, refusals, execution
+    /// jobs kept for its sessions, upload grants), until the retention deletes them (migrations
+    /// 0022, 0027).
     pub max_result_bytes: u64,
 }
 
@@ -262,6 +263,27 @@ impl TenantStore {
         tx.commit().await.context("committing the reservation")?;
         Ok(granted)
     }
+}
+
+/// How many refusals of a tenant over its `max_result_bytes` are kept, of jobs and of upload
+/// requests each, the newest (older ones are deleted as each new one is recorded, by
+/// `JobStore::record_rejection` and `uploads`): a tenant over that quota, whose every submission
+/// is refused, must not grow the database all tenants share at the intake's rate. Enough for a
+/// client to read the answers to its latest submissions.
+pub const KEPT_REFUSALS_OVER_QUOTA: i64 = 1000;
+
+/// The bytes of rows `tenant` makes Postgres keep (job rows and upload answers, as
+/// `tenant_job_counts.kept_bytes` counts them, migrations 0022 and 0027) and its
+/// `max_result_bytes`; `None` for a tenant with no row.
+pub(crate) async fn kept_bytes(tx: &mut Transaction<'_, Postgres>, tenant: &str) -> Result<Option<(i64, i64)>> {
+    sqlx::query_as(
+        "SELECT COALESCE((SELECT sum(c.kept_bytes) FROM tenant_job_counts c WHERE c.tenant = t.tenant), 0)::bigint, t.max_result_bytes
+           FROM tenants t WHERE t.tenant = $1",
+    )
+    .bind(tenant)
+    .fetch_optional(&mut **tx)
+    .await
+    .context("summing the bytes the tenant keeps in the database")
 }
 
 /// Take `tenant`'s row lock, under which its stored bytes are counted and added to, and return

@@ -10,7 +10,7 @@ use sandcell_protocol::{ErrorCode, Reason};
 use sqlx::postgres::PgPool;
 use sqlx::Row;
 
-use crate::tenants::Quotas;
+use crate::tenants::{Quotas, KEPT_REFUSALS_OVER_QUOTA};
 
 /// The answer that stands for a `(tenant, upload_id)` after [`record`] or [`grant`].
 #[derive(Debug, Clone)]
@@ -25,7 +25,39 @@ pub struct Recorded {
 /// upload_id)` has one: the same request asked again keeps its first answer, which is
 /// returned, with whether this call recorded it.
 pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
-    insert(pool, grant, 0, None).await
+    let mut tx = pool.begin().await.context("beginning an upload answer")?;
+    let recorded = insert(&mut *tx, grant, 0, None).await?;
+    forget_refusals_past_quota(&mut tx, &recorded).await?;
+    tx.commit().await.context("committing an upload answer")?;
+    Ok(recorded)
+}
+
+/// After recording a refusal for a tenant over its `max_result_bytes`, delete its refused
+/// answers past the newest [`KEPT_REFUSALS_OVER_QUOTA`] (`uploads_refused`, migration 0027);
+/// answers another recording is deleting are skipped, not waited for.
+async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, recorded: &Recorded) -> Result<()> {
+    if !recorded.inserted || recorded.grant.status != "rejected" {
+        return Ok(());
+    }
+    let forgotten = sqlx::query(
+        "DELETE FROM uploads u USING (
+             SELECT r.tenant, r.upload_id FROM uploads r
+              WHERE r.tenant = $1 AND r.grant_doc->>'status' = 'rejected' AND sandcell_over_result_bytes($1)
+              ORDER BY r.created_at DESC
+              OFFSET $2
+              FOR UPDATE SKIP LOCKED) old
+          WHERE u.tenant = old.tenant AND u.upload_id = old.upload_id",
+    )
+    .bind(&recorded.grant.tenant)
+    .bind(KEPT_REFUSALS_OVER_QUOTA)
+    .execute(&mut **tx)
+    .await
+    .context("deleting the old upload refusals of a tenant over its result bytes quota")?
+    .rows_affected();
+    if forgotten > 0 {
+        tracing::debug!(tenant = recorded.grant.tenant, forgotten, "deleted old upload refusals of a tenant over its result bytes quota");
+    }
+    Ok(())
 }
 
 /// Record a `ready` grant that lets its tenant put `bytes` in the store, kept until
@@ -52,14 +84,25 @@ pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expir
     let max = max.unwrap_or(i64::MAX);
     let used = crate::tenants::stored_bytes(&mut tx, &grant.tenant, None).await?;
     let wanted = i64::try_from(bytes).unwrap_or(i64::MAX);
-    let recorded = if used.saturating_add(wanted) > max {
-        let reason = format!(
+    let (kept, max_kept) = crate::tenants::kept_bytes(&mut tx, &grant.tenant).await?.unwrap_or((0, i64::MAX));
+    let refusal = if used.saturating_add(wanted) > max {
+        Some(format!(
             "tenant stores or may upload {used} bytes, the upload asks for {bytes} more; its quota is {max} (wait for artifacts and uploads to expire)"
-        );
-        insert(&mut *tx, &UploadGrant::rejected(&grant.tenant, &grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
+        ))
+    } else if kept >= max_kept {
+        Some(format!(
+            "tenant keeps {kept} bytes of job results and upload answers in the database; its quota is {max_kept} (they are deleted SANDCELL_RESULT_RETENTION_S after they end)"
+        ))
     } else {
-        insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?
+        None
     };
+    let recorded = match refusal {
+        Some(reason) => {
+            insert(&mut *tx, &UploadGrant::rejected(&grant.tenant, &grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
+        }
+        None => insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?,
+    };
+    forget_refusals_past_quota(&mut tx, &recorded).await?;
     tx.commit().await.context("committing an upload grant")?;
     Ok(recorded)
 }

@@ -197,12 +197,6 @@ pub struct Claim {
 /// all the same).
 pub const KEPT_INTAKE_REJECTIONS: i64 = 1000;
 
-/// How many refusals of a tenant over its `max_result_bytes` are kept, the newest (older ones
-/// are deleted as each new one is recorded): a tenant over that quota, whose every submission
-/// is refused, must not grow the database all tenants share at the intake's rate. Enough for a
-/// client to read the answers to its latest submissions.
-pub const KEPT_REFUSALS_OVER_QUOTA: i64 = 1000;
-
 /// Handle on the job tables.
 #[derive(Clone)]
 pub struct JobStore {
@@ -324,7 +318,7 @@ impl JobStore {
                 }
                 "over_result_bytes" => {
                     return refuse(format!(
-                        "tenant keeps {used} bytes of job results in the database; its quota is {quota} (results are deleted SANDCELL_RESULT_RETENTION_S after they end; a job that only closes a session is still accepted)"
+                        "tenant keeps {used} bytes of job results and upload answers in the database; its quota is {quota} (results are deleted SANDCELL_RESULT_RETENTION_S after they end; a job that only closes a session is still accepted)"
                     ))
                 }
                 other => bail!("recording job {} of tenant {}: unexpected outcome {other:?}", sub.job_id, sub.tenant),
@@ -370,7 +364,7 @@ impl JobStore {
     /// Record a rejected submission under its `(tenant, job_id)`. An existing job with that id is
     /// left alone (a bad retry must not overwrite a good job); returns whether a row was written.
     /// A tenant keeping its `max_result_bytes` or more keeps only its newest
-    /// [`KEPT_REFUSALS_OVER_QUOTA`] refusals: older ones are deleted in the same transaction.
+    /// [`tenants::KEPT_REFUSALS_OVER_QUOTA`] refusals: older ones are deleted in the same transaction.
     pub async fn record_rejection(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
         tenants::ensure(&mut tx, tenant, &self.tenant_defaults).await?;
@@ -393,16 +387,14 @@ impl JobStore {
             let forgotten = sqlx::query(
                 "DELETE FROM jobs j USING (
                      SELECT r.tenant, r.job_id FROM jobs r
-                      WHERE r.tenant = $1 AND r.status = 'rejected'
-                        AND (SELECT COALESCE(sum(c.kept_bytes), 0) FROM tenant_job_counts c WHERE c.tenant = $1)
-                            >= (SELECT t.max_result_bytes FROM tenants t WHERE t.tenant = $1)
+                      WHERE r.tenant = $1 AND r.status = 'rejected' AND sandcell_over_result_bytes($1)
                       ORDER BY r.finished_at DESC
                       OFFSET $2
                       FOR UPDATE SKIP LOCKED) old
                   WHERE j.tenant = old.tenant AND j.job_id = old.job_id",
             )
             .bind(tenant)
-            .bind(KEPT_REFUSALS_OVER_QUOTA)
+            .bind(tenants::KEPT_REFUSALS_OVER_QUOTA)
             .execute(&mut *tx)
             .await
             .context("deleting the old refusals of a tenant over its result bytes quota")?
