@@ -8,7 +8,8 @@
 -- `DELETE /sandboxes/{id}` answered 404 and left the sandbox running.
 --
 -- Now a job that does nothing but close an existing session (`p_only_closes`: no code, no input
--- file, nothing to read back; `Submission::only_closes_its_session`) passes those two quotas. It
+-- file, nothing to read back, no variables or context; `Submission::only_closes_its_session`)
+-- passes those two quotas. It
 -- still counts as a queued job (`max_queued_jobs`), and its result is a few hundred bytes: once
 -- the session has ended, further closes of it are refused as `session_closed` before any quota.
 --

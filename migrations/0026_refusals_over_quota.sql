@@ -6,11 +6,14 @@
 -- one more row: a tenant over its quota that kept submitting grew the database all tenants share
 -- at the intake's rate (measured: 1,500 refusals in 4.4 s from one client, ~500 bytes each,
 -- some 15 GB a day). Now recording a refusal for a tenant over that quota deletes its refusals
--- past the newest KEPT_REFUSALS_OVER_QUOTA, in the same transaction.
+-- past the newest KEPT_REFUSALS_OVER_QUOTA, in the same transaction. Only the refusals of
+-- submissions (`JobStore::record_rejection`, rows without a session): a session's job rejected
+-- after it was queued stays for the retention (a moving session's taking-over job among them,
+-- which the sweeper reads to end the move).
 --
--- This index walks a tenant's refusals newest first. It holds refused jobs only: a job that ran
--- is never in it.
-CREATE INDEX jobs_refused ON jobs (tenant, finished_at) WHERE status = 'rejected';
+-- This index walks a tenant's refusals newest first. It holds those rows only: a job that ran,
+-- or one of a session, is never in it.
+CREATE INDEX jobs_refused ON jobs (tenant, finished_at) WHERE status = 'rejected' AND session_id IS NULL;
 
 -- Whether a tenant keeps its `max_result_bytes` or more (false for a tenant with no row): the
 -- one test of it outside `sandcell_record_job`.

@@ -33,8 +33,9 @@ pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
 }
 
 /// After recording a refusal for a tenant over its `max_result_bytes`, delete its refused
-/// answers past the newest [`KEPT_REFUSALS_OVER_QUOTA`] (`uploads_refused`, migration 0027);
-/// answers another recording is deleting are skipped, not waited for.
+/// answers past the newest [`KEPT_REFUSALS_OVER_QUOTA`]: the newest are read without a lock
+/// (`uploads_refused`, migration 0027) for the cutoff; only older answers are locked, and those
+/// another recording is deleting are skipped, not waited for.
 async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, recorded: &Recorded) -> Result<()> {
     if !recorded.inserted || recorded.grant.status != "rejected" {
         return Ok(());
@@ -42,9 +43,11 @@ async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgre
     let forgotten = sqlx::query(
         "DELETE FROM uploads u USING (
              SELECT r.tenant, r.upload_id FROM uploads r
-              WHERE r.tenant = $1 AND r.grant_doc->>'status' = 'rejected' AND sandcell_over_result_bytes($1)
-              ORDER BY r.created_at DESC
-              OFFSET $2
+              WHERE sandcell_over_result_bytes($1)
+                AND r.tenant = $1 AND r.grant_doc->>'status' = 'rejected'
+                AND r.created_at < (SELECT k.created_at FROM uploads k
+                                     WHERE k.tenant = $1 AND k.grant_doc->>'status' = 'rejected'
+                                     ORDER BY k.created_at DESC OFFSET $2 - 1 LIMIT 1)
               FOR UPDATE SKIP LOCKED) old
           WHERE u.tenant = old.tenant AND u.upload_id = old.upload_id",
     )

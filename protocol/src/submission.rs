@@ -196,7 +196,7 @@ impl Submission {
     }
 
     /// Whether this job does nothing but close its session: no code, no input file, nothing to
-    /// read back. Such a job adds nothing to what the tenant stores (its result is a few hundred
+    /// read back, no variables or context (which its stored execution job would carry). Such a job adds nothing to what the tenant stores (its result is a few hundred
     /// bytes) and frees a sandbox, so the quotas on stored bytes (artifacts, results kept) do not
     /// refuse it: a tenant over them can still end its sessions rather than leave them running
     /// out their keep-alive.
@@ -206,6 +206,8 @@ impl Submission {
             && self.files.is_empty()
             && self.get_files.is_empty()
             && !self.list_files
+            && self.env.is_empty()
+            && self.context.is_none()
     }
 }
 
@@ -720,6 +722,8 @@ mod tests {
             ("files", json!([{"path": "in.csv", "content_b64": "aGk="}])),
             ("get_files", json!(["out.csv"])),
             ("list_files", json!(true)),
+            ("env", json!({"A": "x"})),
+            ("context", json!("ctx-1")),
         ] {
             let mut v = close();
             v[field] = value.clone();

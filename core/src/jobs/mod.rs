@@ -382,14 +382,19 @@ impl JobStore {
         .context("recording rejection")?
         .rows_affected();
         if n == 1 {
-            // Walks `jobs_refused` (migration 0026) past the newest ones, only while the tenant
-            // is over its quota; rows another recording is deleting are skipped, not waited for.
+            // Only while the tenant is over its quota. The refusals this writes have no session:
+            // a session's job rejected after it was queued (a moving session's taking-over job
+            // among them) is left to the retention. The newest ones are read without a lock
+            // (`jobs_refused`, migration 0026) for the cutoff; only the rows older than it are
+            // locked, and those another recording is deleting are skipped, not waited for.
             let forgotten = sqlx::query(
                 "DELETE FROM jobs j USING (
                      SELECT r.tenant, r.job_id FROM jobs r
-                      WHERE r.tenant = $1 AND r.status = 'rejected' AND sandcell_over_result_bytes($1)
-                      ORDER BY r.finished_at DESC
-                      OFFSET $2
+                      WHERE sandcell_over_result_bytes($1)
+                        AND r.tenant = $1 AND r.status = 'rejected' AND r.session_id IS NULL
+                        AND r.finished_at < (SELECT k.finished_at FROM jobs k
+                                              WHERE k.tenant = $1 AND k.status = 'rejected' AND k.session_id IS NULL
+                                              ORDER BY k.finished_at DESC OFFSET $2 - 1 LIMIT 1)
                       FOR UPDATE SKIP LOCKED) old
                   WHERE j.tenant = old.tenant AND j.job_id = old.job_id",
             )
