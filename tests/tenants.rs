@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
+use sandcell_client::Client;
 use sandcell_core::tenants::Quotas;
-use sandcell_protocol::{ErrorCode, JobStatus, LimitHit, SessionRequest};
+use sandcell_protocol::{ErrorCode, JobResult, JobStatus, LimitHit, SessionRequest};
 use sandcell_tests::*;
 use sqlx::Row;
 
@@ -528,6 +529,15 @@ async fn kept_bytes(pool: &sqlx::PgPool, tenant: &str) -> (i64, i64) {
     (counted, rows)
 }
 
+/// Run a one-off job of `tenant` printing `raw` random bytes as base64 (4/3 as many characters,
+/// which Postgres cannot compress away) and require it to succeed: how these tests put a
+/// tenant's kept result bytes where they want them.
+async fn print_incompressible(c: &Client, tenant: &str, raw: usize) -> JobResult {
+    let r = run(c, &python(tenant, &format!("import base64, os\nprint(base64.b64encode(os.urandom({raw})).decode())"))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}", r.reason);
+    r
+}
+
 /// Before, the bytes a tenant's results took in Postgres had no bound of their own: a tenant
 /// whose jobs printed their megabyte each filled the database all tenants share. Now they count
 /// against `max_result_bytes`: past it new jobs are refused `quota_exceeded` with the figures,
@@ -550,8 +560,8 @@ async fn kept_results_count_against_the_result_bytes_quota_until_the_retention_d
     let (counted, rows) = kept_bytes(&pool, &t.name).await;
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
     assert!(counted < 600_000, "{counted}");
-    let big = run(&c, &python(&t.name, "import base64, os\nprint(base64.b64encode(os.urandom(525_000)).decode())")).await;
-    assert_eq!((big.status, big.execution.stdout.len()), (JobStatus::Succeeded, 700_001), "{:?}", big.reason);
+    let big = print_incompressible(&c, &t.name, 525_000).await;
+    assert_eq!(big.execution.stdout.len(), 700_001);
     let (counted, rows) = kept_bytes(&pool, &t.name).await;
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
     assert!(counted > 600_000, "{counted}");
@@ -599,8 +609,7 @@ async fn a_tenant_over_its_result_bytes_quota_may_still_close_its_sessions() {
     let opened = run(&c, &open_session(&t.name, "n = 1", Some(600))).await;
     let sid = session_id(&opened);
     let container = container_of(&t.name, &opened.job_id).await.expect("the session's container");
-    let big = run(&c, &python(&t.name, "import base64, os\nprint(base64.b64encode(os.urandom(525_000)).decode())")).await;
-    assert_eq!(big.status, JobStatus::Succeeded, "{:?}", big.reason);
+    print_incompressible(&c, &t.name, 525_000).await;
     assert!(kept_bytes(&pool, &t.name).await.0 > 600_000);
 
     let mut close_with_code = close_session(&t.name, &sid);
@@ -638,8 +647,7 @@ async fn a_tenant_over_its_result_bytes_quota_keeps_only_its_newest_refusals() {
     let oc = other.client().await;
     let theirs = run(&oc, &in_session(&other.name, "no-such-session", "n")).await;
     assert_eq!(theirs.status, JobStatus::Rejected, "{theirs:?}");
-    let big = run(&c, &python(&t.name, "import base64, os\nprint(base64.b64encode(os.urandom(100_000)).decode())")).await;
-    assert_eq!(big.status, JobStatus::Succeeded, "{:?}", big.reason);
+    print_incompressible(&c, &t.name, 100_000).await;
 
     let sent = usize::try_from(kept).unwrap() + 500;
     let subs: Vec<_> = (0..sent).map(|_| python(&t.name, "print(1)")).collect();
