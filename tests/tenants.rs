@@ -513,14 +513,15 @@ async fn an_upload_the_store_will_not_delete_is_postponed_and_others_are_removed
     assert!(stuck_removed.is_none() && stuck_until > chrono::Utc::now(), "the upload the store refused: removed {stuck_removed:?}, next try {stuck_until}");
 }
 
-/// The bytes of a tenant's job rows and upload answers, as the count keeps them and as the rows
+/// The bytes of a tenant's job rows, upload answers and gateway sandboxes, as the count keeps them and as the rows
 /// are now.
 async fn kept_bytes(pool: &sqlx::PgPool, tenant: &str) -> (i64, i64) {
     let counted: i64 =
         sqlx::query_scalar("SELECT COALESCE(sum(kept_bytes), 0)::bigint FROM tenant_job_counts WHERE tenant = $1").bind(tenant).fetch_one(pool).await.unwrap();
     let rows: i64 = sqlx::query_scalar(
         "SELECT (COALESCE((SELECT sum(sandcell_job_kept_bytes(execution, reason, routed, held_job)) FROM jobs WHERE tenant = $1), 0)
-               + COALESCE((SELECT sum(pg_column_size(grant_doc)) FROM uploads WHERE tenant = $1), 0))::bigint",
+               + COALESCE((SELECT sum(pg_column_size(grant_doc)) FROM uploads WHERE tenant = $1), 0)
+               + COALESCE((SELECT sum(pg_column_size(metadata) + pg_column_size(env)) FROM gateway_sandboxes WHERE tenant = $1), 0))::bigint",
     )
     .bind(tenant)
     .fetch_one(pool)

@@ -105,7 +105,8 @@ struct QuotaArgs {
     /// in Postgres, in order.
     #[arg(long)]
     max_jobs_in_flight: Option<u32>,
-    /// Bytes of job results (and refusals, execution jobs kept for its sessions, upload answers)
+    /// Bytes of job results (and refusals, execution jobs kept for its sessions, upload answers,
+    /// the E2B gateway's sandbox metadata and env)
     /// Postgres keeps for the tenant; past it new jobs and upload requests are refused until the
     /// retention deletes old ones.
     #[arg(long)]

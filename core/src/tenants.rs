@@ -33,8 +33,8 @@ pub struct Quotas {
     /// once; more are held in Postgres and dispatched as these finish (fair share).
     pub max_jobs_in_flight: u32,
     /// Bytes of its job rows and upload answers Postgres keeps (results, refusals, execution
-    /// jobs kept for its sessions, upload grants), until the retention deletes them (migrations
-    /// 0022, 0027).
+    /// jobs kept for its sessions, upload grants, the E2B gateway's metadata and `envVars` of its
+    /// sandboxes), until the retention deletes them (migrations 0022, 0027, 0028).
     pub max_result_bytes: u64,
 }
 
@@ -272,8 +272,8 @@ impl TenantStore {
 /// client to read the answers to its latest submissions.
 pub const KEPT_REFUSALS_OVER_QUOTA: i64 = 1000;
 
-/// The bytes of rows `tenant` makes Postgres keep (job rows and upload answers, as
-/// `tenant_job_counts.kept_bytes` counts them, migrations 0022 and 0027) and its
+/// The bytes of rows `tenant` makes Postgres keep (job rows, upload answers and gateway
+/// sandboxes, as `tenant_job_counts.kept_bytes` counts them, migrations 0022, 0027 and 0028) and its
 /// `max_result_bytes`; `None` for a tenant with no row.
 pub(crate) async fn kept_bytes(tx: &mut Transaction<'_, Postgres>, tenant: &str) -> Result<Option<(i64, i64)>> {
     sqlx::query_as(
