@@ -41,6 +41,15 @@ pub struct Settings {
     /// `SANDCELL_GATEWAY_POLL_MS` (default 1000): while a run waits for its live output's `end`,
     /// the result is also read this often, so a lost event delays an answer by at most this.
     pub poll: Duration,
+    /// `SANDCELL_GATEWAY_UNREAD_BYTES` (default 67108864, 64 MiB): what a tenant's streamed
+    /// answers (`/execute`, commands) may hold written and not yet read by their clients, all
+    /// together. A live line that would pass it abandons its answer (the job is cancelled, as
+    /// for a client that went away); a closing line waits for room; one line larger than it
+    /// goes when it is alone ([`crate::body`]).
+    pub unread_bytes: usize,
+    /// `SANDCELL_GATEWAY_STALL_S` (default 60): a streamed answer holding unread lines that its
+    /// client has read none of for this long is abandoned, its lines dropped.
+    pub stall: Duration,
 }
 
 impl Settings {
@@ -69,6 +78,8 @@ impl Settings {
             cpus: parse_or("SANDCELL_GATEWAY_CPUS", 1.0)?,
             key_cache: Duration::from_secs(parse_or("SANDCELL_GATEWAY_KEY_CACHE_S", 10)?),
             poll: Duration::from_millis(parse_or("SANDCELL_GATEWAY_POLL_MS", 1000)?.max(50)),
+            unread_bytes: parse_or("SANDCELL_GATEWAY_UNREAD_BYTES", 64usize << 20)?.max(1),
+            stall: Duration::from_secs(parse_or("SANDCELL_GATEWAY_STALL_S", 60)?.max(1)),
         })
     }
 }

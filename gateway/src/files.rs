@@ -65,8 +65,8 @@ async fn session_job(gw: &Gateway, sb: &SandboxRow, language: Language, code: &s
     Ok(r)
 }
 
-/// The bytes of one artifact of `r`, from the store.
-pub async fn artifact_bytes(gw: &Gateway, r: &JobResult, path: &str) -> Result<Bytes, ApiError> {
+/// The store's answer for one artifact of `r`, its body not yet read.
+async fn artifact_response(gw: &Gateway, r: &JobResult, path: &str) -> Result<reqwest::Response, ApiError> {
     let Some(url) = r.artifacts.iter().find(|a| a.path == path).and_then(|a| a.download_url.clone()) else {
         return Err(ApiError::new(StatusCode::NOT_FOUND, format!("{path}: not stored")));
     };
@@ -74,6 +74,12 @@ pub async fn artifact_bytes(gw: &Gateway, r: &JobResult, path: &str) -> Result<B
     if !resp.status().is_success() {
         return Err(ApiError::internal("fetching a file from the store", &anyhow::anyhow!("store answered {}", resp.status())));
     }
+    Ok(resp)
+}
+
+/// The bytes of one artifact of `r`, from the store, whole (an image to inline in a line).
+pub async fn artifact_bytes(gw: &Gateway, r: &JobResult, path: &str) -> Result<Bytes, ApiError> {
+    let resp = artifact_response(gw, r, path).await?;
     resp.bytes().await.map_err(|e| ApiError::internal("reading a file from the store", &e.into()))
 }
 
@@ -95,8 +101,19 @@ pub async fn read(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Query(q
         let why = r.execution.skipped_files.iter().find(|s| s.path == rel).map_or("no such file", |s| s.reason.as_str()).to_string();
         return Err(ApiError::new(StatusCode::NOT_FOUND, format!("{path}: {why}")));
     }
-    let bytes = artifact_bytes(&gw, &r, &rel).await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+    // Passed through as the client reads it, not read whole first: a file may be as large as a
+    // job's artifact limit, and a client that reads slowly (or not at all) would otherwise make
+    // the gateway hold all of it. The store's request ends with the HTTP client's timeout.
+    let resp = artifact_response(&gw, &r, &rel).await?;
+    let chunks = futures::stream::unfold(Some(resp), |resp| async move {
+        let mut resp = resp?;
+        match resp.chunk().await {
+            Ok(Some(chunk)) => Some((Ok(chunk), Some(resp))),
+            Ok(None) => None,
+            Err(e) => Some((Err(std::io::Error::other(e)), None)),
+        }
+    });
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], axum::body::Body::from_stream(chunks)).into_response())
 }
 
 /// `POST /files?path=`: multipart (each part `file`, its file name the path when no `path` is
@@ -318,8 +335,8 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
     sub.session = Some(SessionRequest { new: false, id: Some(sb.session_id.clone()), keep_alive_s: None, close: false });
     sub.timeout_ms = Some(timeout_ms.max(100));
     sub.env = env;
-    let (tx, body) = crate::runs::body_channel();
-    let _ = tx.send(Ok(connect::frame(&json!({"event": {"start": {"pid": 1}}}))));
+    let (tx, body) = gw.bodies.channel(&sb.tenant);
+    tx.send(connect::frame(&json!({"event": {"start": {"pid": 1}}})));
     tokio::spawn(async move {
         let b64 = base64::engine::general_purpose::STANDARD;
         let (mut out_len, mut err_len) = (0usize, 0usize);
@@ -336,17 +353,17 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
                 }
                 _ => return,
             };
-            let _ = events_tx.send(Ok(connect::frame(&json!({"event": {"data": data}}))));
+            events_tx.send(connect::frame(&json!({"event": {"data": data}})));
         });
         let result = crate::runs::follow(&gw, &sub, run, &tx, connect::frame(&json!({"event": {"keepalive": {}}}))).await;
         match result {
             Ok(r) => {
                 let e = &r.execution;
                 if let Some(rest) = e.stdout.get(out_len..).filter(|s| !s.is_empty()) {
-                    let _ = tx.send(Ok(connect::frame(&json!({"event": {"data": {"stdout": b64.encode(rest.as_bytes())}}}))));
+                    tx.send_paced(connect::frame(&json!({"event": {"data": {"stdout": b64.encode(rest.as_bytes())}}}))).await;
                 }
                 if let Some(rest) = e.stderr.get(err_len..).filter(|s| !s.is_empty()) {
-                    let _ = tx.send(Ok(connect::frame(&json!({"event": {"data": {"stderr": b64.encode(rest.as_bytes())}}}))));
+                    tx.send_paced(connect::frame(&json!({"event": {"data": {"stderr": b64.encode(rest.as_bytes())}}}))).await;
                 }
                 let (code, status) = match (r.status, e.exit_code) {
                     (JobStatus::TimedOut, _) => (-1, "signal: killed (time limit)".to_string()),
@@ -354,16 +371,17 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
                     (_, Some(c)) => (c, format!("exit status {c}")),
                     (s, None) => (-1, s.to_string()),
                 };
-                let _ = tx.send(Ok(connect::frame(&json!({"event": {"end": {"exitCode": code, "exited": true, "status": status}}}))));
-                let _ = tx.send(Ok(connect::end_frame(None)));
+                tx.send_paced(connect::frame(&json!({"event": {"end": {"exitCode": code, "exited": true, "status": status}}}))).await;
+                tx.send_paced(connect::end_frame(None)).await;
                 gw.metrics.runs.with_label_values(&[r.status.as_str()]).inc();
             }
             Err(e) => {
                 tracing::error!(error = format!("{e:#}"), job_id = sub.job_id, "a command had no result");
                 gw.metrics.runs.with_label_values(&["no_result"]).inc();
-                let _ = tx.send(Ok(connect::end_frame(Some(("unavailable", "sandcell did not answer this command in time")))));
+                tx.send_paced(connect::end_frame(Some(("unavailable", "sandcell did not answer this command in time")))).await;
             }
         }
+        tx.finish(crate::runs::KEEPALIVE).await;
     });
     ([(header::CONTENT_TYPE, "application/connect+json")], body).into_response()
 }

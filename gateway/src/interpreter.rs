@@ -206,7 +206,7 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
     sub.env = env;
     sub.context = context;
     let wait = Duration::from_millis(gw.settings.run_timeout_ms) + Duration::from_secs(120);
-    let (tx, body) = crate::runs::body_channel();
+    let (tx, body) = gw.bodies.channel(&sb.tenant);
     let started = std::time::Instant::now();
     tokio::spawn(async move {
         let mut streamed = Streamed::default();
@@ -214,7 +214,7 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
             let events_tx = tx.clone();
             let run = gw.runs.run(&sub, wait, |event| {
                 if let Some(line) = streamed.event(event) {
-                    let _ = events_tx.send(Ok(ndjson(&line)));
+                    events_tx.send(ndjson(&line));
                 }
             });
             // Ignored by E2B's SDK: written so that a client that went away is noticed.
@@ -234,9 +234,12 @@ pub async fn execute(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Json
             }
         };
         for line in lines {
-            let _ = tx.send(Ok(ndjson(&line)));
+            if !tx.send_paced(ndjson(&line)).await {
+                break;
+            }
         }
         gw.metrics.run_seconds.observe(started.elapsed().as_secs_f64());
+        tx.finish(crate::runs::KEEPALIVE).await;
     });
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }

@@ -13,11 +13,14 @@
 //! - [`files`]: envd — files, listing, commands (`process.Process/Start`), `/health`;
 //! - [`connect`]: the Connect protocol's envelopes and errors (envd's RPCs);
 //! - [`runs`]: a request → a sandcell job, submitted and waited for; [`live`]: its live output;
+//!   [`body`]: a streamed answer, and the bound on what the gateway holds for clients that do
+//!   not read it;
 //! - [`sandboxes`]: what the gateway records about the sandboxes it opened;
 //! - [`error`]: how every failure is answered; [`metrics`]: what is counted.
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod body;
 pub mod config;
 pub mod connect;
 pub mod control;
@@ -53,6 +56,8 @@ pub struct Gateway {
     pub runs: runs::Runs,
     /// The sandboxes opened here.
     pub sandboxes: sandboxes::Sandboxes,
+    /// Streamed responses: a tenant's unread bytes, bounded.
+    pub bodies: body::Bodies,
     /// Fetches artifacts from the store (presigned URLs).
     pub http: reqwest::Client,
     /// Metrics.
@@ -64,13 +69,15 @@ impl Gateway {
     pub async fn connect(settings: config::Settings) -> Result<Arc<Self>> {
         let db = sandcell_core::retry_forever("connecting to Postgres", |_| sandcell_core::jobs::connect(&settings.database_url, 8)).await;
         let runs = runs::Runs::connect(&settings.amqp_url, &settings.database_url, settings.poll).await?;
+        let metrics = metrics::Metrics::new()?;
         Ok(Arc::new(Gateway {
+            bodies: body::Bodies::new(settings.unread_bytes, settings.stall, metrics.abandoned.clone()),
             keys: auth::Keys::new(sandcell_core::api_keys::ApiKeys::new(db.clone()), settings.key_cache),
             tokens: auth::Tokens::new(settings.secret.clone()),
             runs,
             sandboxes: sandboxes::Sandboxes::new(db),
             http: reqwest::Client::builder().timeout(std::time::Duration::from_secs(120)).build().context("building the HTTP client")?,
-            metrics: metrics::Metrics::new()?,
+            metrics,
             settings,
         }))
     }

@@ -21,6 +21,11 @@ pub struct Metrics {
     /// `sandcell_gateway_client_gone_total`: runs whose client went away before their end (the
     /// job was cancelled).
     pub client_gone: IntCounter,
+    /// `sandcell_gateway_responses_abandoned_total{why}`: streamed answers abandoned because
+    /// their client did not read them: `over_budget` (a live line would have taken the tenant
+    /// past `SANDCELL_GATEWAY_UNREAD_BYTES`) or `stalled` (nothing read for
+    /// `SANDCELL_GATEWAY_STALL_S`).
+    pub abandoned: IntCounterVec,
 }
 
 impl Metrics {
@@ -39,11 +44,19 @@ impl Metrics {
             Histogram::with_opts(HistogramOpts::new("sandcell_gateway_run_seconds", "A run from request to its stream's last line.").buckets(buckets))?;
         let client_gone = IntCounter::new("sandcell_gateway_client_gone_total", "Runs whose client went away before their end (cancelled).")?;
         registry.register(Box::new(client_gone.clone()))?;
+        let abandoned = IntCounterVec::new(
+            Opts::new("sandcell_gateway_responses_abandoned_total", "Streamed answers abandoned because their client did not read them, by why."),
+            &["why"],
+        )?;
+        for why in ["over_budget", "stalled"] {
+            abandoned.with_label_values(&[why]);
+        }
+        registry.register(Box::new(abandoned.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_seconds.clone()))?;
         registry.register(Box::new(auth_refused.clone()))?;
         registry.register(Box::new(runs.clone()))?;
         registry.register(Box::new(run_seconds.clone()))?;
-        Ok(Metrics { registry, requests, request_seconds, auth_refused, runs, run_seconds, client_gone })
+        Ok(Metrics { registry, requests, request_seconds, auth_refused, runs, run_seconds, client_gone, abandoned })
     }
 }

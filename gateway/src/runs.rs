@@ -12,6 +12,7 @@ use sandcell_protocol::event::EventBody;
 use sandcell_protocol::{JobResult, Session, Submission};
 use tokio::sync::RwLock;
 
+use crate::body::BodyTx;
 use crate::live::Live;
 
 /// Submits and waits; reconnects to the broker and database when a submission fails.
@@ -23,24 +24,14 @@ pub struct Runs {
     poll: Duration,
 }
 
-/// The body of a streamed response, written by the task that follows the run.
-pub type BodyTx = tokio::sync::mpsc::UnboundedSender<Result<bytes::Bytes, std::io::Error>>;
-
-/// A streamed response's body and the sender that writes it (the body ends when every sender
-/// is dropped).
-pub fn body_channel() -> (BodyTx, axum::body::Body) {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
-    (tx, axum::body::Body::from_stream(stream))
-}
-
 /// How often a streamed run writes a keep-alive line while it is silent: writing is how a
 /// client that went away is noticed (the connection refuses the write).
 pub const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Drive `run` (a job of `sub`'s session, streaming into `tx`) to its end, writing `keepalive`
-/// every [`KEEPALIVE`]; when the client goes away meanwhile, cancel the job once (its cell is
-/// interrupted, the session keeps its state) and go on waiting for its result.
+/// every [`KEEPALIVE`]; when the client goes away meanwhile (or stops reading: its response is
+/// abandoned, [`crate::body`]), cancel the job once (its cell is interrupted, the session keeps
+/// its state) and go on waiting for its result.
 pub async fn follow<T>(gw: &crate::Gateway, sub: &Submission, run: impl std::future::Future<Output = T>, tx: &BodyTx, keepalive: bytes::Bytes) -> T {
     tokio::pin!(run);
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
@@ -48,7 +39,12 @@ pub async fn follow<T>(gw: &crate::Gateway, sub: &Submission, run: impl std::fut
     loop {
         tokio::select! {
             out = &mut run => return out,
-            _ = tick.tick(), if !gone => { let _ = tx.send(Ok(keepalive.clone())); }
+            _ = tick.tick(), if !gone => {
+                // Checked here too, so a run that goes on is cancelled once its client stalls.
+                if !tx.check_stall() {
+                    tx.send_keepalive(keepalive.clone());
+                }
+            }
             () = tx.closed(), if !gone => {
                 gone = true;
                 let session = sub.session.as_ref().and_then(|s| s.id.as_deref()).unwrap_or_default();

@@ -39,10 +39,11 @@ def _admin(*args: str) -> Dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def new_api_key() -> str:
-    """A new tenant and an API key for it, as an operator makes them."""
+def new_api_key(*quotas: str) -> str:
+    """A new tenant and an API key for it, as an operator makes them; `quotas` are passed to
+    `sandcell-admin tenant create` (e.g. "--max-result-bytes", "600000")."""
     name = "e2b" + uuid.uuid4().hex[:12]
-    _admin("tenant", "create", name)
+    _admin("tenant", "create", name, *quotas)
     created = _admin("key", "create", name)
     key = created["SANDCELL_API_KEY"]
     assert key, created

@@ -9,7 +9,10 @@ loosely fails.
 from __future__ import annotations
 
 import base64
+import json
+import os
 import socket
+import subprocess
 import threading
 import time
 from typing import Dict, List, Set
@@ -21,6 +24,7 @@ from e2b import (
     CommandExitException,
     FileNotFoundException,
     FileType,
+    RateLimitException,
     SandboxNotFoundException,
     SandboxNotRunningException,
     SandboxQuery,
@@ -353,6 +357,136 @@ def test_kill_does_not_wait_for_a_running_cell() -> None:
     assert not runner.is_alive(), "the interrupted run's stream never ended"
     assert ended and ended[0].error is not None and ended[0].error.name == "KeyboardInterrupt"
     assert Sandbox.kill(sbx.sandbox_id) is False
+
+
+def test_a_key_over_its_stored_results_quota_is_refused_new_work_but_can_still_kill_its_sandbox(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a tenant past max_result_bytes had every job refused, the kill's close among
+    # them: the SDK got False (404) and the sandbox kept running, holding its container and
+    # its place in max_sessions until its timeout. A kill is a bare close, which the quota
+    # lets through (docs/protocol.md, "Quotas").
+    monkeypatch.setenv("E2B_API_KEY", new_api_key("--max-result-bytes", "600000"))
+    sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT)
+    killed = False
+    try:
+        # ~700 KB of output, kept as the run's result: past the tenant's 600 KB.
+        big = sbx.run_code("import base64, os\nprint(base64.b64encode(os.urandom(525_000)).decode())")
+        assert big.error is None, big.error
+        assert sum(len(line) for line in big.logs.stdout) > 600_000
+
+        # A run is answered as a stream before its job is recorded: the refusal is its error.
+        refused = sbx.run_code("1 + 1")
+        assert refused.text is None
+        assert refused.error is not None and refused.error.name == "SandboxError", refused.error
+        assert refused.error.value.startswith("rejected: "), refused.error.value
+        assert "a job that only closes a session is still accepted" in refused.error.value
+        with pytest.raises(RateLimitException):
+            Sandbox.create(timeout=SANDBOX_TIMEOUT)
+        assert sbx.sandbox_id in sandbox_ids()
+
+        assert sbx.kill() is True
+        killed = True
+    finally:
+        if not killed:
+            Sandbox.kill(sbx.sandbox_id)
+    assert sbx.sandbox_id not in sandbox_ids()
+    assert sbx.is_running() is False
+    # Killing again finds nothing (404), as for any killed sandbox.
+    assert Sandbox.kill(sbx.sandbox_id) is False
+
+
+def test_what_a_key_stores_with_its_sandboxes_counts_against_its_stored_results_quota(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a sandbox's metadata and envVars (up to 80 KB) were kept for 30 days after it
+    # ended, and no quota saw them: creating and killing sandboxes in a loop grew the database
+    # every tenant shares by that much each time. Now they count in max_result_bytes, and a
+    # create past it is refused (429) like any job.
+    monkeypatch.setenv("E2B_API_KEY", new_api_key("--max-result-bytes", "400000"))
+    created = 0
+    with pytest.raises(RateLimitException) as refused:
+        for _ in range(12):
+            # 60,000 characters of base64: as many bytes stored (Postgres cannot compress them).
+            env = {"PAYLOAD": base64.b64encode(os.urandom(45_000)).decode()}
+            sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT, envs=env)
+            created += 1
+            assert sbx.kill() is True
+    print("%d sandboxes of 60 KB of envVars created and killed before the refusal" % created)
+    assert 5 <= created <= 8, created
+    assert "quota" in str(refused.value), refused.value
+
+
+def _gateway_rss_mb() -> float:
+    """The resident memory of the gateway this suite drives (the one deploy/local/test.sh starts)."""
+    pids = subprocess.run(["pgrep", "-f", "target/.*/sandcell-gateway"], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, "expected one gateway process, found %r" % pids
+    with open("/proc/%s/status" % pids[0]) as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 1024
+
+
+def _gateway_metric(name: str) -> float:
+    text = httpx.get(f"{GATEWAY_URL}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_client_that_stops_reading_its_runs_cannot_grow_the_gateway_past_its_tenants_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a streamed answer's lines were queued without bound for a client that did not
+    # read them: each run below (~12 MB of lines: 2 MiB of output, JSON-escaped) stayed in the
+    # gateway for as long as its connection was open, and one tenant could so grow the process
+    # every tenant goes through. Now a tenant's unread lines stay within
+    # SANDCELL_GATEWAY_UNREAD_BYTES (64 MiB) and few of its answers wait for room; the others
+    # are abandoned (their connections closed, their jobs cancelled).
+    monkeypatch.setenv("E2B_API_KEY", new_api_key())
+    sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT)
+    host, port = GATEWAY_URL.split("//", 1)[1].rsplit(":", 1)
+    code = "import sys\nsys.stdout.write('\\x01' * (1 << 20)); sys.stderr.write('\\x01' * (1 << 20))"
+    body = json.dumps({"code": code, "context_id": None, "language": None, "env_vars": None}).encode()
+    head = (
+        "POST /execute HTTP/1.1\r\nHost: %s\r\nE2b-Sandbox-Id: %s\r\nE2b-Sandbox-Port: %s\r\n"
+        "X-Access-Token: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        % (host, sbx.sandbox_id, JUPYTER_PORT, sbx._envd_access_token, len(body))
+    ).encode()
+    stalled = 40
+    rss_before = _gateway_rss_mb()
+    abandoned_before = _gateway_metric("sandcell_gateway_responses_abandoned_total")
+    runs_before = _gateway_metric("sandcell_gateway_runs_total")
+    conns: List[socket.socket] = []
+    try:
+        for _ in range(stalled):
+            conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conn.connect((host, int(port)))
+            conn.sendall(head + body)
+            conns.append(conn)  # and never read
+        # Every run ends (the session runs them one after another); the answers stay unread.
+        deadline = time.monotonic() + 180
+        while _gateway_metric("sandcell_gateway_runs_total") < runs_before + stalled:
+            assert time.monotonic() < deadline, "the stalled runs did not all end"
+            time.sleep(1)
+        time.sleep(2)
+        grown = _gateway_rss_mb() - rss_before
+        abandoned = _gateway_metric("sandcell_gateway_responses_abandoned_total") - abandoned_before
+        print("%d unread answers: the gateway grew by %.0f MB, %d answers abandoned" % (stalled, grown, abandoned))
+        assert abandoned >= 1, "no answer was abandoned"
+        assert grown < 250, "the gateway grew by %.0f MB for %d unread answers" % (grown, stalled)
+
+        # Another tenant is served meanwhile, its answers whole.
+        monkeypatch.setenv("E2B_API_KEY", new_api_key())
+        other = Sandbox.create(timeout=SANDBOX_TIMEOUT)
+        try:
+            seen = other.run_code("print('x' * 100_000); 6 * 7")
+            assert seen.text == "42"
+            assert "".join(seen.logs.stdout) == "x" * 100_000 + "\n"
+        finally:
+            other.kill()
+    finally:
+        for conn in conns:
+            conn.close()
+        sbx.kill()  # with the key it was created with
 
 
 def test_list_filters_by_metadata() -> None:
