@@ -261,17 +261,27 @@ impl BodyTx {
         self.tx.closed().await;
     }
 
-    /// After the last line: wait until the connection has taken everything, the client is
-    /// gone, or the response stalls (then it is abandoned), checking every `every`.
+    /// After the last line: the sender is dropped at once (the body ends when its connection
+    /// has taken what is left), and the response is watched, every `every`, until the
+    /// connection has taken everything or the client is gone; if it stalls first, it is
+    /// abandoned.
     pub async fn finish(self, every: Duration) {
+        let shared = self.shared.clone();
+        drop(self);
         loop {
-            if lock(&self.shared.state).unread == 0 || self.check_stall() {
-                return;
+            {
+                let mut st = lock(&shared.state);
+                if st.unread == 0 || st.rx.is_none() {
+                    return;
+                }
+                if shared.stalled(&st) {
+                    let rx = shared.abandon(&mut st, Abandoned::Stalled);
+                    drop(st);
+                    drop(rx);
+                    return;
+                }
             }
-            tokio::select! {
-                () = self.closed() => return,
-                () = tokio::time::sleep(every) => {}
-            }
+            tokio::time::sleep(every).await;
         }
     }
 }
@@ -419,6 +429,17 @@ mod tests {
         }
         let t = lock(&b.tenants).get("t").cloned().unwrap();
         assert_eq!(t.waiting.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_finished_answer_ends_as_soon_as_its_client_has_read_it() {
+        let b = bodies(1 << 20, Duration::from_secs(60));
+        let (tx, body) = b.channel("t");
+        assert!(tx.send_paced(line(10)).await);
+        let watch = tokio::spawn(tx.finish(Duration::from_secs(3600)));
+        let read = tokio::time::timeout(Duration::from_secs(1), axum::body::to_bytes(body, usize::MAX)).await;
+        assert_eq!(read.expect("the body did not end with its last line").expect("body").len(), 10);
+        tokio::time::timeout(Duration::from_secs(5), watch).await.expect("the watch did not end").unwrap();
     }
 
     #[tokio::test]
