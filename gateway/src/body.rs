@@ -14,7 +14,8 @@
 //!   response; a closing line ([`BodyTx::send_paced`]) waits for room, but only
 //!   [`MAX_WAITING`] of a tenant's answers wait at once (each holds its run's result), and the
 //!   next one that would is abandoned;
-//! - keep-alive lines ([`BodyTx::send_keepalive`]) are written whatever the budget: a few bytes
+//! - control lines ([`BodyTx::send_control`]: keep-alives, a stream's opening frame) are written
+//!   whatever the budget: a few bytes
 //!   a second, bounded by the stall time;
 //! - a response holding unread bytes that its connection has taken none of for
 //!   `SANDCELL_GATEWAY_STALL_S` is abandoned.
@@ -27,12 +28,17 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use prometheus::IntCounterVec;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// The largest piece a line is queued in. The connection counts a piece as taken once it is in
+/// its own write buffer (some 400 KB), so a whole line of megabytes would leave the count (and
+/// the stall watch) while the client had read none of it; pieces keep what is unread counted.
+const PIECE: usize = 64 << 10;
 
 /// How often a closing line waiting for room looks again.
 const ROOM_POLL: Duration = Duration::from_millis(20);
@@ -97,7 +103,7 @@ impl Bodies {
         let counts = lock(&self.tenants).entry(tenant.to_string()).or_default().clone();
         let (tx, rx) = unbounded_channel();
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { rx: Some(rx), unread: 0, since: Instant::now() }),
+            state: Mutex::new(State { rx: Some(rx), unread: 0, since: Instant::now(), waker: None }),
             tenant: counts,
             budget: self.budget,
             stall: self.stall,
@@ -131,6 +137,9 @@ struct State {
     /// Since when this response has waited for its connection: its last take, or the write that
     /// found it with nothing unread.
     since: Instant,
+    /// The connection's task, when it waits for a line: woken when the response is abandoned
+    /// (the channel's own waker goes with the receiver, unwoken).
+    waker: Option<Waker>,
 }
 
 impl Shared {
@@ -140,8 +149,9 @@ impl Shared {
         unread == 0 || unread + len <= self.budget
     }
 
-    /// Queue `bytes` (the state locked): `false` when the response no longer takes lines.
-    fn push(&self, st: &mut State, tx: &UnboundedSender<Bytes>, bytes: Bytes) -> bool {
+    /// Queue `bytes` (the state locked), in pieces of at most [`PIECE`]: `false` when the
+    /// response no longer takes lines.
+    fn push(&self, st: &mut State, tx: &UnboundedSender<Bytes>, mut bytes: Bytes) -> bool {
         if st.rx.is_none() {
             return false;
         }
@@ -151,7 +161,12 @@ impl Shared {
         }
         st.unread += len;
         self.tenant.unread.fetch_add(len, Ordering::SeqCst);
-        // The receiver is in `st`, locked here: it cannot be dropped under this send.
+        // The receiver is in `st`, locked here: it cannot be dropped under these sends.
+        while bytes.len() > PIECE {
+            if tx.send(bytes.split_to(PIECE)).is_err() {
+                return false;
+            }
+        }
         tx.send(bytes).is_ok()
     }
 
@@ -160,6 +175,9 @@ impl Shared {
     fn close(&self, st: &mut State) -> Option<UnboundedReceiver<Bytes>> {
         self.tenant.unread.fetch_sub(st.unread, Ordering::SeqCst);
         st.unread = 0;
+        if let Some(waker) = st.waker.take() {
+            waker.wake(); // it finds the receiver gone and ends the body with an error
+        }
         st.rx.take()
     }
 
@@ -236,9 +254,9 @@ impl BodyTx {
         }
     }
 
-    /// Write a keep-alive line, whatever the budget: a few bytes a second, bounded by the stall
-    /// time. Returns whether the line was queued.
-    pub fn send_keepalive(&self, bytes: Bytes) -> bool {
+    /// Write a control line (a keep-alive, a stream's opening frame), whatever the budget: a
+    /// few bytes a second, bounded by the stall time. Returns whether the line was queued.
+    pub fn send_control(&self, bytes: Bytes) -> bool {
         let mut st = lock(&self.shared.state);
         self.shared.push(&mut st, &self.tx, bytes)
     }
@@ -319,7 +337,10 @@ impl futures::Stream for BodyStream {
                 this.ended = true;
                 Poll::Ready(None)
             }
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                st.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
         }
     }
 }
@@ -432,11 +453,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_client_waiting_for_a_line_gets_an_error_when_its_answer_is_abandoned() {
+        let b = bodies(1000, Duration::from_secs(60));
+        let (full, _full_body) = b.channel("t");
+        assert!(full.send(line(1000)));
+        let (tx, body) = b.channel("t");
+        let mut stream = body.into_data_stream();
+        let reader = tokio::spawn(async move { stream.next().await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!reader.is_finished(), "the reader did not wait for a line");
+        assert!(!tx.send(line(10)), "a line past the budget was queued");
+        let got = tokio::time::timeout(Duration::from_secs(1), reader).await.expect("the waiting client was never told").unwrap();
+        assert!(got.is_some_and(|r| r.is_err()), "an abandoned answer must end with an error");
+    }
+
+    #[tokio::test]
+    async fn a_long_line_is_queued_in_pieces_so_what_is_unread_stays_counted() {
+        let b = bodies(1 << 30, Duration::from_secs(60));
+        let (tx, body) = b.channel("t");
+        assert!(tx.send(line(3 * PIECE + 1)));
+        let mut stream = body.into_data_stream();
+        let first = stream.next().await.expect("a piece").expect("ok");
+        assert_eq!(first.len(), PIECE);
+        assert_eq!(b.unread("t"), 2 * PIECE + 1, "a taken piece leaves the count, the rest stays");
+    }
+
+    #[tokio::test]
     async fn a_finished_answer_ends_as_soon_as_its_client_has_read_it() {
         let b = bodies(1 << 20, Duration::from_secs(60));
         let (tx, body) = b.channel("t");
         assert!(tx.send_paced(line(10)).await);
-        let watch = tokio::spawn(tx.finish(Duration::from_secs(3600)));
+        let watch = tokio::spawn(tx.finish(Duration::from_millis(50)));
         let read = tokio::time::timeout(Duration::from_secs(1), axum::body::to_bytes(body, usize::MAX)).await;
         assert_eq!(read.expect("the body did not end with its last line").expect("body").len(), 10);
         tokio::time::timeout(Duration::from_secs(5), watch).await.expect("the watch did not end").unwrap();

@@ -65,12 +65,12 @@ async fn session_job(gw: &Gateway, sb: &SandboxRow, language: Language, code: &s
     Ok(r)
 }
 
-/// The store's answer for one artifact of `r`, its body not yet read.
-async fn artifact_response(gw: &Gateway, r: &JobResult, path: &str) -> Result<reqwest::Response, ApiError> {
+/// The store's answer for one artifact of `r` through `http`, its body not yet read.
+async fn artifact_response(http: &reqwest::Client, r: &JobResult, path: &str) -> Result<reqwest::Response, ApiError> {
     let Some(url) = r.artifacts.iter().find(|a| a.path == path).and_then(|a| a.download_url.clone()) else {
         return Err(ApiError::new(StatusCode::NOT_FOUND, format!("{path}: not stored")));
     };
-    let resp = gw.http.get(&url).send().await.map_err(|e| ApiError::internal("fetching a file from the store", &e.into()))?;
+    let resp = http.get(&url).send().await.map_err(|e| ApiError::internal("fetching a file from the store", &e.into()))?;
     if !resp.status().is_success() {
         return Err(ApiError::internal("fetching a file from the store", &anyhow::anyhow!("store answered {}", resp.status())));
     }
@@ -79,7 +79,7 @@ async fn artifact_response(gw: &Gateway, r: &JobResult, path: &str) -> Result<re
 
 /// The bytes of one artifact of `r`, from the store, whole (an image to inline in a line).
 pub async fn artifact_bytes(gw: &Gateway, r: &JobResult, path: &str) -> Result<Bytes, ApiError> {
-    let resp = artifact_response(gw, r, path).await?;
+    let resp = artifact_response(&gw.http, r, path).await?;
     resp.bytes().await.map_err(|e| ApiError::internal("reading a file from the store", &e.into()))
 }
 
@@ -103,8 +103,10 @@ pub async fn read(State(gw): State<Arc<Gateway>>, caller: SandboxCaller, Query(q
     }
     // Passed through as the client reads it, not read whole first: a file may be as large as a
     // job's artifact limit, and a client that reads slowly (or not at all) would otherwise make
-    // the gateway hold all of it. The store's request ends with the HTTP client's timeout.
-    let resp = artifact_response(&gw, &r, &rel).await?;
+    // the gateway hold all of it. It goes at the client's pace, with no limit on the whole
+    // transfer (a large file to a slow client); what a stalled one holds is the connection's
+    // write buffer and the store connection's.
+    let resp = artifact_response(&gw.passthrough, &r, &rel).await?;
     let chunks = futures::stream::unfold(Some(resp), |resp| async move {
         let mut resp = resp?;
         match resp.chunk().await {
@@ -336,7 +338,7 @@ pub async fn start_process(State(gw): State<Arc<Gateway>>, caller: SandboxCaller
     sub.timeout_ms = Some(timeout_ms.max(100));
     sub.env = env;
     let (tx, body) = gw.bodies.channel(&sb.tenant);
-    tx.send(connect::frame(&json!({"event": {"start": {"pid": 1}}})));
+    tx.send_control(connect::frame(&json!({"event": {"start": {"pid": 1}}})));
     tokio::spawn(async move {
         let b64 = base64::engine::general_purpose::STANDARD;
         let (mut out_len, mut err_len) = (0usize, 0usize);

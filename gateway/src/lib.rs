@@ -58,8 +58,11 @@ pub struct Gateway {
     pub sandboxes: sandboxes::Sandboxes,
     /// Streamed responses: a tenant's unread bytes, bounded.
     pub bodies: body::Bodies,
-    /// Fetches artifacts from the store (presigned URLs).
+    /// Fetches artifacts from the store (presigned URLs), whole, within 120 s.
     pub http: reqwest::Client,
+    /// Passes a file from the store through to a client as it reads (`GET /files`): no limit on
+    /// the whole transfer, which goes at the client's pace.
+    pub passthrough: reqwest::Client,
     /// Metrics.
     pub metrics: metrics::Metrics,
 }
@@ -77,6 +80,7 @@ impl Gateway {
             runs,
             sandboxes: sandboxes::Sandboxes::new(db),
             http: reqwest::Client::builder().timeout(std::time::Duration::from_secs(120)).build().context("building the HTTP client")?,
+            passthrough: reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10)).build().context("building the HTTP client")?,
             metrics,
             settings,
         }))

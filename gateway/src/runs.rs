@@ -42,7 +42,7 @@ pub async fn follow<T>(gw: &crate::Gateway, sub: &Submission, run: impl std::fut
             _ = tick.tick(), if !gone => {
                 // Checked here too, so a run that goes on is cancelled once its client stalls.
                 if !tx.check_stall() {
-                    tx.send_keepalive(keepalive.clone());
+                    tx.send_control(keepalive.clone());
                 }
             }
             () = tx.closed(), if !gone => {
