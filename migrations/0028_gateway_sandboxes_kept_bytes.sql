@@ -11,6 +11,42 @@
 -- stored, through a trigger of their own; a create of a tenant at or over its quota is refused
 -- `quota_exceeded` at its opening job (`sandcell_record_job`), answered 429 by the gateway.
 
+-- Adding to a tenant's kept bytes outside the job-count trigger (which moves several figures
+-- at once): one function, called by the upload answers' trigger (0027's, redefined here to call
+-- it) and the gateway sandboxes'. The delta goes to this backend's shard, as 0015's counts do.
+CREATE FUNCTION sandcell_add_kept_bytes(p_tenant text, p_delta bigint) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_delta = 0 THEN
+        RETURN;
+    END IF;
+    UPDATE tenant_job_counts SET kept_bytes = kept_bytes + p_delta
+     WHERE tenant = p_tenant AND shard = pg_backend_pid() % 16;
+    IF NOT FOUND THEN
+        INSERT INTO tenant_job_counts AS c (tenant, shard, kept_bytes)
+        VALUES (p_tenant, pg_backend_pid() % 16, p_delta)
+        ON CONFLICT (tenant, shard) DO UPDATE SET kept_bytes = c.kept_bytes + EXCLUDED.kept_bytes;
+    END IF;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION sandcell_count_upload_bytes() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    d_kept bigint := 0;
+    v_tenant text;
+BEGIN
+    IF TG_OP <> 'INSERT' THEN
+        v_tenant := OLD.tenant;
+        d_kept := -(COALESCE(pg_column_size(OLD.grant_doc), 0));
+    END IF;
+    IF TG_OP <> 'DELETE' THEN
+        v_tenant := NEW.tenant;
+        d_kept := d_kept + COALESCE(pg_column_size(NEW.grant_doc), 0);
+    END IF;
+    PERFORM sandcell_add_kept_bytes(v_tenant, d_kept);
+    RETURN NULL;
+END;
+$$;
+
 CREATE FUNCTION sandcell_count_gateway_sandbox_bytes() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     d_kept bigint := 0;
@@ -18,22 +54,13 @@ DECLARE
 BEGIN
     IF TG_OP <> 'INSERT' THEN
         v_tenant := OLD.tenant;
-        d_kept := -(COALESCE(pg_column_size(OLD.metadata), 0) + COALESCE(pg_column_size(OLD.env), 0));
+        d_kept := -(pg_column_size(OLD.metadata) + pg_column_size(OLD.env));
     END IF;
     IF TG_OP <> 'DELETE' THEN
         v_tenant := NEW.tenant;
-        d_kept := d_kept + COALESCE(pg_column_size(NEW.metadata), 0) + COALESCE(pg_column_size(NEW.env), 0);
+        d_kept := d_kept + pg_column_size(NEW.metadata) + pg_column_size(NEW.env);
     END IF;
-    IF d_kept = 0 THEN
-        RETURN NULL;
-    END IF;
-    UPDATE tenant_job_counts SET kept_bytes = kept_bytes + d_kept
-     WHERE tenant = v_tenant AND shard = pg_backend_pid() % 16;
-    IF NOT FOUND THEN
-        INSERT INTO tenant_job_counts AS c (tenant, shard, kept_bytes)
-        VALUES (v_tenant, pg_backend_pid() % 16, d_kept)
-        ON CONFLICT (tenant, shard) DO UPDATE SET kept_bytes = c.kept_bytes + EXCLUDED.kept_bytes;
-    END IF;
+    PERFORM sandcell_add_kept_bytes(v_tenant, d_kept);
     RETURN NULL;
 END;
 $$;
@@ -52,3 +79,4 @@ SELECT tenant, 0, sum(pg_column_size(metadata) + pg_column_size(env))::bigint FR
 ON CONFLICT (tenant, shard) DO UPDATE SET kept_bytes = c.kept_bytes + EXCLUDED.kept_bytes;
 
 REVOKE ALL ON FUNCTION sandcell_count_gateway_sandbox_bytes() FROM PUBLIC;
+REVOKE ALL ON FUNCTION sandcell_add_kept_bytes(text, bigint) FROM PUBLIC;

@@ -170,24 +170,25 @@ impl Shared {
         tx.send(bytes).is_ok()
     }
 
-    /// Drop what is unread and refuse further lines (the state locked); returns the receiver,
-    /// to be dropped once the lock is released.
-    fn close(&self, st: &mut State) -> Option<UnboundedReceiver<Bytes>> {
+    /// Drop what is unread and refuse further lines, releasing the lock before the receiver
+    /// (and the lines in it) is dropped. Returns whether the response took lines until now.
+    fn close(&self, mut st: MutexGuard<'_, State>) -> bool {
         self.tenant.unread.fetch_sub(st.unread, Ordering::SeqCst);
         st.unread = 0;
         if let Some(waker) = st.waker.take() {
             waker.wake(); // it finds the receiver gone and ends the body with an error
         }
-        st.rx.take()
+        let rx = st.rx.take();
+        drop(st);
+        rx.is_some()
     }
 
-    fn abandon(&self, st: &mut State, why: Abandoned) -> Option<UnboundedReceiver<Bytes>> {
-        let rx = self.close(st);
-        if rx.is_some() {
+    /// [`Shared::close`], counted and logged as an abandonment.
+    fn abandon(&self, st: MutexGuard<'_, State>, why: Abandoned) {
+        if self.close(st) {
             self.abandoned.with_label_values(&[why.as_str()]).inc();
             tracing::info!(why = why.as_str(), "a streamed response's client did not read it: abandoned, its unread lines dropped");
         }
-        rx
     }
 
     fn stalled(&self, st: &State) -> bool {
@@ -208,9 +209,7 @@ impl BodyTx {
     pub fn send(&self, bytes: Bytes) -> bool {
         let mut st = lock(&self.shared.state);
         if !self.shared.admits(bytes.len()) {
-            let rx = self.shared.abandon(&mut st, Abandoned::OverBudget);
-            drop(st);
-            drop(rx);
+            self.shared.abandon(st, Abandoned::OverBudget);
             return false;
         }
         self.shared.push(&mut st, &self.tx, bytes)
@@ -236,17 +235,13 @@ impl BodyTx {
                     let taken = Waiting(waiting);
                     if waiting.fetch_add(1, Ordering::SeqCst) >= MAX_WAITING {
                         drop(taken);
-                        let rx = self.shared.abandon(&mut st, Abandoned::OverBudget);
-                        drop(st);
-                        drop(rx);
+                        self.shared.abandon(st, Abandoned::OverBudget);
                         return false;
                     }
                     place = Some(taken);
                 }
                 if self.shared.stalled(&st) {
-                    let rx = self.shared.abandon(&mut st, Abandoned::Stalled);
-                    drop(st);
-                    drop(rx);
+                    self.shared.abandon(st, Abandoned::Stalled);
                     return false;
                 }
             }
@@ -263,11 +258,9 @@ impl BodyTx {
 
     /// Abandon the response if it stalled. Returns whether it no longer takes lines.
     pub fn check_stall(&self) -> bool {
-        let mut st = lock(&self.shared.state);
+        let st = lock(&self.shared.state);
         if self.shared.stalled(&st) {
-            let rx = self.shared.abandon(&mut st, Abandoned::Stalled);
-            drop(st);
-            drop(rx);
+            self.shared.abandon(st, Abandoned::Stalled);
             return true;
         }
         st.rx.is_none()
@@ -288,14 +281,12 @@ impl BodyTx {
         drop(self);
         loop {
             {
-                let mut st = lock(&shared.state);
+                let st = lock(&shared.state);
                 if st.unread == 0 || st.rx.is_none() {
                     return;
                 }
                 if shared.stalled(&st) {
-                    let rx = shared.abandon(&mut st, Abandoned::Stalled);
-                    drop(st);
-                    drop(rx);
+                    shared.abandon(st, Abandoned::Stalled);
                     return;
                 }
             }
@@ -349,10 +340,7 @@ impl Drop for BodyStream {
     /// The connection is done with the response (the client went away, or the answer ended):
     /// what it did not take is no longer the tenant's, and the run's task sees the client gone.
     fn drop(&mut self) {
-        let mut st = lock(&self.shared.state);
-        let rx = self.shared.close(&mut st);
-        drop(st);
-        drop(rx);
+        self.shared.close(lock(&self.shared.state));
     }
 }
 
