@@ -205,7 +205,9 @@ async fn a_tenant_naming_another_tenants_session_or_job_id_gets_nothing_of_it() 
 async fn jobs_and_sessions_over_quota_are_refused_with_quota_exceeded() {
     let t = TestTenant::create(Some(Quotas { max_sessions: 1, max_queued_jobs: 2, ..Quotas::default() })).await;
     let c = t.client().await;
-    let first = run(&c, &open_session(&t.name, "x = 1", Some(30))).await;
+    // The session outlives the slow jobs below however long they wait for a slot (a keep-alive
+    // of 30 s once expired under a loaded CI run, and its close was refused).
+    let first = run(&c, &open_session(&t.name, "x = 1", Some(300))).await;
     assert_eq!(first.status, JobStatus::Succeeded, "{first:?}");
     let second = run(&c, &open_session(&t.name, "x = 2", Some(30))).await;
     assert_eq!(second.status, JobStatus::Rejected);
@@ -232,8 +234,10 @@ async fn jobs_and_sessions_over_quota_are_refused_with_quota_exceeded() {
     // Closing the session frees the slot.
     let mut close = in_session(&t.name, &session_id(&first), "");
     close.session = Some(SessionRequest { id: Some(session_id(&first)), close: true, ..Default::default() });
-    assert_eq!(run(&c, &close).await.status, JobStatus::Succeeded);
-    assert_eq!(run(&c, &open_session(&t.name, "x = 3", Some(30))).await.status, JobStatus::Succeeded);
+    let closed = run(&c, &close).await;
+    assert_eq!(closed.status, JobStatus::Succeeded, "{closed:?}");
+    let third = run(&c, &open_session(&t.name, "x = 3", Some(30))).await;
+    assert_eq!(third.status, JobStatus::Succeeded, "{third:?}");
 }
 
 #[tokio::test]
