@@ -22,7 +22,7 @@ struct Bystander {
 impl Bystander {
     async fn open(c: &sandcell_client::Client) -> Bystander {
         let tenant = tenant();
-        let r = run(c, &open_session(&tenant, "canary = 'still here'", Some(120))).await;
+        let r = run(c, &open_session(&tenant, "canary = 'still here'", Some(300))).await;
         assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
         Bystander { session: session_id(&r), tenant }
     }
@@ -416,8 +416,8 @@ async fn a_symlink_to_a_host_file_is_never_collected() {
 async fn a_symlink_into_another_session_reaches_nothing() {
     let c = client().await;
     let (ta, tb) = (tenant(), tenant());
-    let a = run(&c, &open_session(&ta, "open('secret.txt', 'w').write('A-only')\nimport os\nos.getcwd()", Some(60))).await;
-    let b = session_id(&run(&c, &open_session(&tb, "pass", Some(60))).await);
+    let a = run(&c, &open_session(&ta, "open('secret.txt', 'w').write('A-only')\nimport os\nos.getcwd()", Some(300))).await;
+    let b = session_id(&run(&c, &open_session(&tb, "pass", Some(300))).await);
     // Whatever B points at, its own workspace, /proc and the filesystem are all it can see.
     let code = "import os\nos.symlink('/home/user/secret.txt', 'link')\n\
                 found = [p for p in ['/home/user/secret.txt'] + [f'/proc/{q}/root/home/user/secret.txt' for q in os.listdir('/proc') if q.isdigit()] if os.path.exists(p)]\n\

@@ -29,7 +29,8 @@ async fn a_cancelled_cell_is_interrupted_and_the_session_keeps_its_state() {
     c.cancel(&t, &sleeper.job_id, &id).await.expect("cancel");
     let r = c.wait(&t, &sleeper.job_id, JOB_WAIT).await.expect("result");
     assert_eq!(r.status, JobStatus::Cancelled, "{r:?}");
-    assert!(asked.elapsed() < Duration::from_secs(10), "cancelled after {:?}", asked.elapsed());
+    // Well before the cell's 60 s, with room for a loaded machine under gVisor.
+    assert!(asked.elapsed() < Duration::from_secs(30), "cancelled after {:?}", asked.elapsed());
     assert!(!r.execution.kernel_restarted, "an interruptible cell must not cost the kernel: {r:?}");
     assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
     let next = run(&c, &in_session(&t, &id, "x")).await;

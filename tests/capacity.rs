@@ -29,8 +29,8 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
     let _serial = SERIAL.lock().await;
     let _restore = Restore;
-    restart_service("worker", &[("SANDCELL_WORKER_MAX_SESSIONS", "2"), ("SANDCELL_SESSION_START_WAIT_S", "6")]);
-    restart_service("scheduler", &[("SANDCELL_SESSION_START_WAIT_S", "6")]);
+    restart_service("worker", &[("SANDCELL_WORKER_MAX_SESSIONS", "2"), ("SANDCELL_SESSION_START_WAIT_S", "15")]);
+    restart_service("scheduler", &[("SANDCELL_SESSION_START_WAIT_S", "15")]);
     both_healthy().await;
     let c = client().await;
     let t = tenant();
@@ -68,7 +68,7 @@ async fn a_new_session_at_a_full_worker_waits_then_is_refused_with_capacity() {
 async fn a_drained_workers_session_with_no_other_worker_to_take_it_ends_lost_with_capacity() {
     let _serial = SERIAL.lock().await;
     let _restore = Restore;
-    restart_service("scheduler", &[("SANDCELL_SESSION_START_WAIT_S", "6")]);
+    restart_service("scheduler", &[("SANDCELL_SESSION_START_WAIT_S", "15")]);
     both_healthy().await;
     let c = client().await;
     let t = tenant();

@@ -188,7 +188,7 @@ async fn a_new_session_goes_to_the_worker_with_most_room_and_a_full_worker_is_of
     let mut results = Vec::new();
     for _ in 0..4 {
         results.push(run(&c, &open_session(&t.name, "1", Some(120))).await);
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let first = owners(&results);
     assert!(first.iter().all(|w| w == WORKERS[0].1), "sessions opened one by one did not all go to the worker with most room: {first:?}");
@@ -255,7 +255,7 @@ async fn five_sessions_on_the_first_worker() -> (TestTenant, sandcell_client::Cl
         let r = run(&c, &with_input).await;
         assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
         sessions.push(id);
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     // The other workers get their room back (they hold none of these sessions).
     restart_worker(1, &[]).await;

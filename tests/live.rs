@@ -44,7 +44,7 @@ fn assert_numbered_from_zero(events: &[(Instant, JobEvent)]) {
 async fn output_printed_before_a_pause_arrives_long_before_the_job_ends_in_order_and_once() {
     let t = TestTenant::create(None).await;
     let c = t.client().await;
-    let sub = python(&t.name, "import sys, time\nprint('a', flush=True)\nprint('warn', file=sys.stderr, flush=True)\ntime.sleep(2)\nprint('b')");
+    let sub = python(&t.name, "import sys, time\nprint('a', flush=True)\nprint('warn', file=sys.stderr, flush=True)\ntime.sleep(5)\nprint('b')");
     let mut live = c.live(&t.name, Some(&sub.job_id)).await.expect("a tenant subscribes to its own job");
     c.submit(&sub).await.expect("submit");
     let events = events_until_end(&mut live).await;
@@ -60,7 +60,7 @@ async fn output_printed_before_a_pause_arrives_long_before_the_job_ends_in_order
     let (end_at, end) = events.last().expect("events");
     assert_eq!(end.body, EventBody::End { status: JobStatus::Succeeded });
     let early = end_at.duration_since(*first_at);
-    assert!(early >= Duration::from_millis(1500), "'a' came only {early:?} before the end");
+    assert!(early >= Duration::from_secs(3), "'a' came only {early:?} before the end");
     // The events hold what the result holds, each text once.
     assert_eq!(stream(&events, true), r.execution.stdout);
     assert_eq!(stream(&events, true), "a\nb\n");

@@ -268,7 +268,7 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     let started = started.expect("the start that lost did not go on for the tenant");
     if host_has_cpu_idle_class() {
         // (Lowered within milliseconds of the container's start, which the listing may precede.)
-        let idle = eventually(std::time::Duration::from_secs(2), || async { cpu_class(&started).filter(|c| c.idle) }).await;
+        let idle = eventually(std::time::Duration::from_secs(10), || async { cpu_class(&started).filter(|c| c.idle) }).await;
         assert!(idle.is_some(), "the start no job waits for any more competes with running jobs for CPU: {:?}", cpu_class(&started));
         let full = CpuClass { idle: false, full_weight: true };
         let back = eventually(JOB_WAIT, || async { cpu_class(&started).filter(|c| *c == full) }).await;

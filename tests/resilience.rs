@@ -123,10 +123,13 @@ async fn counting_session(c: &sandcell_client::Client) -> (String, String) {
     (t, sid)
 }
 
-/// Submit six jobs that count `n` up and print it: a first that sleeps 20 s (long enough to
-/// outlast a broker restart), then five at once, queued behind it.
+/// Submit six jobs that count `n` up and print it: a first that sleeps 40 s (long enough to
+/// outlast a broker restart and both services' health checks on a loaded machine: 20 s left
+/// little room under gVisor), then five at once, queued behind it.
 async fn submit_count_up(c: &sandcell_client::Client, t: &str, sid: &str) -> Vec<sandcell_protocol::Submission> {
-    let mut subs = vec![in_session(t, sid, "import time\ntime.sleep(20)\nn += 1\nprint(n)")];
+    let mut first = in_session(t, sid, "import time\ntime.sleep(40)\nn += 1\nprint(n)");
+    first.timeout_ms = Some(90_000);
+    let mut subs = vec![first];
     subs.extend((0..5).map(|_| in_session(t, sid, "n += 1\nprint(n)")));
     for s in &subs {
         c.submit(s).await.unwrap();

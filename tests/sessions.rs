@@ -143,7 +143,7 @@ async fn a_session_expires_after_its_keep_alive_and_later_jobs_are_refused() {
     .await
     .expect("session expires");
     assert!(expired.ended_at.is_some() && expired.expires_at.is_none());
-    let gone = eventually(Duration::from_secs(10), || async { (!container_exists(&container).await).then_some(()) }).await;
+    let gone = eventually(Duration::from_secs(30), || async { (!container_exists(&container).await).then_some(()) }).await;
     assert!(gone.is_some(), "the expired session's container is destroyed");
     let late = run(&c, &in_session(&t, &id, "x")).await;
     assert_eq!(late.status, JobStatus::Rejected);
@@ -154,10 +154,11 @@ async fn a_session_expires_after_its_keep_alive_and_later_jobs_are_refused() {
 async fn every_job_extends_the_keep_alive() {
     let c = client().await;
     let t = tenant();
-    let id = session_id(&run(&c, &open_session(&t, "n = 0", Some(4))).await);
-    // Six jobs two seconds apart: ten seconds in all, never four idle ones.
+    // Six jobs four seconds apart: 24 seconds in all, never ten idle ones (a margin of 6 s for
+    // the round trip between two jobs on a loaded machine).
+    let id = session_id(&run(&c, &open_session(&t, "n = 0", Some(10))).await);
     for _ in 0..6 {
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_secs(4)).await;
         let r = run(&c, &in_session(&t, &id, "n += 1\nn")).await;
         assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     }

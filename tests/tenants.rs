@@ -15,7 +15,8 @@ async fn busy_tenant(t: &TestTenant) -> (sandcell_client::Client, sandcell_proto
     let c = t.client().await;
     let code = "open('secret.txt', 'w').write('the secret of ' + 'A')\n\
                 import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\n'value of A'";
-    let r = run(&c, &open_session(&t.name, code, Some(60))).await;
+    // Idle while other tests' jobs hold the worker's slots: a keep-alive no slow run outlasts.
+    let r = run(&c, &open_session(&t.name, code, Some(300))).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     assert_eq!(r.tenant, t.name);
     assert_eq!(r.artifacts.len(), 2, "the file and the figure: {r:?}");

@@ -66,12 +66,12 @@ def test_a_cell_past_its_timeout_is_interrupted_and_the_session_keeps_its_state(
 
 def test_output_printed_before_a_pause_reaches_on_stdout_long_before_the_cell_ends(sandbox: Sandbox) -> None:
     chunks: List[Tuple[float, str]] = []
-    code = "import time\nprint('a', flush=True)\ntime.sleep(2)\nprint('b')"
+    code = "import time\nprint('a', flush=True)\ntime.sleep(5)\nprint('b')"
     execution = sandbox.run_code(code, on_stdout=lambda text: chunks.append((time.monotonic(), text)))
     returned = time.monotonic()
     assert "".join(t for _, t in chunks) == "a\nb\n", chunks  # in order, each once
     assert chunks[0][1] == "a\n"
-    assert returned - chunks[0][0] >= 1.5, "'a' arrived only %.2f s before the cell ended" % (returned - chunks[0][0])
+    assert returned - chunks[0][0] >= 3, "'a' arrived only %.2f s before the cell ended" % (returned - chunks[0][0])
     assert "".join(execution.logs.stdout) == "a\nb\n"
 
 

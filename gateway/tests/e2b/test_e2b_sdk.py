@@ -346,9 +346,11 @@ def test_a_bad_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kill_does_not_wait_for_a_running_cell() -> None:
     sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT)
     ended: List[Execution] = []
-    runner = threading.Thread(target=lambda: ended.append(sbx.run_code("import time; time.sleep(60)")))
+    running = threading.Event()
+    code = "import time\nprint('running', flush=True)\ntime.sleep(60)"
+    runner = threading.Thread(target=lambda: ended.append(sbx.run_code(code, on_stdout=lambda _: running.set())))
     runner.start()
-    time.sleep(2)  # the cell is running
+    assert running.wait(60), "the cell never started"
     started = time.monotonic()
     assert sbx.kill() is True
     took = time.monotonic() - started
