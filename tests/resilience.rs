@@ -124,8 +124,8 @@ async fn counting_session(c: &sandcell_client::Client) -> (String, String) {
 }
 
 /// Submit six jobs that count `n` up and print it: a first that sleeps 40 s (long enough to
-/// outlast a broker restart and both services' health checks on a loaded machine: 20 s left
-/// little room under gVisor), then five at once, queued behind it.
+/// outlast a broker restart and both services' health checks on a loaded machine, with room to
+/// spare: it was 20 s), then five at once, queued behind it.
 async fn submit_count_up(c: &sandcell_client::Client, t: &str, sid: &str) -> Vec<sandcell_protocol::Submission> {
     let mut first = in_session(t, sid, "import time\ntime.sleep(40)\nn += 1\nprint(n)");
     first.timeout_ms = Some(90_000);
