@@ -119,7 +119,7 @@ async fn a_cpu_spin_past_the_timeout_is_interrupted_and_the_worker_stays_respons
     sub.timeout_ms = Some(2000);
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
-    assert!(r.execution.limits_hit.contains(&LimitHit::Time));
+    assert!(r.execution.limits_hit.contains(&LimitHit::Time), "{r:?}");
     // Spinning threads keep the old kernel busy: either it answers, or it was replaced.
     let next = run(&c, &in_session(&t, &sid, "1 + 1")).await;
     assert_eq!(next.status, JobStatus::Succeeded, "{next:?}");
@@ -134,10 +134,10 @@ async fn filling_the_workspace_fails_with_workspace_full() {
     let r = run(&c, &in_session(&t, &sid, "with open('fill.bin', 'wb') as f:\n    while True:\n        f.write(b'\\0' * (1 << 20))")).await;
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
     assert_eq!(code_of(&r), Some(ErrorCode::WorkspaceFull), "{r:?}");
-    assert!(r.execution.limits_hit.contains(&LimitHit::Workspace));
+    assert!(r.execution.limits_hit.contains(&LimitHit::Workspace), "{r:?}");
     assert!(r.execution.error.as_ref().is_some_and(|e| e.evalue.contains("No space left")), "{r:?}");
     // The oversize file is not collected; deleting it frees the session's workspace.
-    assert!(r.artifacts.iter().all(|a| a.path != "fill.bin"));
+    assert!(r.artifacts.iter().all(|a| a.path != "fill.bin"), "{r:?}");
     let next = run(&c, &in_session(&t, &sid, "import os\nos.remove('fill.bin')\nopen('ok.txt', 'w').write('fine')\nx")).await;
     assert_eq!((next.status, value(&next).as_deref()), (JobStatus::Succeeded, Some("1")), "{next:?}");
     assert!(next.execution.limits_hit.is_empty(), "{next:?}");
@@ -160,7 +160,7 @@ async fn a_zip_bomb_is_bounded_by_the_workspace_quota() {
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
     assert_eq!(code_of(&r), Some(ErrorCode::WorkspaceFull), "{r:?}");
     let next = run(&c, &in_session(&t, &sid, "import shutil; shutil.rmtree('out'); 'clean'")).await;
-    assert_eq!(value(&next).as_deref(), Some("'clean'"));
+    assert_eq!(value(&next).as_deref(), Some("'clean'"), "{next:?}");
 }
 
 #[tokio::test]
@@ -185,7 +185,7 @@ async fn a_hundred_megabytes_of_stdout_is_truncated_and_flagged() {
     sub.timeout_ms = Some(60_000);
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert!(r.execution.stdout_truncated && r.execution.limits_hit.contains(&LimitHit::Output));
+    assert!(r.execution.stdout_truncated && r.execution.limits_hit.contains(&LimitHit::Output), "{r:?}");
     let cap = r.limits.as_ref().unwrap().stdout_bytes as usize;
     assert!(r.execution.stdout.len() <= cap && r.execution.stdout.len() >= cap - 4, "kept {} of a {cap} cap", r.execution.stdout.len());
     assert_worker_serves(&c, &t, &r.worker_id).await;
@@ -198,9 +198,9 @@ async fn a_single_fifty_megabyte_line_is_truncated_and_flagged() {
     let sid = session_id(&run(&c, &open_session(&t, "y = 2", Some(60))).await);
     let r = run(&c, &in_session(&t, &sid, "print('y' * (50 << 20))")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert!(r.execution.stdout_truncated && r.execution.stdout.bytes().all(|b| b == b'y'));
+    assert!(r.execution.stdout_truncated && r.execution.stdout.bytes().all(|b| b == b'y'), "{r:?}");
     let next = run(&c, &in_session(&t, &sid, "y * 21")).await;
-    assert_eq!(value(&next).as_deref(), Some("42"));
+    assert_eq!(value(&next).as_deref(), Some("42"), "{next:?}");
 }
 
 #[tokio::test]
@@ -210,8 +210,8 @@ async fn binary_garbage_on_stdout_arrives_as_valid_text() {
     let r = run(&c, &bash(&t, "head -c 2000000 /dev/urandom; printf '\\377\\376\\0end'")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     // A Rust String: valid UTF-8 by construction; invalid bytes became U+FFFD, NULs are gone.
-    assert!(r.execution.stdout.contains('\u{FFFD}') && !r.execution.stdout.contains('\0'));
-    assert!(r.execution.stdout_truncated);
+    assert!(r.execution.stdout.contains('\u{FFFD}') && !r.execution.stdout.contains('\0'), "{r:?}");
+    assert!(r.execution.stdout_truncated, "{r:?}");
     assert_worker_serves(&c, &t, &r.worker_id).await;
 }
 
@@ -337,10 +337,10 @@ async fn killing_the_kernel_restarts_it_and_neither_pid_1_nor_the_driver_can_be_
     assert!(!r.execution.kernel_restarted, "{r:?}");
     let r = run(&c, &in_session(&t, &sid, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")).await;
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
-    assert!(r.execution.kernel_restarted);
-    assert_eq!(code_of(&r), Some(ErrorCode::KernelRestarted));
+    assert!(r.execution.kernel_restarted, "{r:?}");
+    assert_eq!(code_of(&r), Some(ErrorCode::KernelRestarted), "{r:?}");
     let next = run(&c, &in_session(&t, &sid, "'x' in globals()")).await;
-    assert_eq!(value(&next).as_deref(), Some("False"));
+    assert_eq!(value(&next).as_deref(), Some("False"), "{next:?}");
     assert_worker_serves(&c, &t, &r.worker_id).await;
 }
 
@@ -352,7 +352,7 @@ async fn signals_the_code_sends_its_own_kernel_end_the_cell_and_the_session_goes
     // SIGINT is the interrupt: a KeyboardInterrupt, state kept.
     let r = run(&c, &in_session(&t, &sid, "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)")).await;
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
-    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
+    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"), "{r:?}");
     assert_eq!(value(&run(&c, &in_session(&t, &sid, "x")).await).as_deref(), Some("5"));
     // SIGSTOP from a child: the kernel freezes; the deadline, the interrupt, then a kill and a fresh kernel.
     let mut sub = in_session(&t, &sid, "import subprocess\nsubprocess.run(['bash', '-c', 'kill -STOP $PPID'])\n'unreachable'");
@@ -364,7 +364,7 @@ async fn signals_the_code_sends_its_own_kernel_end_the_cell_and_the_session_goes
     let r = run(&c, &in_session(&t, &sid, "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)")).await;
     assert!(r.execution.kernel_restarted, "{r:?}");
     let next = run(&c, &in_session(&t, &sid, "1 + 1")).await;
-    assert_eq!(value(&next).as_deref(), Some("2"));
+    assert_eq!(value(&next).as_deref(), Some("2"), "{next:?}");
     assert_worker_serves(&c, &t, &r.worker_id).await;
 }
 
@@ -382,7 +382,7 @@ async fn a_background_process_does_not_outlive_its_cell() {
     // Nothing but PID 1 (tini), the driver and its kernel.
     let next = run(&c, &in_session(&t, &sid, check)).await;
     assert_eq!(value(&next).as_deref(), Some("[]"), "{next:?}");
-    assert_eq!(next.execution.processes_killed, 0);
+    assert_eq!(next.execution.processes_killed, 0, "{next:?}");
 }
 
 #[tokio::test]
@@ -430,7 +430,7 @@ async fn a_symlink_into_another_session_reaches_nothing() {
     assert!(r.execution.skipped_files.iter().any(|s| s.path == "link"), "{r:?}");
     // A's file is intact and still only A's.
     let again = run(&c, &in_session(&ta, &session_id(&a), "open('secret.txt').read()")).await;
-    assert_eq!(value(&again).as_deref(), Some("'A-only'"));
+    assert_eq!(value(&again).as_deref(), Some("'A-only'"), "{again:?}");
 }
 
 #[tokio::test]
@@ -462,5 +462,5 @@ async fn a_flood_of_one_sessions_queue_is_bounded_by_quota_and_does_not_hold_up_
     assert!(refused > 0, "the quota refused part of the flood");
     assert_eq!(ran, (1..=ran.len() as u32).collect::<Vec<_>>(), "admitted jobs ran in order, each once");
     let next = run(&fc, &in_session(&flood.name, &sid, "n")).await;
-    assert_eq!(value(&next), Some(ran.len().to_string()));
+    assert_eq!(value(&next), Some(ran.len().to_string()), "{next:?}");
 }

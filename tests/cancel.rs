@@ -32,7 +32,7 @@ async fn a_cancelled_cell_is_interrupted_and_the_session_keeps_its_state() {
     // Well before the cell's 60 s, with room for a loaded machine under gVisor.
     assert!(asked.elapsed() < Duration::from_secs(30), "cancelled after {:?}", asked.elapsed());
     assert!(!r.execution.kernel_restarted, "an interruptible cell must not cost the kernel: {r:?}");
-    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
+    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"), "{r:?}");
     let next = run(&c, &in_session(&t, &id, "x")).await;
     assert_eq!(value(&next).as_deref(), Some("'kept'"), "{next:?}");
     let session = c.session(&t, &id).await.expect("read").expect("session");
@@ -53,7 +53,7 @@ async fn a_tenant_cannot_cancel_another_tenants_job() {
     cb.cancel(&b.name, &job.job_id, &id).await.expect("publish");
     let r = ca.wait(&a.name, &job.job_id, JOB_WAIT).await.expect("result");
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(value(&r).as_deref(), Some("'done'"));
+    assert_eq!(value(&r).as_deref(), Some("'done'"), "{r:?}");
 }
 
 #[tokio::test]
@@ -62,7 +62,7 @@ async fn a_cancel_of_a_job_that_ended_changes_nothing() {
     let t = tenant();
     let id = session_id(&run(&c, &open_session(&t, "y = 2", None)).await);
     let done = run(&c, &in_session(&t, &id, "y * 21")).await;
-    assert_eq!(value(&done).as_deref(), Some("42"));
+    assert_eq!(value(&done).as_deref(), Some("42"), "{done:?}");
     c.cancel(&t, &done.job_id, &id).await.expect("cancel");
     // The next jobs run as ever, and the ended one's result is as it was.
     for _ in 0..3 {
@@ -70,8 +70,8 @@ async fn a_cancel_of_a_job_that_ended_changes_nothing() {
         assert_eq!(next.status, JobStatus::Succeeded, "{next:?}");
     }
     let again = c.result(&t, &done.job_id).await.expect("read").expect("result");
-    assert_eq!(again.status, JobStatus::Succeeded);
-    assert_eq!(value(&again).as_deref(), Some("42"));
+    assert_eq!(again.status, JobStatus::Succeeded, "{again:?}");
+    assert_eq!(value(&again).as_deref(), Some("42"), "{again:?}");
 }
 
 #[tokio::test]

@@ -10,9 +10,9 @@ async fn sqrt_prints_exact_value_and_succeeds() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "import math\nprint(math.sqrt(15129))")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.execution.stdout, "123.0\n");
-    assert_eq!(r.execution.exit_code, Some(0));
-    assert!(r.execution.error.is_none());
+    assert_eq!(r.execution.stdout, "123.0\n", "{r:?}");
+    assert_eq!(r.execution.exit_code, Some(0), "{r:?}");
+    assert!(r.execution.error.is_none(), "{r:?}");
     assert_eq!(r.attempts, 1);
     let t = &r.timings;
     assert!(t.started_at.unwrap() >= t.queued_at && t.finished_at.unwrap() >= t.started_at.unwrap());
@@ -32,7 +32,7 @@ async fn uploaded_csv_grouped_with_pandas_gives_exact_sums() {
     sub.files.push(input("data/transactions.csv", csv.as_bytes()));
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.execution.stdout, "groceries=49.75\nrent=1200.00\ntransport=6.00\n");
+    assert_eq!(r.execution.stdout, "groceries=49.75\nrent=1200.00\ntransport=6.00\n", "{r:?}");
     assert!(r.artifacts.iter().all(|a| a.path != "data/transactions.csv"), "an unchanged input is not an artifact");
 }
 
@@ -40,7 +40,7 @@ async fn uploaded_csv_grouped_with_pandas_gives_exact_sums() {
 async fn zero_division_is_failed_with_exception_and_traceback() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "x = 1\n1/0")).await;
-    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.status, JobStatus::Failed, "{r:?}");
     let e = r.execution.error.expect("error");
     assert_eq!(e.ename, "ZeroDivisionError");
     assert_eq!(e.evalue, "division by zero");
@@ -56,7 +56,7 @@ async fn infinite_loop_times_out_and_its_container_is_removed() {
     sub.timeout_ms = Some(2000);
     let t0 = Instant::now();
     let r = run(&c, &sub).await;
-    assert_eq!(r.status, JobStatus::TimedOut);
+    assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
     assert_eq!(r.limits.as_ref().unwrap().timeout_ms, 2000);
     let run_time = (r.timings.finished_at.unwrap() - r.timings.started_at.unwrap()).to_std().unwrap();
     assert!(run_time < Duration::from_secs(20), "timed out after {run_time:?}");
@@ -69,7 +69,7 @@ async fn infinite_loop_times_out_and_its_container_is_removed() {
 async fn last_expression_value_is_returned() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "a = 6\na * 7")).await;
-    assert_eq!(r.status, JobStatus::Succeeded);
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     match r.execution.outputs.as_slice() {
         [Output::ExecuteResult { data, .. }] => assert_eq!(data["text/plain"], "42"),
         other => panic!("unexpected outputs {other:?}"),
@@ -82,18 +82,18 @@ async fn bash_reports_its_exit_code() {
     let mut sub = python(&tenant(), "echo hi; echo oops >&2; exit 3");
     sub.language = Language::Bash;
     let r = run(&c, &sub).await;
-    assert_eq!(r.status, JobStatus::Failed);
-    assert_eq!(r.execution.exit_code, Some(3));
-    assert_eq!(r.execution.stdout, "hi\n");
-    assert_eq!(r.execution.stderr, "oops\n");
+    assert_eq!(r.status, JobStatus::Failed, "{r:?}");
+    assert_eq!(r.execution.exit_code, Some(3), "{r:?}");
+    assert_eq!(r.execution.stdout, "hi\n", "{r:?}");
+    assert_eq!(r.execution.stderr, "oops\n", "{r:?}");
 }
 
 #[tokio::test]
 async fn output_beyond_the_cap_is_truncated_and_flagged() {
     let c = client().await;
     let r = run(&c, &python(&tenant(), "import sys\nfor _ in range(3000): sys.stdout.write('x' * 1000 + '\\n')")).await;
-    assert_eq!(r.status, JobStatus::Succeeded);
-    assert!(r.execution.stdout_truncated);
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert!(r.execution.stdout_truncated, "{r:?}");
     let cap = r.limits.unwrap().stdout_bytes as usize;
     assert!(r.execution.stdout.len() <= cap && r.execution.stdout.len() > cap / 2, "kept {} of cap {cap}", r.execution.stdout.len());
 }
@@ -105,7 +105,7 @@ async fn requests_above_the_maximum_are_clamped() {
     sub.memory_mb = Some(1 << 30);
     sub.timeout_ms = Some(u64::MAX / 2);
     let r = run(&c, &sub).await;
-    assert_eq!(r.status, JobStatus::Succeeded);
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     let l = r.limits.unwrap();
     let max = sandcell_core::config::limit_policy_from_env().unwrap().max;
     assert_eq!(l.memory_mb, max.memory_mb);
@@ -121,7 +121,7 @@ async fn the_sandbox_has_no_network_and_runs_unprivileged() {
                 try:\n    open('/etc/x', 'w')\nexcept OSError:\n    print('readonly')";
     let r = run(&c, &python(&tenant(), code)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.execution.stdout, "1000 1000\nrefused\nreadonly\n");
+    assert_eq!(r.execution.stdout, "1000 1000\nrefused\nreadonly\n", "{r:?}");
 }
 
 #[tokio::test]
@@ -131,12 +131,12 @@ async fn exceeding_the_memory_limit_is_reported_as_oom_killed() {
     sub.memory_mb = Some(192);
     let r = run(&c, &sub).await;
     assert_oom_killed(&r);
-    assert!(!r.execution.stdout.contains("survived"));
+    assert!(!r.execution.stdout.contains("survived"), "{r:?}");
     let container = container_of(&sub.tenant, &sub.job_id).await.expect("the worker records the job's container");
     assert!(!container_exists(&container).await, "container {container} must be gone");
     // The worker goes on serving.
     let next = run(&c, &python(&sub.tenant, "print('next')")).await;
-    assert_eq!(next.execution.stdout, "next\n");
+    assert_eq!(next.execution.stdout, "next\n", "{next:?}");
 }
 
 /// Cost per execution: each result reports the wall time, CPU time and peak memory of its
@@ -177,7 +177,7 @@ async fn each_result_reports_the_cpu_time_and_peak_memory_its_code_used() {
     let mut spin = python(&t, "while True: pass");
     spin.timeout_ms = Some(1500);
     let r = run(&c, &spin).await;
-    assert_eq!(r.status, JobStatus::TimedOut);
+    assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
     let s = r.execution.usage.clone().expect("usage");
     // How much CPU a spinning cell gets in 1.5 s depends on what else the machine runs (this
     // file's tests run in parallel): 650 ms was seen under runsc in CI. Measured is the point.
@@ -196,7 +196,7 @@ async fn a_driver_speaks_over_its_own_socket_where_the_runtime_allows_it_and_ove
     sub.memory_mb = Some(768);
     let r = run(&c, &sub).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!((r.execution.stdout.as_str(), value(&r).as_deref()), ("spoken\n", Some("42")));
+    assert_eq!((r.execution.stdout.as_str(), value(&r).as_deref()), ("spoken\n", Some("42")), "{r:?}");
     let after = worker_metric(&name).await.unwrap_or(0.0);
     assert!(after > before, "{name}: {before} -> {after}");
 }

@@ -64,8 +64,8 @@ async fn nul_and_control_characters_in_every_output_kind_are_stored() {
     assert_eq!(r.status, JobStatus::Failed, "{r:?}");
     assert_eq!(code_of(&r), None, "the job's own exception, not an infrastructure failure: {r:?}");
     assert_eq!(r.attempts, 1, "run once, never again: {r:?}");
-    assert_eq!(r.execution.stdout, "out\u{FFFD}put\n");
-    assert_eq!(r.execution.stderr, "err\u{FFFD}\n");
+    assert_eq!(r.execution.stdout, "out\u{FFFD}put\n", "{r:?}");
+    assert_eq!(r.execution.stderr, "err\u{FFFD}\n", "{r:?}");
     let err = r.execution.error.as_ref().expect("the exception");
     assert_eq!(err.ename, "ValueError");
     assert!(err.evalue.contains("bad\u{FFFD}value"), "{err:?}");

@@ -15,12 +15,12 @@ async fn the_same_job_id_submitted_twice_runs_once() {
     c.submit(&sub).await.unwrap();
     c.submit(&sub).await.unwrap();
     let first = c.wait(&sub.tenant, &sub.job_id, JOB_WAIT).await.unwrap();
-    assert_eq!(first.status, JobStatus::Succeeded);
+    assert_eq!(first.status, JobStatus::Succeeded, "{first:?}");
     // A late retry after completion.
     c.submit(&sub).await.unwrap();
     // Give the scheduler and workers time to (wrongly) run it again.
     let marker = run(&c, &python(&sub.tenant, "print('after')")).await;
-    assert_eq!(marker.status, JobStatus::Succeeded);
+    assert_eq!(marker.status, JobStatus::Succeeded, "{marker:?}");
     tokio::time::sleep(Duration::from_secs(1)).await;
     let again = c.result(&sub.tenant, &sub.job_id).await.unwrap().unwrap();
     assert_eq!(again.attempts, 1);
@@ -50,7 +50,7 @@ async fn malformed_json_is_recorded_and_dead_lettered() {
     .await;
     assert_eq!(code.as_deref(), Some("malformed_json"));
     let next = run(&c, &python(&tenant(), "print('still serving')")).await;
-    assert_eq!(next.execution.stdout, "still serving\n");
+    assert_eq!(next.execution.stdout, "still serving\n", "{next:?}");
 }
 
 async fn rejected_with(body: serde_json::Value) -> sandcell_protocol::JobResult {
@@ -117,8 +117,8 @@ async fn bad_messages_do_not_stop_the_service() {
     missing.as_object_mut().unwrap().remove("language");
     c.submit_raw(missing.to_string().as_bytes(), None).await.unwrap();
     let r = run(&c, &python(&tenant(), "print(2 + 2)")).await;
-    assert_eq!(r.status, JobStatus::Succeeded);
-    assert_eq!(r.execution.stdout, "4\n");
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.execution.stdout, "4\n", "{r:?}");
 }
 
 /// One submission per validation error the table in docs/protocol.md §4 lists as `rejected`
@@ -164,7 +164,7 @@ async fn an_oversize_message_is_rejected_when_its_ids_are_readable() {
     let (tenant, job_id) = (b["tenant"].as_str().unwrap().to_string(), b["job_id"].as_str().unwrap().to_string());
     c.submit_raw(b.to_string().as_bytes(), Some(&job_id)).await.unwrap();
     let r = c.wait(&tenant, &job_id, JOB_WAIT).await.unwrap();
-    assert_eq!((r.status, r.reason.map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::OversizeMessage)));
+    assert_eq!((r.status, r.reason.as_ref().map(|x| x.code)), (JobStatus::Rejected, Some(ErrorCode::OversizeMessage)), "{r:?}");
 }
 
 #[tokio::test]
@@ -177,7 +177,7 @@ async fn the_broker_refuses_a_message_over_its_limit_before_it_reaches_the_sched
     // The client reconnects; the service goes on.
     let c = client().await;
     let next = run(&c, &python(&tenant(), "print('still serving')")).await;
-    assert_eq!(next.execution.stdout, "still serving\n");
+    assert_eq!(next.execution.stdout, "still serving\n", "{next:?}");
 }
 
 /// The scheduler's record checks an id under the tenant's lock, but a refusal is recorded

@@ -62,9 +62,9 @@ async fn output_printed_before_a_pause_arrives_long_before_the_job_ends_in_order
     let early = end_at.duration_since(*first_at);
     assert!(early >= Duration::from_secs(3), "'a' came only {early:?} before the end");
     // The events hold what the result holds, each text once.
-    assert_eq!(stream(&events, true), r.execution.stdout);
+    assert_eq!(stream(&events, true), r.execution.stdout, "{r:?}");
     assert_eq!(stream(&events, true), "a\nb\n");
-    assert_eq!(stream(&events, false), r.execution.stderr);
+    assert_eq!(stream(&events, false), r.execution.stderr, "{r:?}");
 }
 
 #[tokio::test]
@@ -120,8 +120,8 @@ async fn output_the_result_drops_at_its_stdout_limit_is_in_no_event() {
     assert!(r.execution.stdout_truncated, "the job printed beyond its limit");
     assert_numbered_from_zero(&events);
     let streamed = stream(&events, true);
-    assert_eq!(streamed.len(), r.execution.stdout.len());
-    assert_eq!(streamed, r.execution.stdout);
+    assert_eq!(streamed.len(), r.execution.stdout.len(), "{r:?}");
+    assert_eq!(streamed, r.execution.stdout, "{r:?}");
 }
 
 #[tokio::test]
@@ -215,7 +215,7 @@ async fn events_a_tenant_routes_into_the_intake_become_no_job_and_no_rejection()
     let stray_before = scheduler_metric("sandcell_submissions_total{outcome=\"not_published_to_intake\"}").await.unwrap_or(0.0);
     let c = b.client().await;
     let r = run(&c, &python(&b.name, "print('routed into the intake')")).await;
-    assert_eq!(r.status, JobStatus::Succeeded);
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     let dropped = eventually(Duration::from_secs(10), || async {
         let n = scheduler_metric("sandcell_submissions_total{outcome=\"not_published_to_intake\"}").await.unwrap_or(0.0);
         (n >= stray_before + 2.0).then_some(n) // the stdout and end events, at least

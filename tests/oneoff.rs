@@ -80,11 +80,11 @@ async fn a_tenants_next_one_off_job_reuses_the_sandbox_and_finds_nothing_the_las
     let find = python(&t, FIND_TRACES);
     let r = run(&c, &find).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.execution.stdout.trim(), NOTHING_FOUND);
+    assert_eq!(r.execution.stdout.trim(), NOTHING_FOUND, "{r:?}");
     // The point: the same sandbox ran both (under runc; under gVisor each had its own).
     assert_eq!(container(&leave).await == container(&find).await, !under_gvisor(), "one-off sandbox reuse as configured for the runtime");
     // Each one-off job is the first cell of a pristine interpreter.
-    assert_eq!(r.execution.outputs.len(), 0);
+    assert_eq!(r.execution.outputs.len(), 0, "{r:?}");
     let r = run(&c, &python(&t, "get_ipython().execution_count")).await;
     assert_eq!(value(&r).as_deref(), Some("1"), "{r:?}");
 }
@@ -201,7 +201,7 @@ async fn limits_still_fire_per_job_and_the_tenants_next_job_runs_clean() {
     slow.timeout_ms = Some(1500);
     let r = run(&c, &slow).await;
     assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
-    assert!(r.execution.limits_hit.contains(&LimitHit::Time));
+    assert!(r.execution.limits_hit.contains(&LimitHit::Time), "{r:?}");
     let slow_container = container(&slow).await;
     assert!(!container_exists(&slow_container).await, "a sandbox killed at the deadline is not reused");
     let next = python(&t, FIND_TRACES);
@@ -287,7 +287,7 @@ async fn a_one_off_job_takes_its_tenants_sandbox_coming_back_rather_than_wait_fo
     let both = HashSet::from([first_container, started]);
     let (third, fourth) = (shaped("import time\ntime.sleep(0.3)"), shaped("import time\ntime.sleep(0.3)"));
     let (r3, r4) = tokio::join!(run(&c, &third), run(&c, &fourth));
-    assert_eq!((r3.status, r4.status), (JobStatus::Succeeded, JobStatus::Succeeded));
+    assert_eq!((r3.status, r4.status), (JobStatus::Succeeded, JobStatus::Succeeded), "{r3:?} {r4:?}");
     // (Whether they ran at once depends on the worker's other jobs: both sandboxes, or one.)
     let used = HashSet::from([container(&third).await, container(&fourth).await]);
     assert!(used.is_subset(&both), "a third sandbox was started: {used:?} beyond {both:?}");

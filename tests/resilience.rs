@@ -36,8 +36,8 @@ async fn jobs_run_after_a_broker_restart() {
     // Live output flows again too: the worker publishes on a channel of its new connection.
     let mut live = c.live(&sub.tenant, Some(&sub.job_id)).await.expect("subscribe");
     let r = run(&c, &sub).await;
-    assert_eq!(r.status, JobStatus::Succeeded);
-    assert_eq!(r.execution.stdout, "after broker restart\n");
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.execution.stdout, "after broker restart\n", "{r:?}");
     let first = tokio::time::timeout(Duration::from_secs(10), live.next()).await.expect("a live event after the restart").expect("subscription open");
     assert_eq!(first.body, sandcell_protocol::EventBody::Stdout { text: "after broker restart\n".into() });
 }
@@ -671,8 +671,8 @@ async fn jobs_run_after_a_database_restart() {
     both_healthy_again().await;
     // The client's own pool reconnects too.
     let r = run(&c, &python(&tenant(), "print('after database restart')")).await;
-    assert_eq!(r.status, JobStatus::Succeeded);
-    assert_eq!(r.execution.stdout, "after database restart\n");
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.execution.stdout, "after database restart\n", "{r:?}");
 }
 
 /// Every pool hands out a connection used moments ago without pinging it first (a round trip

@@ -25,9 +25,9 @@ async fn a_variable_set_in_one_job_is_seen_by_the_next() {
     assert!(session.expires_at.is_some());
     let second = run(&c, &in_session(&t, &session.id, "x + 1")).await;
     assert_eq!(second.status, JobStatus::Succeeded, "{second:?}");
-    assert_eq!(value(&second).as_deref(), Some("42"));
+    assert_eq!(value(&second).as_deref(), Some("42"), "{second:?}");
     assert_eq!(second.worker_id, first.worker_id, "a session's jobs run on the worker that holds it");
-    assert!(!second.execution.kernel_restarted);
+    assert!(!second.execution.kernel_restarted, "{second:?}");
 }
 
 #[tokio::test]
@@ -73,7 +73,7 @@ async fn an_exception_keeps_the_sessions_earlier_variables() {
     let t = tenant();
     let id = session_id(&run(&c, &open_session(&t, "total = 7", None)).await);
     let err = run(&c, &in_session(&t, &id, "1/0")).await;
-    assert_eq!(err.status, JobStatus::Failed);
+    assert_eq!(err.status, JobStatus::Failed, "{err:?}");
     let e = err.execution.error.expect("error");
     assert_eq!(e.ename, "ZeroDivisionError");
     assert!(e.traceback.iter().any(|l| l.contains("ZeroDivisionError")), "{:?}", e.traceback);
@@ -91,7 +91,7 @@ async fn a_timed_out_cell_is_interrupted_and_the_session_keeps_its_state() {
     let r = run(&c, &spin).await;
     assert_eq!(r.status, JobStatus::TimedOut, "{r:?}");
     assert!(!r.execution.kernel_restarted, "an interruptible cell must not cost the kernel: {r:?}");
-    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"));
+    assert_eq!(r.execution.error.as_ref().map(|e| e.ename.as_str()), Some("KeyboardInterrupt"), "{r:?}");
     let next = run(&c, &in_session(&t, &id, "x")).await;
     assert_eq!(value(&next).as_deref(), Some("'still here'"), "{next:?}");
 }
@@ -106,11 +106,11 @@ async fn a_kernel_that_exits_is_restarted_and_the_session_goes_on() {
     let r = run(&c, &in_session(&t, &id, "import os; os._exit(1)")).await;
     assert!(r.execution.kernel_restarted, "{r:?}");
     assert_eq!(reason_code(&r), Some(ErrorCode::KernelRestarted));
-    assert_ne!(r.status, JobStatus::Succeeded);
+    assert_ne!(r.status, JobStatus::Succeeded, "{r:?}");
     // The new kernel runs the next cell; the old state is gone, as the result said.
     let next = run(&c, &in_session(&t, &id, "'x' in dir()")).await;
     assert_eq!(next.status, JobStatus::Succeeded, "{next:?}");
-    assert_eq!(value(&next).as_deref(), Some("False"));
+    assert_eq!(value(&next).as_deref(), Some("False"), "{next:?}");
     assert!(!container_exists(&old).await, "the dead kernel's container is removed");
 }
 
@@ -123,7 +123,7 @@ async fn an_out_of_memory_kernel_is_reported_and_restarted() {
     let id = session_id(&run(&c, &open).await);
     let r = run(&c, &in_session(&t, &id, "b = bytearray(1024 * 1024 * 1024)")).await;
     assert_oom_killed(&r);
-    assert!(r.execution.kernel_restarted);
+    assert!(r.execution.kernel_restarted, "{r:?}");
     let next = run(&c, &in_session(&t, &id, "1 + 1")).await;
     assert_eq!(value(&next).as_deref(), Some("2"), "{next:?}");
 }
@@ -146,7 +146,7 @@ async fn a_session_expires_after_its_keep_alive_and_later_jobs_are_refused() {
     let gone = eventually(Duration::from_secs(30), || async { (!container_exists(&container).await).then_some(()) }).await;
     assert!(gone.is_some(), "the expired session's container is destroyed");
     let late = run(&c, &in_session(&t, &id, "x")).await;
-    assert_eq!(late.status, JobStatus::Rejected);
+    assert_eq!(late.status, JobStatus::Rejected, "{late:?}");
     assert_eq!(reason_code(&late), Some(ErrorCode::SessionExpired), "{late:?}");
 }
 
@@ -163,7 +163,7 @@ async fn every_job_extends_the_keep_alive() {
         assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     }
     let r = run(&c, &in_session(&t, &id, "n")).await;
-    assert_eq!(value(&r).as_deref(), Some("6"));
+    assert_eq!(value(&r).as_deref(), Some("6"), "{r:?}");
 }
 
 #[tokio::test]
@@ -186,20 +186,20 @@ async fn another_tenants_session_cannot_be_named() {
     let (owner, intruder) = (tenant(), tenant());
     let id = session_id(&run(&c, &open_session(&owner, "secret = 'owner data'", None)).await);
     let r = run(&c, &in_session(&intruder, &id, "secret")).await;
-    assert_eq!(r.status, JobStatus::Rejected);
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
     assert_eq!(reason_code(&r), Some(ErrorCode::SessionNotFound), "{r:?}");
-    assert!(r.session.is_none() && r.execution.stdout.is_empty() && r.execution.outputs.is_empty());
+    assert!(r.session.is_none() && r.execution.stdout.is_empty() && r.execution.outputs.is_empty(), "{r:?}");
     assert!(c.session(&intruder, &id).await.unwrap().is_none(), "the intruder cannot read the session");
     // And the owner's session is untouched.
     let mine = run(&c, &in_session(&owner, &id, "secret")).await;
-    assert_eq!(value(&mine).as_deref(), Some("'owner data'"));
+    assert_eq!(value(&mine).as_deref(), Some("'owner data'"), "{mine:?}");
 }
 
 #[tokio::test]
 async fn an_unknown_session_is_refused() {
     let c = client().await;
     let r = run(&c, &in_session(&tenant(), &sandcell_protocol::session::new_session_id(), "1")).await;
-    assert_eq!(r.status, JobStatus::Rejected);
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
     assert_eq!(reason_code(&r), Some(ErrorCode::SessionNotFound));
 }
 
@@ -223,7 +223,7 @@ async fn interleaved_sessions_each_see_only_their_own_state() {
         assert!(v.starts_with(&format!("('{expected}', ")), "a job of session {expected} saw {v}");
     }
     let last_a = run(&c, &in_session(&t, &a, "seen")).await;
-    assert_eq!(value(&last_a).as_deref(), Some("['a', 'a', 'a']"));
+    assert_eq!(value(&last_a).as_deref(), Some("['a', 'a', 'a']"), "{last_a:?}");
 }
 
 #[tokio::test]
@@ -243,7 +243,7 @@ async fn jobs_submitted_without_waiting_run_in_submission_order() {
     }
     let r = run(&c, &in_session(&t, &id, "order")).await;
     let expected = format!("{:?}", (0..20).collect::<Vec<_>>());
-    assert_eq!(value(&r).as_deref(), Some(expected.as_str()));
+    assert_eq!(value(&r).as_deref(), Some(expected.as_str()), "{r:?}");
 }
 
 #[tokio::test]
@@ -255,9 +255,9 @@ async fn bash_runs_in_the_sessions_workspace() {
     sh.language = Language::Bash;
     let r = run(&c, &sh).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.execution.stdout, "from python/home/user\n");
+    assert_eq!(r.execution.stdout, "from python/home/user\n", "{r:?}");
     let back = run(&c, &in_session(&t, &id, "open('note.txt').read()")).await;
-    assert_eq!(value(&back).as_deref(), Some("'from python and bash\\n'"));
+    assert_eq!(value(&back).as_deref(), Some("'from python and bash\\n'"), "{back:?}");
 }
 
 #[tokio::test]
@@ -291,14 +291,14 @@ async fn a_large_file_uploaded_by_reference_lands_in_the_workspace() {
     let r = run(&c, &open).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     use sha2::Digest;
-    assert_eq!(value(&r), Some(format!("'{}'", hex::encode(sha2::Sha256::digest(&big)))));
+    assert_eq!(value(&r), Some(format!("'{}'", hex::encode(sha2::Sha256::digest(&big)))), "{r:?}");
     // A key that does not exist is the client's error, and nothing runs.
     let mut missing = python(&t, "print('ran')");
     missing.files.push(sandcell_protocol::InputFile { path: "x".into(), content_b64: None, s3_key: Some(format!("{t}/_uploads/nope")) });
     let r = run(&c, &missing).await;
-    assert_eq!(r.status, JobStatus::Rejected);
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
     assert_eq!(reason_code(&r), Some(ErrorCode::UploadFailed));
-    assert!(r.execution.stdout.is_empty());
+    assert!(r.execution.stdout.is_empty(), "{r:?}");
 }
 
 #[tokio::test]

@@ -27,13 +27,13 @@ async fn busy_tenant(t: &TestTenant) -> (sandcell_client::Client, sandcell_proto
 async fn a_tenant_submits_as_its_broker_user_and_reads_its_results_through_its_own_role() {
     let a = TestTenant::create(None).await;
     let (c, r) = busy_tenant(&a).await;
-    assert_eq!(value(&r).as_deref(), Some("'value of A'"));
+    assert_eq!(value(&r).as_deref(), Some("'value of A'"), "{r:?}");
     // The session is readable by its owner through the owner's role.
     let s = c.session(&a.name, &session_id(&r)).await.expect("reading the session").expect("own session visible");
     assert_eq!(s.tenant, a.name);
     // And the notification channel works through the role (wait used it).
     let next = run(&c, &in_session(&a.name, &session_id(&r), "open('secret.txt').read()")).await;
-    assert_eq!(value(&next).as_deref(), Some("'the secret of A'"));
+    assert_eq!(value(&next).as_deref(), Some("'the secret of A'"), "{next:?}");
 }
 
 #[tokio::test]
@@ -43,7 +43,7 @@ async fn a_second_tenant_reads_nothing_of_the_first_through_postgres() {
     let (_, ra) = busy_tenant(&a).await;
     let b_client = b.client().await;
     let rb = run(&b_client, &python(&b.name, "print('b')")).await;
-    assert_eq!(rb.status, JobStatus::Succeeded);
+    assert_eq!(rb.status, JobStatus::Succeeded, "{rb:?}");
 
     let db = b.db().await;
     // Every table and view a tenant may read shows only its own rows, even when asked for A's.
@@ -84,7 +84,7 @@ async fn a_second_tenant_reads_nothing_of_the_first_through_postgres() {
     listener.listen_all(channels.iter().map(String::as_str).chain(["sandcell_jobs"])).await.unwrap();
     let a_client = a.client().await;
     let again = run(&a_client, &in_session(&a.name, &session_id(&ra), "1 + 1")).await;
-    assert_eq!(again.status, JobStatus::Succeeded);
+    assert_eq!(again.status, JobStatus::Succeeded, "{again:?}");
     let heard = tokio::time::timeout(Duration::from_secs(2), listener.recv()).await;
     assert!(heard.is_err(), "B heard a notification: {heard:?}");
 }
@@ -123,7 +123,7 @@ async fn the_broker_vouches_for_the_tenant_and_a_claim_to_another_is_refused_and
     let sub = python(&a.name, "print('pretending')");
     bc.submit(&sub).await.expect("publish");
     let r = bc.wait(&b.name, &sub.job_id, JOB_WAIT).await.expect("refusal recorded under B");
-    assert_eq!(r.status, JobStatus::Rejected);
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
     assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::TenantMismatch), "{r:?}");
     let service = service_db().await;
     let under_a: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1").bind(&a.name).fetch_one(&service).await.unwrap();
@@ -184,11 +184,11 @@ async fn a_tenant_naming_another_tenants_session_or_job_id_gets_nothing_of_it() 
 
     // A's session id in B's job: unknown to B, exactly like a session that never existed.
     let rb = run(&bc, &in_session(&b.name, &session_id(&ra), "open('secret.txt').read()")).await;
-    assert_eq!(rb.status, JobStatus::Rejected);
-    assert_eq!(rb.reason.as_ref().map(|x| x.code), Some(ErrorCode::SessionNotFound));
+    assert_eq!(rb.status, JobStatus::Rejected, "{rb:?}");
+    assert_eq!(rb.reason.as_ref().map(|x| x.code), Some(ErrorCode::SessionNotFound), "{rb:?}");
     let unknown = "ses_00000000000000000000000000000000";
     let never = run(&bc, &in_session(&b.name, unknown, "1")).await;
-    assert_eq!(never.reason.as_ref().map(|x| x.code), Some(ErrorCode::SessionNotFound));
+    assert_eq!(never.reason.as_ref().map(|x| x.code), Some(ErrorCode::SessionNotFound), "{never:?}");
     let told = |r: &sandcell_protocol::JobResult, id: &str| r.reason.as_ref().unwrap().message.replace(id, "<id>");
     assert_eq!(told(&rb, &session_id(&ra)), told(&never, unknown), "A's session is indistinguishable from none");
 
@@ -196,10 +196,10 @@ async fn a_tenant_naming_another_tenants_session_or_job_id_gets_nothing_of_it() 
     let mut sub = python(&b.name, "print('b owns this id too')");
     sub.job_id = ra.job_id.clone();
     let rb = run(&bc, &sub).await;
-    assert_eq!((rb.status, rb.execution.stdout.as_str()), (JobStatus::Succeeded, "b owns this id too\n"));
+    assert_eq!((rb.status, rb.execution.stdout.as_str()), (JobStatus::Succeeded, "b owns this id too\n"), "{rb:?}");
     let ra2 = ac.result(&a.name, &ra.job_id).await.unwrap().expect("A's job");
     assert_eq!(ra2.execution.outputs, ra.execution.outputs);
-    assert_eq!(ra2.artifacts.len(), 2);
+    assert_eq!(ra2.artifacts.len(), 2, "{ra2:?}");
 }
 
 #[tokio::test]
@@ -211,7 +211,7 @@ async fn jobs_and_sessions_over_quota_are_refused_with_quota_exceeded() {
     let first = run(&c, &open_session(&t.name, "x = 1", Some(300))).await;
     assert_eq!(first.status, JobStatus::Succeeded, "{first:?}");
     let second = run(&c, &open_session(&t.name, "x = 2", Some(30))).await;
-    assert_eq!(second.status, JobStatus::Rejected);
+    assert_eq!(second.status, JobStatus::Rejected, "{second:?}");
     let reason = second.reason.expect("reason");
     assert_eq!(reason.code, ErrorCode::QuotaExceeded);
     assert!(reason.message.contains("sessions"), "{}", reason.message);
@@ -225,8 +225,8 @@ async fn jobs_and_sessions_over_quota_are_refused_with_quota_exceeded() {
     for s in &subs {
         let r = c.wait(&t.name, &s.job_id, JOB_WAIT).await.expect("result");
         if r.status == JobStatus::Rejected {
-            assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::QuotaExceeded));
-            assert!(r.reason.as_ref().unwrap().message.contains("queued"));
+            assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::QuotaExceeded), "{r:?}");
+            assert!(r.reason.as_ref().unwrap().message.contains("queued"), "{r:?}");
         }
         statuses.push(r.status);
     }
@@ -248,18 +248,18 @@ async fn artifact_bytes_over_quota_are_skipped_then_refused() {
     // Two files of 600 bytes: the first fits, the second is skipped and reported.
     let r = run(&c, &python(&t.name, "open('a.txt', 'w').write('a' * 600)\nopen('b.txt', 'w').write('b' * 600)")).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
-    assert_eq!(r.artifacts.iter().map(|a| a.path.as_str()).collect::<Vec<_>>(), ["a.txt"]);
+    assert_eq!(r.artifacts.iter().map(|a| a.path.as_str()).collect::<Vec<_>>(), ["a.txt"], "{r:?}");
     assert_eq!(r.execution.skipped_files.len(), 1, "{r:?}");
-    assert_eq!((r.execution.skipped_files[0].path.as_str(), r.execution.skipped_files[0].reason.as_str()), ("b.txt", "quota_exceeded"));
-    assert!(r.execution.limits_hit.contains(&LimitHit::Artifacts));
+    assert_eq!((r.execution.skipped_files[0].path.as_str(), r.execution.skipped_files[0].reason.as_str()), ("b.txt", "quota_exceeded"), "{r:?}");
+    assert!(r.execution.limits_hit.contains(&LimitHit::Artifacts), "{r:?}");
     // 400 bytes left: exactly that fits.
     let r = run(&c, &python(&t.name, "open('c.txt', 'w').write('c' * 400)")).await;
     assert_eq!(r.artifacts.len(), 1, "{r:?}");
     // Now at the quota: the next job is refused before it runs.
     let r = run(&c, &python(&t.name, "print('never runs')")).await;
-    assert_eq!(r.status, JobStatus::Rejected);
-    assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::QuotaExceeded));
-    assert!(r.reason.unwrap().message.contains("artifacts"));
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
+    assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::QuotaExceeded), "{r:?}");
+    assert!(r.reason.as_ref().is_some_and(|x| x.message.contains("artifacts")), "{r:?}");
 }
 
 #[tokio::test]
@@ -292,15 +292,16 @@ async fn a_deleted_tenant_can_neither_connect_nor_have_jobs_admitted_and_is_list
     let bin = std::env::var("SANDCELL_ADMIN_BIN").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/sandcell-admin").to_string());
     let t = TestTenant::create(None).await;
     let c = t.client().await;
-    assert_eq!(run(&c, &python(&t.name, "1")).await.status, JobStatus::Succeeded);
+    let first = run(&c, &python(&t.name, "1")).await;
+    assert_eq!(first.status, JobStatus::Succeeded, "{first:?}");
     let out = std::process::Command::new(&bin).args(["tenant", "delete", &t.name]).output().expect("running sandcell-admin");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(sandcell_core::broker::connect(&t.creds.amqp_url, "deleted-tenant").await.is_err(), "the broker still lets it in");
     assert!(sqlx::PgPool::connect(&t.creds.database_url).await.is_err(), "Postgres still lets it in");
     // Not even a trusted backend gets a job of it admitted.
     let r = run(&client().await, &python(&t.name, "1")).await;
-    assert_eq!(r.status, JobStatus::Rejected);
-    assert_eq!(r.reason.map(|x| x.code), Some(ErrorCode::QuotaExceeded));
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
+    assert_eq!(r.reason.as_ref().map(|x| x.code), Some(ErrorCode::QuotaExceeded), "{r:?}");
     let list = std::process::Command::new(&bin).args(["tenant", "list"]).output().expect("running sandcell-admin");
     let text = String::from_utf8_lossy(&list.stdout);
     let at = text.find(&format!("tenant {}:", t.name)).unwrap_or_else(|| panic!("{} not listed: {text}", t.name));
@@ -322,7 +323,7 @@ async fn the_admin_command_creates_a_tenant_that_can_run_a_job() {
     assert_eq!(get("SANDCELL_TENANT"), name);
     let c = sandcell_client::Client::connect(&get("SANDCELL_AMQP_URL"), &get("SANDCELL_DATABASE_URL")).await.expect("connect as the new tenant");
     let r = run(&c, &python(&name, "print(sum(range(10)))")).await;
-    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "45\n"));
+    assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, "45\n"), "{r:?}");
     let show = std::process::Command::new(&bin).args(["tenant", "show", &name]).output().unwrap();
     assert!(String::from_utf8_lossy(&show.stdout).contains("max_sessions=3"));
 }
@@ -560,14 +561,15 @@ async fn kept_results_count_against_the_result_bytes_quota_until_the_retention_d
     let sid = session_id(&opened);
     let mut with_input = in_session(&t.name, &sid, "n += 1");
     with_input.files = vec![input("in.bin", &[7u8; 50_000])];
-    assert_eq!(run(&c, &with_input).await.status, JobStatus::Succeeded);
+    let stored = run(&c, &with_input).await;
+    assert_eq!(stored.status, JobStatus::Succeeded, "{stored:?}");
     let refused = run(&c, &in_session(&t.name, "no-such-session", "n")).await;
     assert_eq!(refused.status, JobStatus::Rejected, "{refused:?}");
     let (counted, rows) = kept_bytes(&pool, &t.name).await;
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
     assert!(counted < 600_000, "{counted}");
     let big = print_incompressible(&c, &t.name, 525_000).await;
-    assert_eq!(big.execution.stdout.len(), 700_001);
+    assert_eq!(big.execution.stdout.len(), 700_001, "{big:?}");
     let (counted, rows) = kept_bytes(&pool, &t.name).await;
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
     assert!(counted > 600_000, "{counted}");
@@ -596,7 +598,8 @@ async fn kept_results_count_against_the_result_bytes_quota_until_the_retention_d
     let again = run(&c, &in_session(&t.name, &sid, "n += 1\nprint(n)")).await;
     assert_eq!((again.status, again.execution.stdout.as_str()), (JobStatus::Succeeded, "3\n"), "{again:?}");
     // A session's end drops the execution jobs it kept: the count follows.
-    assert_eq!(run(&c, &close_session(&t.name, &sid)).await.status, JobStatus::Succeeded);
+    let closed = run(&c, &close_session(&t.name, &sid)).await;
+    assert_eq!(closed.status, JobStatus::Succeeded, "{closed:?}");
     let (counted, rows) = kept_bytes(&pool, &t.name).await;
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows after the session ended");
 }
