@@ -83,7 +83,9 @@ import gc
 import importlib
 import io
 import base64
+import collections
 import json
+import linecache
 import os
 import platform
 import resource
@@ -245,6 +247,20 @@ def create_shell():
                 return ({"text/plain": data} if data is not None else {}), {}
             return super().compute_format_data(result)
 
+        def cull_cache(self):
+            # IPython's culling of Out (its oldest fifth once it holds cache_size results),
+            # without the UserWarning IPython prints into the cell's stderr, and with the
+            # texts IPython keeps of those results (output_hist_reprs, never culled by it).
+            oh = self.shell.user_ns.get("_oh", {})
+            reprs = self.shell.history_manager.output_hist_reprs
+            for number in sorted(oh)[:max(int(len(oh) * self.cull_fraction), 2)]:
+                self.shell.user_ns.pop("_%i" % number, None)
+                self.shell.user_ns_hidden.pop("_%i" % number, None)
+                oh.pop(number, None)
+            oldest = min(oh, default=None)
+            for number in [n for n in reprs if oldest is None or n < oldest]:
+                del reprs[number]
+
         def write_format_data(self, format_dict, md_dict=None):
             bundle = clean_mime_bundle(format_dict)
             if bundle:
@@ -395,6 +411,100 @@ def flush_figures(sink):
 
 
 # --------------------------------------------------------------------------
+# What IPython keeps of past cells
+# --------------------------------------------------------------------------
+
+
+# IPython keeps every cell's input for as long as the kernel lives, about three times over (`In`,
+# the raw history behind `_iN`, and linecache's copy of the compiled lines, for tracebacks). In a
+# session that is memory the sandbox's limit counts: 300 cells of 100 KB of code held 87 MiB more
+# (measured 2026-11-28), and at the 1 MiB a job's code may have, ~300 cells would have ended the
+# session in an out-of-memory kill on history alone. The inputs of the last HISTORY_CELLS cells
+# are kept as IPython keeps them, within HISTORY_BYTES of text; an older cell's reads as "" in
+# `In` (the indices stay), its `_iN` name is gone, and a traceback through a function it defined
+# shows no source lines. Out keeps the last results as IPython's cache_size (1000) says, culled
+# by SandcellDisplayHook.cull_cache.
+HISTORY_CELLS = 1000
+HISTORY_BYTES = 32 << 20
+
+
+class InputHistory:
+    """The inputs of past cells IPython holds, oldest first, trimmed to HISTORY_CELLS cells and
+    HISTORY_BYTES of text after each cell (`begin` before it, `end` after it)."""
+
+    def __init__(self, shell):
+        self.shell = shell
+        # Per cell: (index in In, raw input, parsed input, its `_iN` name, the namespace and
+        # hidden names it was put in, the linecache names its compiles made, bytes held).
+        self.cells = collections.deque()
+        self.bytes = 0
+        self._stored = 0
+        self._names = []
+        cache = shell.compile.cache
+
+        def cache_and_note(transformed_code, number=0, raw_code=None):
+            name = cache(transformed_code, number, raw_code)
+            self._names.append(name)
+            return name
+
+        shell.compile.cache = cache_and_note
+
+    def begin(self):
+        self._names = []
+        self._stored = len(self.shell.history_manager.input_hist_raw)
+
+    def end(self):
+        shell, hm = self.shell, self.shell.history_manager
+        names, self._names = self._names, []
+        size = sum(linecache.cache[name][0] for name in names if name in linecache.cache)
+        last = len(hm.input_hist_raw) - 1
+        if last >= self._stored and len(hm.input_hist_parsed) == last + 1:
+            # One input stored, or more when the cell ran cells itself (get_ipython().run_cell):
+            # each stored one took the next count.
+            for index in range(self._stored, last + 1):
+                raw, parsed = hm.input_hist_raw[index], hm.input_hist_parsed[index]
+                key = "_i%d" % (shell.execution_count - 1 - (last - index))
+                held = len(raw) + len(parsed) + (size if index == last else 0)
+                self.cells.append((index, raw, parsed, key, shell.user_ns, shell.user_ns_hidden,
+                                   names if index == last else [], held))
+                self.bytes += held
+        elif names:  # compiled, not stored (exit, quit): only its lines are held
+            self.cells.append((None, None, None, None, None, None, names, size))
+            self.bytes += size
+        else:
+            return
+        if len(self.cells) > HISTORY_CELLS or self.bytes > HISTORY_BYTES:
+            self.trim()
+
+    def trim(self):
+        """Drop the oldest cells' inputs down to four fifths of the bounds (as IPython culls Out:
+        a cell over the bounds does not pay for a trim each)."""
+        hm = self.shell.history_manager
+        dropped = set()
+        cells, size_left = HISTORY_CELLS * 4 // 5, HISTORY_BYTES * 4 // 5
+        while len(self.cells) > 1 and (len(self.cells) > cells or self.bytes > size_left):
+            index, raw, parsed, key, ns, hidden, names, size = self.cells.popleft()
+            self.bytes -= size
+            for name in names:
+                linecache.cache.pop(name, None)
+                self.shell.compile._filename_map.pop(name, None)
+            if index is None:
+                continue
+            # Only what is still this cell's: `%reset` empties the history, code may rewrite it.
+            for inputs, text in ((hm.input_hist_raw, raw), (hm.input_hist_parsed, parsed)):
+                if index < len(inputs) and inputs[index] is text:
+                    inputs[index] = ""
+            if ns.get(key) is raw:
+                del ns[key]
+                hidden.pop(key, None)
+            dropped.add(id(raw))
+        if dropped:
+            # Queued for a database this kernel never writes to (its history is in memory).
+            with hm.db_input_cache_lock:
+                hm.db_input_cache[:] = [e for e in hm.db_input_cache if id(e[2]) not in dropped]
+
+
+# --------------------------------------------------------------------------
 # Runs
 # --------------------------------------------------------------------------
 
@@ -420,6 +530,8 @@ class Kernel:
         # (module, namespace, execution count).
         self.context = DEFAULT_CONTEXT
         self.contexts = {}
+        # The inputs of a session's past cells, bounded (see InputHistory).
+        self.history = InputHistory(shell)
         # The state of every open file this process holds, as it was when it became ready:
         # a fresh run inherits them (see restore_shared_files).
         self.shared_files = shared_file_states()
@@ -722,6 +834,7 @@ class Kernel:
 
         shell.sandcell_sink = sink
         shell.sandcell_errors_sent = 0
+        self.history.begin()
         try:
             try:
                 result = shell.run_cell(code, store_history=True)
@@ -739,6 +852,10 @@ class Kernel:
             flush_figures(sink)
         finally:
             shell.sandcell_sink = None
+            try:
+                self.history.end()
+            except Exception as exc:  # the cell's code may have rewritten IPython's history
+                self.channel.log("could not bound the inputs' history: %r" % (exc,))
         return 1 if failed else 0
 
     def use_context(self, name):
