@@ -249,17 +249,18 @@ def create_shell():
 
         def cull_cache(self):
             # IPython's culling of Out (its oldest fifth once it holds cache_size results),
-            # without the UserWarning IPython prints into the cell's stderr, and with the
-            # texts IPython keeps of those results (output_hist_reprs, never culled by it).
+            # without the UserWarning IPython prints into the cell's stderr (each context has
+            # an Out of its own: Kernel.use_context). The texts IPython keeps of results
+            # (output_hist_reprs, never culled by it, one for all contexts) are bounded too.
             oh = self.shell.user_ns.get("_oh", {})
-            reprs = self.shell.history_manager.output_hist_reprs
             for number in sorted(oh)[:max(int(len(oh) * self.cull_fraction), 2)]:
                 self.shell.user_ns.pop("_%i" % number, None)
                 self.shell.user_ns_hidden.pop("_%i" % number, None)
                 oh.pop(number, None)
-            oldest = min(oh, default=None)
-            for number in [n for n in reprs if oldest is None or n < oldest]:
-                del reprs[number]
+            reprs = self.shell.history_manager.output_hist_reprs
+            if len(reprs) > len(oh):
+                for number in sorted(reprs)[:len(reprs) - len(oh)]:
+                    del reprs[number]
 
         def write_format_data(self, format_dict, md_dict=None):
             bundle = clean_mime_bundle(format_dict)
@@ -430,49 +431,62 @@ HISTORY_BYTES = 32 << 20
 
 class InputHistory:
     """The inputs of past cells IPython holds, oldest first, trimmed to HISTORY_CELLS cells and
-    HISTORY_BYTES of text after each cell (`begin` before it, `end` after it)."""
+    HISTORY_BYTES of text after each cell (`begin` before it, `end` after it). It learns what a
+    cell stored from IPython's own calls (the history's store_inputs, the compiler's cache), so
+    a cell that ran cells itself is followed too."""
+
+    # What linecache holds per line beyond its text: a str object and its list slot.
+    LINE_OVERHEAD = 56
 
     def __init__(self, shell):
         self.shell = shell
-        # Per cell: (index in In, raw input, parsed input, its `_iN` name, the namespace and
-        # hidden names it was put in, the linecache names its compiles made, bytes held).
+        # Per stored input: (index in In, raw input, parsed input, its `_iN` name, the namespace
+        # and hidden names it was put in, the linecache names compiled with it, bytes held).
         self.cells = collections.deque()
         self.bytes = 0
-        self._stored = 0
+        # How many kept cells compiled each linecache name: a name is the input's count and a
+        # hash of its text, so two contexts' (or a count reset by %reset) equal cells share one.
+        self._name_uses = collections.Counter()
+        self._inputs = []
         self._names = []
-        cache = shell.compile.cache
+        hm, store_inputs, cache = shell.history_manager, shell.history_manager.store_inputs, shell.compile.cache
+
+        def store_and_note(line_num, source, source_raw=None):
+            index = len(hm.input_hist_raw)
+            store_inputs(line_num, source, source_raw)
+            if len(hm.input_hist_raw) == index + 1 and len(hm.input_hist_parsed) == index + 1:
+                self._inputs.append((index, hm.input_hist_raw[index], hm.input_hist_parsed[index],
+                                     "_i%d" % line_num, shell.user_ns, shell.user_ns_hidden))
 
         def cache_and_note(transformed_code, number=0, raw_code=None):
             name = cache(transformed_code, number, raw_code)
             self._names.append(name)
             return name
 
+        hm.store_inputs = store_and_note
         shell.compile.cache = cache_and_note
 
     def begin(self):
-        self._names = []
-        self._stored = len(self.shell.history_manager.input_hist_raw)
+        self._inputs, self._names = [], []
 
     def end(self):
-        shell, hm = self.shell, self.shell.history_manager
+        inputs, self._inputs = self._inputs, []
         names, self._names = self._names, []
-        size = sum(linecache.cache[name][0] for name in names if name in linecache.cache)
-        last = len(hm.input_hist_raw) - 1
-        if last >= self._stored and len(hm.input_hist_parsed) == last + 1:
-            # One input stored, or more when the cell ran cells itself (get_ipython().run_cell):
-            # each stored one took the next count.
-            for index in range(self._stored, last + 1):
-                raw, parsed = hm.input_hist_raw[index], hm.input_hist_parsed[index]
-                key = "_i%d" % (shell.execution_count - 1 - (last - index))
-                held = len(raw) + len(parsed) + (size if index == last else 0)
-                self.cells.append((index, raw, parsed, key, shell.user_ns, shell.user_ns_hidden,
-                                   names if index == last else [], held))
-                self.bytes += held
-        elif names:  # compiled, not stored (exit, quit): only its lines are held
-            self.cells.append((None, None, None, None, None, None, names, size))
-            self.bytes += size
-        else:
-            return
+        lines = 0
+        for name in names:
+            entry = linecache.cache.get(name)
+            if entry is not None:
+                lines += entry[0] + self.LINE_OVERHEAD * len(entry[2])
+            self._name_uses[name] += 1
+        if not inputs:
+            if not names:
+                return
+            inputs = [(None, None, None, None, None, None)]  # compiled, not stored: exit, quit
+        for i, (index, raw, parsed, key, ns, hidden) in enumerate(inputs):
+            last = i == len(inputs) - 1
+            held = (len(raw) + len(parsed) if raw is not None else 0) + (lines if last else 0)
+            self.cells.append((index, raw, parsed, key, ns, hidden, names if last else [], held))
+            self.bytes += held
         if len(self.cells) > HISTORY_CELLS or self.bytes > HISTORY_BYTES:
             self.trim()
 
@@ -486,8 +500,11 @@ class InputHistory:
             index, raw, parsed, key, ns, hidden, names, size = self.cells.popleft()
             self.bytes -= size
             for name in names:
-                linecache.cache.pop(name, None)
-                self.shell.compile._filename_map.pop(name, None)
+                self._name_uses[name] -= 1
+                if self._name_uses[name] <= 0:
+                    del self._name_uses[name]
+                    linecache.cache.pop(name, None)
+                    self.shell.compile._filename_map.pop(name, None)
             if index is None:
                 continue
             # Only what is still this cell's: `%reset` empties the history, code may rewrite it.
@@ -502,6 +519,36 @@ class InputHistory:
             # Queued for a database this kernel never writes to (its history is in memory).
             with hm.db_input_cache_lock:
                 hm.db_input_cache[:] = [e for e in hm.db_input_cache if id(e[2]) not in dropped]
+
+
+def forget_traceback_sources():
+    """Drop the cells' sources from the caches IPython's traceback formatting fills and never
+    empties (stack_data's and executing's: every cell a traceback went through, kept with its
+    text, syntax tree and tokens for the kernel's life; measured: 900 failing cells of 4 KB held
+    311 MiB). Library files stay cached: there are only so many, and a traceback through pandas
+    would parse its module again."""
+    executing = sys.modules.get("executing.executing")
+    if executing is None:
+        return
+    def a_cell(filename):
+        return isinstance(filename, str) and filename.startswith("<ipython-input-")
+    classes = [executing.Source]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        sources = cls.__dict__.get("__source_cache_with_lines")
+        if isinstance(sources, dict):
+            for key in [k for k in sources if a_cell(k[0])]:
+                del sources[key]
+        frames = cls.__dict__.get("__executing_cache")
+        if isinstance(frames, dict):
+            for key in [k for k in frames if a_cell(getattr(k[0], "co_filename", None))]:
+                del frames[key]
+    # Keyed by a source's statements (the cells' among them): cheap to fill again.
+    for cached in (getattr(executing.Source, "statements_at_line", None),
+                   getattr(executing, "statement_containing_node", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 # --------------------------------------------------------------------------
@@ -854,8 +901,10 @@ class Kernel:
             shell.sandcell_sink = None
             try:
                 self.history.end()
+                if shell.sandcell_errors_sent:
+                    forget_traceback_sources()
             except Exception as exc:  # the cell's code may have rewritten IPython's history
-                self.channel.log("could not bound the inputs' history: %r" % (exc,))
+                self.channel.log("could not bound the history of past cells: %r" % (exc,))
         return 1 if failed else 0
 
     def use_context(self, name):
@@ -879,6 +928,12 @@ class Kernel:
         shell.execution_count = count
         if made:
             shell.init_user_ns()
+            # Its own Out, as it has its own execution count (IPython's is the history's one
+            # dict, shared, whose numbers would collide, and whose culling would leave the
+            # other contexts' `_N` values held).
+            out = {}
+            for names in (shell.user_ns, shell.user_ns_hidden):
+                names["_oh"] = names["Out"] = out
         else:
             shell.user_ns_hidden = hidden
         self.context = name

@@ -61,5 +61,48 @@ class TestHistory(unittest.TestCase):
         self.assertIn("return 1 / 0", "\n".join(of_type(frames, "error")[0]["traceback"]))
 
 
+    def test_a_session_of_failing_cells_holds_a_bounded_memory(self):
+        # IPython's traceback formatting (stack_data, executing) kept every failing cell's text,
+        # syntax tree and tokens for the kernel's life: 300 cells of 4 KB held ~105 MiB more.
+        self.driver.execute("1 / 0")  # the traceback machinery's own imports
+        before = self.driver.stats()["rss_kb"]
+        for i in range(300):
+            code = "\n".join("[k * %d + %d for k in range(10)]  # a line of some agent's code" % (j, i)
+                             for j in range(60))
+            frames = self.driver.execute(code + "\nraise ValueError(%d)" % i)
+            self.assertEqual([e["ename"] for e in of_type(frames, "error")], ["ValueError"])
+        grown_kib = self.driver.stats()["rss_kb"] - before
+        self.assertLess(grown_kib, 64 * 1024, "the kernel grew %d KiB over 300 failing cells of 4 KB" % grown_kib)
+
+    def test_equal_cells_of_two_contexts_keep_their_source_when_the_older_goes(self):
+        # The lines a traceback quotes are kept under a name made of the cell's count and text:
+        # the same cell as a context's first cell in two contexts has one name, which the older
+        # one's trim must not take from the newer.
+        cell = "def f():\n    return 1 / 0"
+        self.run_ok(cell)  # count 1 of the default context
+        self.driver.execute("x = 1", context="b")
+        blob = "x" * (1 << 20)
+        for _ in range(8):
+            self.driver.execute("blob = %r" % blob, context="b")
+        frames = self.driver.execute(cell, context="c")  # count 1 of context c: the same name
+        for _ in range(4):  # past 32 MiB: the default context's cell goes
+            self.driver.execute("blob = %r" % blob, context="b")
+        frames = self.driver.execute("f()", context="c")
+        self.assertIn("return 1 / 0", "\n".join(of_type(frames, "error")[0]["traceback"]), json.dumps(frames)[:2000])
+        frames = self.run_ok("len(In[1])")
+        self.assertEqual(result_text(frames), "0", "the default context's first cell was not trimmed")
+
+    def test_each_context_culls_its_own_values(self):
+        # Out was one dict for all contexts, numbered by each context's own count: a context's
+        # culling left the other contexts' `_N` values held for good.
+        self.run_ok("get_ipython().displayhook.cache_size = 20")
+        self.driver.execute("1", context="b")
+        for i in range(100):
+            self.run_ok("[%d] * 1000" % i)
+            self.driver.execute("[%d] * 1000" % i, context="b")
+        probe = "(len(Out) <= 20, len([k for k in get_ipython().user_ns if k[:1] == '_' and k[1:].isdigit()]) <= 20, Out[max(Out)][0])"
+        self.assertEqual(result_text(self.run_ok(probe)), "(True, True, 99)")
+        self.assertEqual(result_text(self.driver.execute(probe, context="b")), "(True, True, 99)")
+
 if __name__ == "__main__":
     unittest.main()
