@@ -107,6 +107,21 @@ class TestPython(DriverTestCase):
         markdown = of_type(frames, "display_data")[0]["data"]
         self.assertEqual(markdown["text/markdown"], "**hi**")
 
+    def test_values_shown_mid_cell_keep_their_place_among_the_output(self):
+        # With every expression shown (not IPython's default), a value is followed by more of the
+        # cell: what it prints next, at once and at the C level too, comes after the value (the
+        # kernel waits for the driver's ack of each frame; a round without that wait for values,
+        # speed-check round 30, failed this test until values shown mid-cell waited again).
+        self.run_ok("get_ipython().ast_node_interactivity = 'all'")
+        try:
+            for _ in range(30):
+                frames = self.run_ok("import os\n1\nw = os.write(1, b'a\\n')\n2\nprint('b')\n3")
+                seen = [f["data"]["text/plain"] if f["type"] == "execute_result" else f["text"]
+                        for f in frames if f["type"] in ("execute_result", "stream")]
+                self.assertEqual(seen, ["1", "a\n", "2", "b\n", "3"])
+        finally:
+            self.run_ok("get_ipython().ast_node_interactivity = 'last_expr'")
+
     def test_output_written_just_before_a_rich_output_is_framed_before_it(self):
         # The driver skips the capture pipes' sync when they hold nothing; bytes written at the
         # C level (unbuffered) or by a child process an instant before a rich output, or before
