@@ -11,20 +11,19 @@ def result_text(frames):
     return results[-1]["data"]["text/plain"] if results else None
 
 
-class TestHistory(unittest.TestCase):
-    """Each test has a driver of its own: they measure the kernel's memory and count its cells."""
+class TestHistory(DriverTestCase):
+    """Each test has a driver of its own (not the shared one): they measure the kernel's memory
+    and count its cells."""
+
+    @classmethod
+    def setUpClass(cls):
+        pass
 
     def setUp(self):
         self.driver = DriverProcess()
 
     def tearDown(self):
         self.driver.close()
-
-    def run_ok(self, code):
-        frames = self.driver.execute(code)
-        d = done(frames)
-        self.assertEqual((d["status"], d["exit_code"]), ("ok", 0), "frames: %s" % json.dumps(frames)[:2000])
-        return frames
 
     def test_a_session_past_a_thousand_results_gets_no_warning_in_its_output(self):
         # IPython's output cache (Out, _N) holds 1,000 results; at the 1,001st it culls the
