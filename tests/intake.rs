@@ -375,6 +375,26 @@ async fn the_record_routes_a_session_job_to_its_worker_parks_it_while_the_sessio
         }
         assert_eq!(row(job).await, None, "a refused job of session {sid} was written");
     }
+    end_what_was_written_by_hand(&db, &[&t, &other_tenant]).await;
+}
+
+/// End the sessions and jobs a test wrote by hand for `tenants`: sessions closed, unfinished jobs
+/// cancelled. The stack's scheduler runs beside the tests and acts on what they leave: a session
+/// left active on a worker that never existed keeps its parked jobs, which the dispatcher then
+/// tries to publish to that worker's missing queue on every tick, for as long as the database
+/// lives (on a stack's shared database: until someone deletes it).
+async fn end_what_was_written_by_hand(db: &sqlx::PgPool, tenants: &[&str]) {
+    let tenants: Vec<String> = tenants.iter().map(|t| t.to_string()).collect();
+    sqlx::query("UPDATE jobs SET status = 'cancelled', finished_at = now() WHERE tenant = ANY($1) AND status IN ('queued', 'running')")
+        .bind(&tenants)
+        .execute(db)
+        .await
+        .expect("ending the test's jobs");
+    sqlx::query("UPDATE sessions SET state = 'closed', ended_at = now() WHERE tenant = ANY($1) AND state IN ('starting', 'active', 'moving')")
+        .bind(&tenants)
+        .execute(db)
+        .await
+        .expect("ending the test's sessions");
 }
 
 /// The figures the record reads instead of counting (`tenant_job_counts`, migration 0015), and
@@ -689,6 +709,7 @@ async fn taking_a_session_over_may_be_tried_again_by_the_same_job_worker_and_con
     let (state, worker, container): (String, String, String) =
         sqlx::query_as("SELECT state, worker_id, container_id FROM sessions WHERE session_id = $1").bind(&sid).fetch_one(&db).await.expect("session row");
     assert_eq!((state.as_str(), worker.as_str(), container.as_str()), ("active", mine.as_str(), "c1"));
+    end_what_was_written_by_hand(&db, &[&t]).await;
 }
 
 /// An upload grant is recorded once. The same `(tenant, upload_id)` answered again (a retried
