@@ -4,7 +4,9 @@
 //! prints, and writes under `docs/benchmarks/` as JSON, a markdown table and a PNG:
 //! - in-session round trip of `1+1`: publish → terminal notification → result row read;
 //! - first result of a new session, with a warm-pool hit and with a cold start (pool miss);
-//! - throughput of 16 sessions fed concurrently, and CPU time of scheduler and worker per job;
+//! - throughput of 16 sessions fed concurrently, and where the machine's CPU went per job in
+//!   that phase: scheduler, worker, Postgres, RabbitMQ, the sandboxes (the results' `usage`)
+//!   and the whole machine (`/proc/stat`);
 //! - memory of an idle session's container (cgroup);
 //! - one-off jobs: sequential `1+1` round trips, a burst of `1+1` jobs published at once (twice:
 //!   the second once the tenant's sandboxes are bound), and a burst of pandas jobs reading a
@@ -198,6 +200,14 @@ struct Report {
     throughput_jobs_per_s: f64,
     cpu_ms_per_job_scheduler: Option<f64>,
     cpu_ms_per_job_worker: Option<f64>,
+    /// Every `postgres` process of the machine, in the 16-session phase.
+    cpu_ms_per_job_postgres: Option<f64>,
+    /// Every `beam.smp` process (RabbitMQ) of the machine, in the 16-session phase.
+    cpu_ms_per_job_broker: Option<f64>,
+    /// The sandboxes, from the 16-session phase's results (`usage.cpu_ms`).
+    cpu_ms_per_job_sandboxes: Option<f64>,
+    /// The whole machine (`/proc/stat`, all but idle and iowait), in the 16-session phase.
+    cpu_ms_per_job_machine: Option<f64>,
     idle_session_memory_mib: f64,
     idle_session_memory_without_cache_mib: f64,
     oneoff_round_trip: Summary,
@@ -400,6 +410,7 @@ async fn main() -> Result<()> {
     // cold starts are over by now).
     println!("throughput: {} sessions open, feeding {} jobs each", sessions.len(), args.jobs_per_session);
     let cpu_before = (cpu_ms("SANDCELL_SCHEDULER_PID"), cpu_ms("SANDCELL_WORKER_PID"));
+    let shared_before = (cpu_ms_of_processes(POSTGRES_COMM), cpu_ms_of_processes(BROKER_COMM), machine_busy_ms());
     let t0 = Instant::now();
     let feeds = sessions.iter().map(|id| {
         let b = &b;
@@ -410,19 +421,29 @@ async fn main() -> Result<()> {
                 waits.push(b.watcher.watch(&sub.tenant, &sub.job_id));
                 b.client.submit(&sub).await?;
             }
+            // What the sandboxes used, from the results the notifications carry (None once one
+            // did not carry its usage).
+            let mut sandbox_cpu_ms = Some(0.0);
             for w in waits {
-                tokio::time::timeout(Duration::from_secs(300), w).await.context("throughput job timed out")??;
+                let n = tokio::time::timeout(Duration::from_secs(300), w).await.context("throughput job timed out")??;
+                let used = n.result.as_ref().and_then(|r| r.execution.usage.as_ref()).and_then(|u| u.cpu_ms);
+                sandbox_cpu_ms = sandbox_cpu_ms.zip(used).map(|(a, b)| a + b);
             }
-            anyhow::Ok(())
+            anyhow::Ok(sandbox_cpu_ms)
         }
     });
-    futures::stream::iter(feeds).buffer_unordered(args.sessions).collect::<Vec<_>>().await.into_iter().collect::<Result<Vec<_>>>()?;
+    let sandbox_cpu_ms = futures::stream::iter(feeds).buffer_unordered(args.sessions).collect::<Vec<_>>().await.into_iter().collect::<Result<Vec<_>>>()?;
     let elapsed = t0.elapsed();
+    let shared_after = (cpu_ms_of_processes(POSTGRES_COMM), cpu_ms_of_processes(BROKER_COMM), machine_busy_ms());
     let total = args.sessions * args.jobs_per_session;
     let cpu_after = (cpu_ms("SANDCELL_SCHEDULER_PID"), cpu_ms("SANDCELL_WORKER_PID"));
     let per_job = |a: Option<f64>, b: Option<f64>| Some(round((b? - a?) / total as f64));
     let cpu_sched = per_job(cpu_before.0, cpu_after.0);
     let cpu_worker = per_job(cpu_before.1, cpu_after.1);
+    let cpu_postgres = per_job(shared_before.0, shared_after.0);
+    let cpu_broker = per_job(shared_before.1, shared_after.1);
+    let cpu_machine = per_job(shared_before.2, shared_after.2);
+    let cpu_sandboxes = sandbox_cpu_ms.into_iter().sum::<Option<f64>>().map(|ms| round(ms / total as f64));
     // Every job ran, in order: each session counted to jobs_per_session.
     for id in &sessions {
         let (_, r) = b.run(&b.in_session(id, "n")).await?;
@@ -435,7 +456,10 @@ async fn main() -> Result<()> {
     }
     let jobs_per_s = round(total as f64 / elapsed.as_secs_f64());
     println!("throughput: {total} jobs in {:.2} s over {} sessions = {jobs_per_s} jobs/s", elapsed.as_secs_f64(), args.sessions);
-    println!("CPU per job: scheduler {cpu_sched:?} ms, worker {cpu_worker:?} ms");
+    println!(
+        "CPU per job: scheduler {cpu_sched:?} ms, worker {cpu_worker:?} ms, Postgres {cpu_postgres:?} ms, RabbitMQ {cpu_broker:?} ms, \
+         sandboxes {cpu_sandboxes:?} ms, the machine {cpu_machine:?} ms"
+    );
 
     // 5. One-off jobs: sequential round trips, then bursts published at once.
     for _ in 0..20 {
@@ -552,6 +576,10 @@ native, interleaved: {:?}",
         throughput_jobs_per_s: jobs_per_s,
         cpu_ms_per_job_scheduler: cpu_sched,
         cpu_ms_per_job_worker: cpu_worker,
+        cpu_ms_per_job_postgres: cpu_postgres,
+        cpu_ms_per_job_broker: cpu_broker,
+        cpu_ms_per_job_sandboxes: cpu_sandboxes,
+        cpu_ms_per_job_machine: cpu_machine,
         idle_session_memory_mib: round(mem),
         idle_session_memory_without_cache_mib: round(mem_nocache),
         oneoff_round_trip: summarize(&oneoff),
@@ -611,10 +639,53 @@ fn sdk_figures(python: &str, tenant: &str, jobs: usize, live_jobs: usize) -> Res
     Ok((ms("in_session_ms"), ms("print_to_on_stdout_ms")))
 }
 
+/// The command name of Postgres' processes (postmaster, backends, background workers).
+const POSTGRES_COMM: &str = "postgres";
+/// The command name of RabbitMQ's Erlang VM.
+const BROKER_COMM: &str = "beam.smp";
+
+/// CPU time (user + system) in ms of every process named `comm` now running: a service's share
+/// of a phase, when its processes outlive the phase (Postgres' pooled backends, the broker's VM);
+/// the CPU of a process that ends meanwhile is not counted. `None` when none runs.
+fn cpu_ms_of_processes(comm: &str) -> Option<f64> {
+    let mut total = None;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry.file_name().to_str().filter(|p| p.bytes().all(|b| b.is_ascii_digit())).map(str::to_string) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        if stat.get(open + 1..close) != Some(comm) {
+            continue;
+        }
+        if let Some(ms) = stat_cpu_ms(&stat) {
+            total = Some(total.unwrap_or(0.0) + ms);
+        }
+    }
+    total
+}
+
+/// The machine's busy CPU time in ms since boot, all cores (`/proc/stat`'s first line, every
+/// column but idle and iowait).
+fn machine_busy_ms() -> Option<f64> {
+    busy_ms(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+/// [`machine_busy_ms`] from the text of `/proc/stat`.
+fn busy_ms(stat: &str) -> Option<f64> {
+    let cols: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).map(|c| c.parse::<f64>()).collect::<Result<_, _>>().ok()?;
+    // user nice system idle iowait irq softirq steal (guest time is already in user).
+    let busy: f64 = cols.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, v)| v).sum();
+    Some(busy * 10.0) // USER_HZ is 100 on Linux
+}
+
 /// Process CPU time (user + system) in ms of the pid named by `var`.
 fn cpu_ms(var: &str) -> Option<f64> {
     let pid = std::env::var(var).ok()?;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_cpu_ms(&stat)
+}
+
+/// utime + stime in ms from the text of a `/proc/<pid>/stat`.
+fn stat_cpu_ms(stat: &str) -> Option<f64> {
     // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
     let rest = stat.rsplit_once(')')?.1;
     let f: Vec<&str> = rest.split_whitespace().collect();
@@ -743,8 +814,12 @@ fn markdown(r: &Report) -> String {
     );
     m += &format!("| one-off pandas CSV burst, {} jobs | {:.1} jobs/s | — |\n", r.pandas_burst_jobs, r.pandas_burst_jobs_per_s);
     let opt = |v: Option<f64>| v.map(|x| format!("{x:.2} ms")).unwrap_or_else(|| "n/a".into());
-    m += &format!("| scheduler CPU per job | {} | — |\n", opt(r.cpu_ms_per_job_scheduler));
-    m += &format!("| worker CPU per job (excluding the sandbox) | {} | — |\n", opt(r.cpu_ms_per_job_worker));
+    m += &format!("| scheduler CPU per job (16 sessions) | {} | — |\n", opt(r.cpu_ms_per_job_scheduler));
+    m += &format!("| worker CPU per job (16 sessions; excluding the sandbox) | {} | — |\n", opt(r.cpu_ms_per_job_worker));
+    m += &format!("| Postgres CPU per job (16 sessions; all its processes) | {} | — |\n", opt(r.cpu_ms_per_job_postgres));
+    m += &format!("| RabbitMQ CPU per job (16 sessions) | {} | — |\n", opt(r.cpu_ms_per_job_broker));
+    m += &format!("| sandbox CPU per job (16 sessions; the results' `usage`) | {} | — |\n", opt(r.cpu_ms_per_job_sandboxes));
+    m += &format!("| the machine's CPU per job (16 sessions; `/proc/stat`, all cores, not idle) | {} | — |\n", opt(r.cpu_ms_per_job_machine));
     m += &format!(
         "| idle session memory (cgroup, without page cache) | {:.1} MiB ({:.1} MiB with cache) | ≤ 150 MiB |\n",
         r.idle_session_memory_without_cache_mib, r.idle_session_memory_mib
@@ -813,4 +888,21 @@ async fn http_get(url: &str) -> Result<Vec<u8>> {
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").context("no header end")?;
     anyhow::ensure!(raw.starts_with(b"HTTP/1.1 200") || raw.starts_with(b"HTTP/1.0 200"), "download failed");
     Ok(raw[split + 4..].to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_cpu_time_is_read_past_a_command_name_with_parentheses_and_spaces() {
+        let stat = "4242 (odd) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 1 0 100 0 0";
+        assert_eq!(stat_cpu_ms(stat), Some(3250.0));
+    }
+
+    #[test]
+    fn the_machine_is_busy_in_every_column_but_idle_and_iowait() {
+        let stat = "cpu  100 1 20 5000 300 2 3 4 0 0\ncpu0 50 0 10 2500 150 1 1 2 0 0\n";
+        assert_eq!(busy_ms(stat), Some((100.0 + 1.0 + 20.0 + 2.0 + 3.0 + 4.0) * 10.0));
+    }
 }
