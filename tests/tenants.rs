@@ -742,3 +742,65 @@ async fn a_tenants_upload_answers_count_against_its_result_bytes_quota() {
     let (counted, rows) = kept_bytes(&pool, &t.name).await;
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows after the deletions");
 }
+
+/// Before, the intake handled every message it had prefetched at once (32 a partition, 8
+/// partitions), and each handler held one of the scheduler's 8 database connections while it
+/// waited for its tenant's row lock. A tenant whose lock was busy (here held by the test, as a
+/// flood of its own upload grants held it for 30 s in a CI run) took every connection: other
+/// tenants' jobs were not even recorded until it let go, and the sweeper's ping failed. Now a
+/// tenant's handlers hold at most `SANDCELL_INTAKE_TENANT_CONCURRENCY` (4) of them; the rest
+/// wait their turn without one, and nothing of theirs is lost.
+#[tokio::test]
+async fn a_tenant_whose_row_lock_is_held_waits_on_half_the_schedulers_connections_and_another_tenants_job_runs() {
+    use sandcell_protocol::upload::{UploadFile, UploadRequest};
+    let a = TestTenant::create(None).await;
+    let ac = a.client().await;
+    let db = service_db().await;
+    let mut holder = db.begin().await.expect("beginning the lock's transaction");
+    sqlx::query("SELECT 1 FROM tenants WHERE tenant = $1 FOR UPDATE").bind(&a.name).execute(&mut *holder).await.expect("locking the tenant's row");
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.expect("the holder's pid");
+    // Every backend waiting for the lock, directly or behind another waiter (a row lock's
+    // later waiters queue on the first one's tuple lock).
+    let waiting = || {
+        let db = db.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "WITH RECURSIVE blocked(pid) AS (
+                     SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))
+                     UNION SELECT a.pid FROM pg_stat_activity a, blocked b WHERE b.pid = ANY(pg_blocking_pids(a.pid)))
+                 SELECT count(*) FROM blocked",
+            )
+            .bind(holder_pid)
+            .fetch_one(&db)
+            .await
+            .expect("counting the lock's waiters")
+        }
+    };
+    let uploads: Vec<_> = (0..40)
+        .map(|_| UploadRequest { tenant: a.name.clone(), upload_id: unique("up"), files: vec![UploadFile { path: "a.csv".into(), size_bytes: 1 }] })
+        .collect();
+    let jobs: Vec<_> = (0..40).map(|_| python(&a.name, "6 * 7")).collect();
+    for (u, j) in uploads.iter().zip(&jobs) {
+        ac.request_upload(u).await.expect("requesting an upload");
+        ac.submit(j).await.expect("submitting");
+    }
+    let places: i64 = std::env::var("SANDCELL_INTAKE_TENANT_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+    let reached = eventually(Duration::from_secs(60), || async { Some(waiting().await).filter(|n| *n >= places) }).await;
+    assert!(reached.is_some(), "the tenant's messages never reached its lock: {} waiting", waiting().await);
+
+    // Another tenant's job is recorded, run and answered while the first tenant's lock is held.
+    let c = client().await;
+    let r = run(&c, &python(&tenant(), "6 * 7")).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+    assert_eq!(waiting().await, places, "connections of the scheduler waiting for one tenant's row lock");
+
+    holder.rollback().await.expect("letting the lock go");
+    for j in &jobs {
+        let r = ac.wait(&a.name, &j.job_id, JOB_WAIT).await.expect("the locked tenant's job result");
+        assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+    }
+    for u in &uploads {
+        let g = eventually(Duration::from_secs(60), || async { ac.upload_grant(&a.name, &u.upload_id).await.ok().flatten() }).await;
+        assert_eq!(g.map(|g| g.status).as_deref(), Some("ready"), "the locked tenant's upload {}", u.upload_id);
+    }
+}

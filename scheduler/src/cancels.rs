@@ -15,13 +15,6 @@ pub fn is_cancel_request(kind: Option<&str>) -> bool {
     kind == Some(CANCEL_MESSAGE_TYPE)
 }
 
-/// The lane of a cancel request: `<tenant>/<session id>` as for its session's submissions (the
-/// routing key is the session id), when the body names a tenant.
-pub fn lane_key(body: &[u8], routing_key: &str) -> Option<String> {
-    let tenant = serde_json::from_slice::<CancelRequest>(body).ok()?.tenant;
-    (!routing_key.is_empty()).then(|| format!("{tenant}/{routing_key}"))
-}
-
 /// What became of a cancel request (the `outcome` label of `sandcell_submissions_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {

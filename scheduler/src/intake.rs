@@ -44,6 +44,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::tenant_gates::{self, Gate, TenantGates};
 use crate::{partitions, Config};
 use sandcell_core::store::ArtifactStore;
 
@@ -51,7 +52,8 @@ use sandcell_core::broker::Disposition;
 
 /// Consume submissions until `shutdown`, reconnecting after broker or database failures.
 pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, broker_up: Arc<AtomicBool>, shutdown: CancellationToken) {
-    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())) };
+    let gates = TenantGates::new(cfg.tenant_concurrency);
+    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates };
     loop {
         let result = consume(&shared, &broker_up, &shutdown).await;
         broker_up.store(false, Ordering::Relaxed);
@@ -77,6 +79,9 @@ struct Shared {
     metrics: Metrics,
     /// One session's submissions wait for each other, whichever partition brought them.
     lanes: Arc<Mutex<Lanes>>,
+    /// One tenant's handlers hold at most `SANDCELL_INTAKE_TENANT_CONCURRENCY` of the database
+    /// connections, whichever partitions brought them.
+    gates: TenantGates,
 }
 
 /// A partition being consumed: how to stop it, and its task (which ends once the partition's
@@ -236,26 +241,37 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
         return;
     }
     let (s, publisher) = (shared.clone(), publisher.clone());
+    let from = Publisher::of(&delivery, &shared.cfg.trusted_publishers);
+    // Whom the message is for, by the intake's identity rules (a trusted publisher is believed):
+    // its gate, and the tenant part of its lane. A tenant naming another's session is kept out
+    // of that session's lane: it would hold the other's submissions up behind its own gate.
+    let named = || matches!(from, Publisher::Trusted(_)).then(|| tenant_gates::named_tenant(&delivery.data)).flatten();
     if crate::uploads::is_upload_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
-        spawn_in_lane(shared, None, in_flight, async move { handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await });
+        let gate = shared.gates.gate(&tenant_gates::gate_key(&from, named().as_deref()));
+        spawn_in_lane(None, gate, shared, in_flight, async move { handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await });
         return;
     }
     if crate::cancels::is_cancel_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
         // In its session's lane (its routing key is the session id): judged after the
         // submissions of that session published before it, so it finds their jobs recorded.
-        let key = crate::cancels::lane_key(&delivery.data, delivery.routing_key.as_str());
-        spawn_in_lane(shared, key, in_flight, async move { handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await });
+        let tenant = tenant_gates::gate_key(&from, named().as_deref());
+        let key = (!delivery.routing_key.as_str().is_empty()).then(|| format!("{tenant}/{}", delivery.routing_key));
+        let gate = shared.gates.gate(&tenant);
+        spawn_in_lane(key, gate, shared, in_flight, async move { handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await });
         return;
     }
-    // Judged once, here: the lane and the handler read the same verdict.
+    // Judged once, here: the lane, the gate and the handler read the same verdict.
     let verdict = parse_submission(&delivery.data, &shared.cfg.intake);
-    let key = session_key(&verdict);
-    spawn_in_lane(shared, key, in_flight, async move { handle_delivery(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery, verdict).await });
+    let tenant = tenant_gates::gate_key(&from, verdict.as_ref().ok().map(|sub| sub.tenant.as_str()));
+    let key = session_key(&tenant, &verdict);
+    let gate = shared.gates.gate(&tenant);
+    spawn_in_lane(key, gate, shared, in_flight, async move { handle_delivery(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery, verdict).await });
 }
 
-/// Handle a delivery in a task of its own holding `in_flight`, after the deliveries entered
-/// before it in its lane `key` (none: at once).
-fn spawn_in_lane(shared: &Shared, key: Option<String>, in_flight: mpsc::Sender<()>, work: impl std::future::Future<Output = ()> + Send + 'static) {
+/// Handle a delivery in a task of its own holding `in_flight`: after the deliveries entered
+/// before it in its lane `key` (none: at once), once its tenant's `gate` lets it in. The lane
+/// comes first: a handler holding a place never waits for another handler.
+fn spawn_in_lane(key: Option<String>, gate: Gate, shared: &Shared, in_flight: mpsc::Sender<()>, work: impl std::future::Future<Output = ()> + Send + 'static) {
     let (before, done) = match shared.lanes.lock() {
         Ok(mut lanes) => lanes.enter(key),
         Err(poisoned) => poisoned.into_inner().enter(key),
@@ -265,7 +281,9 @@ fn spawn_in_lane(shared: &Shared, key: Option<String>, in_flight: mpsc::Sender<(
             // Err only means the previous handler's task ended without signalling.
             let _ = before.await;
         }
+        let place = gate.enter().await;
         work.await;
+        drop(place);
         if let Some(done) = done {
             let _ = done.send(());
         }
@@ -365,12 +383,13 @@ impl Lanes {
     }
 }
 
-/// `tenant/session_id` of a valid submission that names an existing session. Invalid ones are
-/// only recorded, never dispatched, so they need no lane.
-fn session_key(verdict: &Result<Submission, Rejection>) -> Option<String> {
+/// `tenant/session_id` of a valid submission that names an existing session, `tenant` being
+/// whom the intake attributes it to ([`tenant_gates::gate_key`]). Invalid ones are only
+/// recorded, never dispatched, so they need no lane.
+fn session_key(tenant: &str, verdict: &Result<Submission, Rejection>) -> Option<String> {
     let sub = verdict.as_ref().ok()?;
     let id = sub.session.as_ref()?.id.as_ref()?;
-    Some(format!("{}/{id}", sub.tenant))
+    Some(format!("{tenant}/{id}"))
 }
 
 /// How long a submission whose handling failed waits before it goes back to the queue (so that
@@ -695,15 +714,28 @@ mod tests {
 
     #[test]
     fn only_jobs_of_an_existing_session_have_a_lane() {
-        assert_eq!(session_key(&Ok(sub("acme"))), None, "one-off");
+        assert_eq!(session_key("acme", &Ok(sub("acme"))), None, "one-off");
         let mut opening = sub("acme");
         opening.session = Some(SessionRequest { new: true, ..Default::default() });
-        assert_eq!(session_key(&Ok(opening)), None, "a new session has no earlier job");
+        assert_eq!(session_key("acme", &Ok(opening)), None, "a new session has no earlier job");
         let mut next = sub("acme");
         next.session = Some(SessionRequest { id: Some("ses_1".into()), ..Default::default() });
-        assert_eq!(session_key(&Ok(next)), Some("acme/ses_1".into()));
+        assert_eq!(session_key("acme", &Ok(next)), Some("acme/ses_1".into()));
         let refused = Rejection { reason: Reason::new(ErrorCode::MissingField, "code"), tenant: None, job_id: None };
-        assert_eq!(session_key(&Err(refused)), None, "refused: never dispatched");
+        assert_eq!(session_key("acme", &Err(refused)), None, "refused: never dispatched");
+    }
+
+    #[test]
+    fn a_tenant_naming_another_tenants_session_is_not_entered_in_its_lane() {
+        let mut theirs = sub("victim");
+        theirs.session = Some(SessionRequest { id: Some("ses_v".into()), ..Default::default() });
+        let verdict = Ok(theirs);
+        let from = Publisher::Tenant("acme".into());
+        let tenant = tenant_gates::gate_key(&from, verdict.as_ref().ok().map(|s: &Submission| s.tenant.as_str()));
+        assert_eq!(session_key(&tenant, &verdict), Some("acme/ses_v".into()));
+        // A trusted publisher is believed: the job joins the lane of the tenant it names.
+        let tenant = tenant_gates::gate_key(&Publisher::Trusted("sandcell".into()), Some("victim"));
+        assert_eq!(session_key(&tenant, &verdict), Some("victim/ses_v".into()));
     }
 
     #[tokio::test]

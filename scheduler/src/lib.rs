@@ -11,6 +11,8 @@
 //! - [`sweeper`] deletes expired artifacts and uploads from the object store and marks them
 //!   (a task of its own: a hung store holds up nothing else), sets the sessions of workers whose
 //!   heartbeat stopped `moving`, and ends what waited too long;
+//! - [`tenant_gates`] bounds how many of one tenant's messages the intake handles at once, so
+//!   that a tenant's flood cannot hold every database connection;
 //! - [`uploads`] answers tenants' upload requests (which arrive through the intake too) with
 //!   presigned PUT URLs under their own upload prefix;
 //! - [`dead_letters`] records the outcome of a job whose message was dead-lettered (a
@@ -29,6 +31,7 @@ mod live_output;
 mod metrics;
 mod partitions;
 mod sweeper;
+mod tenant_gates;
 mod uploads;
 
 use std::collections::HashSet;
@@ -60,6 +63,10 @@ pub struct Config {
     pub sweep_interval: Duration,
     /// `SANDCELL_INTAKE_PREFETCH`, default 32: submissions handled concurrently, per partition.
     pub prefetch: u16,
+    /// `SANDCELL_INTAKE_TENANT_CONCURRENCY`, default 4: how many of one tenant's messages this
+    /// scheduler handles at once ([`tenant_gates`]). They take the tenant's row lock one after
+    /// another anyway; the bound keeps a tenant's flood from holding every database connection.
+    pub tenant_concurrency: usize,
     /// `SANDCELL_INTAKE_PARTITIONS`, default 8: the intake's partition queues. Every scheduler
     /// of a fleet must use the same number; more schedulers than partitions leaves some idle.
     pub intake_partitions: u16,
@@ -145,6 +152,7 @@ impl Config {
             metrics_addr: config::parse_or("SANDCELL_SCHEDULER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9464)))?,
             sweep_interval: Duration::from_secs_f64(config::parse_or("SANDCELL_SWEEP_INTERVAL_S", 30.0f64)?.max(0.1)),
             prefetch: config::parse_or("SANDCELL_INTAKE_PREFETCH", 32u16)?.max(1),
+            tenant_concurrency: config::parse_or("SANDCELL_INTAKE_TENANT_CONCURRENCY", tenant_gates::DEFAULT_TENANT_CONCURRENCY)?.max(1),
             intake_partitions: config::parse_or("SANDCELL_INTAKE_PARTITIONS", sandcell_core::broker::DEFAULT_INTAKE_PARTITIONS)?.clamp(1, 1024),
             rebalance_interval: Duration::from_millis(config::parse_or("SANDCELL_INTAKE_REBALANCE_MS", 1000u64)?.max(50)),
             stop_grace: Duration::from_secs_f64(config::parse_or("SANDCELL_SCHEDULER_STOP_GRACE_S", 20.0f64)?.max(0.0)),
