@@ -247,24 +247,25 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     // of that session's lane: it would hold the other's submissions up behind its own gate.
     let named = || matches!(from, Publisher::Trusted(_)).then(|| tenant_gates::named_tenant(&delivery.data)).flatten();
     if crate::uploads::is_upload_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
-        let gate = shared.gates.gate(&tenant_gates::gate_key(&from, named().as_deref()));
+        let gate = shared.gates.gate(from.attributed(named().as_deref()));
         spawn_in_lane(None, gate, shared, in_flight, async move { handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await });
         return;
     }
     if crate::cancels::is_cancel_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
         // In its session's lane (its routing key is the session id): judged after the
         // submissions of that session published before it, so it finds their jobs recorded.
-        let tenant = tenant_gates::gate_key(&from, named().as_deref());
+        let named = named();
+        let tenant = from.attributed(named.as_deref());
         let key = (!delivery.routing_key.as_str().is_empty()).then(|| format!("{tenant}/{}", delivery.routing_key));
-        let gate = shared.gates.gate(&tenant);
+        let gate = shared.gates.gate(tenant);
         spawn_in_lane(key, gate, shared, in_flight, async move { handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await });
         return;
     }
     // Judged once, here: the lane, the gate and the handler read the same verdict.
     let verdict = parse_submission(&delivery.data, &shared.cfg.intake);
-    let tenant = tenant_gates::gate_key(&from, verdict.as_ref().ok().map(|sub| sub.tenant.as_str()));
-    let key = session_key(&tenant, &verdict);
-    let gate = shared.gates.gate(&tenant);
+    let tenant = from.attributed(verdict.as_ref().ok().map(|sub| sub.tenant.as_str()));
+    let key = session_key(tenant, &verdict);
+    let gate = shared.gates.gate(tenant);
     spawn_in_lane(key, gate, shared, in_flight, async move { handle_delivery(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery, verdict).await });
 }
 
@@ -384,7 +385,7 @@ impl Lanes {
 }
 
 /// `tenant/session_id` of a valid submission that names an existing session, `tenant` being
-/// whom the intake attributes it to ([`tenant_gates::gate_key`]). Invalid ones are only
+/// whom the intake attributes it to ([`Publisher::attributed`]). Invalid ones are only
 /// recorded, never dispatched, so they need no lane.
 fn session_key(tenant: &str, verdict: &Result<Submission, Rejection>) -> Option<String> {
     let sub = verdict.as_ref().ok()?;
@@ -456,6 +457,20 @@ impl Publisher {
             None => Publisher::Unknown,
             Some(u) if trusted.contains(u) => Publisher::Trusted(u.to_owned()),
             Some(u) => Publisher::Tenant(u.to_owned()),
+        }
+    }
+
+    /// The tenant a message is attributed to, its gate ([`crate::tenant_gates`]) and the tenant
+    /// part of its lane: a tenant's own user whatever the body `named` (a tenant naming another
+    /// must not take that tenant's places, nor enter its session's lane); the tenant the body
+    /// names when a trusted publisher sent it (the gateway publishes for every tenant), or that
+    /// publisher when the body names none; and, for every message without a `user_id`, the
+    /// empty name (no tenant or broker user has it), so that they all share one gate.
+    pub(crate) fn attributed<'a>(&'a self, named: Option<&'a str>) -> &'a str {
+        match self {
+            Publisher::Unknown => "",
+            Publisher::Trusted(user) => named.unwrap_or(user),
+            Publisher::Tenant(user) => user,
         }
     }
 
@@ -731,11 +746,12 @@ mod tests {
         theirs.session = Some(SessionRequest { id: Some("ses_v".into()), ..Default::default() });
         let verdict = Ok(theirs);
         let from = Publisher::Tenant("acme".into());
-        let tenant = tenant_gates::gate_key(&from, verdict.as_ref().ok().map(|s: &Submission| s.tenant.as_str()));
-        assert_eq!(session_key(&tenant, &verdict), Some("acme/ses_v".into()));
+        let tenant = from.attributed(verdict.as_ref().ok().map(|s: &Submission| s.tenant.as_str()));
+        assert_eq!(session_key(tenant, &verdict), Some("acme/ses_v".into()));
         // A trusted publisher is believed: the job joins the lane of the tenant it names.
-        let tenant = tenant_gates::gate_key(&Publisher::Trusted("sandcell".into()), Some("victim"));
-        assert_eq!(session_key(&tenant, &verdict), Some("victim/ses_v".into()));
+        let trusted = Publisher::Trusted("sandcell".into());
+        let tenant = trusted.attributed(Some("victim"));
+        assert_eq!(session_key(tenant, &verdict), Some("victim/ses_v".into()));
     }
 
     #[tokio::test]

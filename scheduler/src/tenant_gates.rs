@@ -22,21 +22,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// tenant's 1,500 refusals took 4.4 s through 4 places, 6.0 s through 2, 4.0 s ungated.
 pub const DEFAULT_TENANT_CONCURRENCY: usize = 4;
 
-/// Whom a message is gated under (the `tenant` it is attributed to): the publisher when it is a
-/// tenant's own broker user, whatever its body names (a tenant naming another must not take
-/// that tenant's places); the tenant the body names when a trusted publisher sent it (the
-/// gateway publishes for every tenant), or that publisher when the body names none; and one
-/// shared gate for every message without a `user_id`.
-pub fn gate_key(publisher: &crate::intake::Publisher, named: Option<&str>) -> String {
-    use crate::intake::Publisher;
-    match publisher {
-        Publisher::Tenant(user) => user.clone(),
-        Publisher::Trusted(user) => named.unwrap_or(user).to_owned(),
-        // No tenant name or broker user is empty.
-        Publisher::Unknown => String::new(),
-    }
-}
-
 /// The tenant a message's body names (`tenant`, as in submissions, upload and cancel requests),
 /// read only for a trusted publisher's message.
 pub fn named_tenant(body: &[u8]) -> Option<String> {
@@ -60,7 +45,7 @@ impl TenantGates {
         TenantGates { per_tenant: per_tenant.max(1), gates: Arc::default() }
     }
 
-    /// The gate of `key` ([`gate_key`]), to wait at with [`Gate::enter`].
+    /// The gate of tenant `key` ([`crate::intake::Publisher::attributed`]), to wait at with [`Gate::enter`].
     pub fn gate(&self, key: &str) -> Gate {
         let mut gates = match self.gates.lock() {
             Ok(g) => g,
@@ -95,15 +80,15 @@ mod tests {
 
     #[test]
     fn a_tenants_own_user_is_gated_under_its_name_whatever_the_body_names() {
-        assert_eq!(gate_key(&Publisher::Tenant("acme".into()), Some("globex")), "acme");
-        assert_eq!(gate_key(&Publisher::Tenant("acme".into()), None), "acme");
+        assert_eq!(Publisher::Tenant("acme".into()).attributed(Some("globex")), "acme");
+        assert_eq!(Publisher::Tenant("acme".into()).attributed(None), "acme");
     }
 
     #[test]
     fn a_trusted_publisher_is_gated_under_the_tenant_it_names_and_unknown_publishers_share_one_gate() {
-        assert_eq!(gate_key(&Publisher::Trusted("sandcell".into()), Some("globex")), "globex");
-        assert_eq!(gate_key(&Publisher::Trusted("sandcell".into()), None), "sandcell");
-        assert_eq!(gate_key(&Publisher::Unknown, Some("globex")), "");
+        assert_eq!(Publisher::Trusted("sandcell".into()).attributed(Some("globex")), "globex");
+        assert_eq!(Publisher::Trusted("sandcell".into()).attributed(None), "sandcell");
+        assert_eq!(Publisher::Unknown.attributed(Some("globex")), "");
         assert_eq!(named_tenant(br#"{"tenant": "globex", "upload_id": "u1", "files": []}"#).as_deref(), Some("globex"));
         assert_eq!(named_tenant(b"not json"), None);
     }
