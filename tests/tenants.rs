@@ -8,7 +8,7 @@ use sandcell_client::Client;
 use sandcell_core::tenants::Quotas;
 use sandcell_protocol::{ErrorCode, JobResult, JobStatus, LimitHit, SessionRequest};
 use sandcell_tests::*;
-use sqlx::Row;
+use sqlx::{Connection, Row};
 
 /// A job of `t` that writes a file and draws a figure, in a new session.
 async fn busy_tenant(t: &TestTenant) -> (sandcell_client::Client, sandcell_protocol::JobResult) {
@@ -803,4 +803,73 @@ async fn a_tenant_whose_row_lock_is_held_waits_on_half_the_schedulers_connection
         let g = eventually(Duration::from_secs(60), || async { ac.upload_grant(&a.name, &u.upload_id).await.ok().flatten() }).await;
         assert_eq!(g.map(|g| g.status).as_deref(), Some("ready"), "the locked tenant's upload {}", u.upload_id);
     }
+}
+
+/// Built-in functions PUBLIC may execute let one tenant's login harm every other: ~12,000
+/// advisory locks from one connection filled Postgres' shared lock table (every new connection
+/// then failed, `out of shared memory`, the services' too), one lock of the schedulers'
+/// presence class made the scheduler give up half the intake's partitions, and large objects
+/// filled Postgres' disk outside every quota. `deploy/postgres/lockdown.sql`, applied by the
+/// stack's scripts, takes them from tenants; sandcell's own role keeps its advisory locks.
+#[tokio::test]
+async fn a_tenants_login_cannot_take_advisory_locks_or_create_large_objects() {
+    let t = TestTenant::create(None).await;
+    let db = t.db().await;
+    for sql in [
+        "SELECT pg_advisory_lock(1)",
+        "SELECT pg_try_advisory_lock(1396899842, 1)",
+        "SELECT pg_advisory_lock_shared(1, 2)",
+        "SELECT pg_try_advisory_xact_lock(7)",
+        "SELECT count(pg_try_advisory_lock(i)) FROM generate_series(1, 1000) i",
+        "SELECT lo_from_bytea(0, '\\x00'::bytea)",
+        "SELECT lo_creat(-1)",
+        "SELECT lo_create(0)",
+    ] {
+        let err = sqlx::query(sql).execute(&db).await.expect_err(sql);
+        assert!(err.to_string().contains("permission denied for function"), "{sql}: {err}");
+    }
+    let service = service_db().await;
+    let reached = sandcell_core::tenants::functions_tenants_can_reach(&service).await.expect("the scheduler's check");
+    assert!(reached.is_empty(), "tenants can still execute {reached:?}");
+    // The service role keeps the locks the schedulers share the intake with.
+    let (got, freed): (bool, bool) =
+        sqlx::query_as("SELECT pg_try_advisory_lock(424242), pg_advisory_unlock(424242)").fetch_one(&service).await.expect("service lock");
+    assert!(got && freed);
+    // And the intake still runs.
+    let c = t.client().await;
+    let r = run(&c, &python(&t.name, "6 * 7")).await;
+    assert_eq!((r.status, value(&r).as_deref()), (JobStatus::Succeeded, Some("42")), "{r:?}");
+}
+
+/// A tenant's login could open connections until Postgres' `max_connections` were all taken,
+/// and then no service could open one. Its role's connection limit is its `max_db_connections`
+/// quota, set when the role is made and whenever the quota changes.
+#[tokio::test]
+async fn a_tenants_login_holds_at_most_its_quota_of_database_connections() {
+    let t = TestTenant::create(Some(Quotas { max_db_connections: 3, ..Quotas::default() })).await;
+    let mut held = Vec::new();
+    for i in 0..3 {
+        held.push(sqlx::PgConnection::connect(&t.creds.database_url).await.unwrap_or_else(|e| panic!("connection {i} within the quota: {e}")));
+    }
+    let err = sqlx::PgConnection::connect(&t.creds.database_url).await.expect_err("a fourth connection");
+    assert!(err.to_string().contains("too many connections for role"), "{err}");
+    // The service role still connects.
+    let service = service_db().await;
+    let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&service).await.expect("service connects");
+    assert_eq!(one, 1);
+
+    // The operator raises the quota: the role's limit follows.
+    let admin = sandcell_admin::Admin::connect(sandcell_admin::AdminSettings::from_env().expect("admin settings")).await.expect("operator");
+    admin.set_quotas(&t.name, &Quotas { max_db_connections: 5, ..Quotas::default() }).await.expect("raising the quota");
+    for i in 3..5 {
+        held.push(sqlx::PgConnection::connect(&t.creds.database_url).await.unwrap_or_else(|e| panic!("connection {i} within the raised quota: {e}")));
+    }
+    let err = sqlx::PgConnection::connect(&t.creds.database_url).await.expect_err("a sixth connection");
+    assert!(err.to_string().contains("too many connections for role"), "{err}");
+    let limit: i32 = sqlx::query_scalar("SELECT r.rolconnlimit FROM pg_roles r JOIN tenants t ON t.db_role = r.rolname WHERE t.tenant = $1")
+        .bind(&t.name)
+        .fetch_one(&service)
+        .await
+        .expect("the role's limit");
+    assert_eq!(limit, 5);
 }

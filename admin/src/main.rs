@@ -1,7 +1,7 @@
 //! `sandcell-admin`: operator commands. See `docs/security.md` ("Tenants").
 //!
 //! ```text
-//! sandcell-admin tenant create acme [--max-sessions 20] [--max-queued-jobs 1000] [--max-artifact-bytes N] [--max-jobs-in-flight 4] [--max-result-bytes N]
+//! sandcell-admin tenant create acme [--max-sessions 20] [--max-queued-jobs 1000] [--max-artifact-bytes N] [--max-jobs-in-flight 4] [--max-result-bytes N] [--max-db-connections 16]
 //! sandcell-admin tenant quotas acme --max-sessions 5
 //! sandcell-admin tenant show acme
 //! sandcell-admin key create acme        # an API key for the E2B-compatible gateway
@@ -111,6 +111,10 @@ struct QuotaArgs {
     /// retention deletes old ones.
     #[arg(long)]
     max_result_bytes: Option<u64>,
+    /// Connections the tenant's database login may hold open at once (its role's connection
+    /// limit, which Postgres enforces).
+    #[arg(long)]
+    max_db_connections: Option<u32>,
 }
 
 impl QuotaArgs {
@@ -121,14 +125,15 @@ impl QuotaArgs {
             max_artifact_bytes: self.max_artifact_bytes.unwrap_or(base.max_artifact_bytes),
             max_jobs_in_flight: self.max_jobs_in_flight.unwrap_or(base.max_jobs_in_flight).max(1),
             max_result_bytes: self.max_result_bytes.unwrap_or(base.max_result_bytes).max(1),
+            max_db_connections: self.max_db_connections.unwrap_or(base.max_db_connections).max(1),
         }
     }
 }
 
 fn print_quotas(name: &str, q: &Quotas) {
     println!(
-        "tenant {name}: max_sessions={} max_queued_jobs={} max_artifact_bytes={} max_jobs_in_flight={} max_result_bytes={}",
-        q.max_sessions, q.max_queued_jobs, q.max_artifact_bytes, q.max_jobs_in_flight, q.max_result_bytes
+        "tenant {name}: max_sessions={} max_queued_jobs={} max_artifact_bytes={} max_jobs_in_flight={} max_result_bytes={} max_db_connections={}",
+        q.max_sessions, q.max_queued_jobs, q.max_artifact_bytes, q.max_jobs_in_flight, q.max_result_bytes, q.max_db_connections
     );
 }
 

@@ -330,7 +330,14 @@ async fn main() -> Result<()> {
     let tenant = format!("bench{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     // The throughput run queues 1600 jobs at once: more than a default tenant may.
     let pool = sqlx::PgPool::connect(client.database_url()).await.context("connecting to Postgres")?;
-    let quotas = Quotas { max_sessions: 64, max_queued_jobs: 100_000, max_artifact_bytes: 1 << 40, max_jobs_in_flight: 1_000, max_result_bytes: 1 << 40 };
+    let quotas = Quotas {
+        max_sessions: 64,
+        max_queued_jobs: 100_000,
+        max_artifact_bytes: 1 << 40,
+        max_jobs_in_flight: 1_000,
+        max_result_bytes: 1 << 40,
+        max_db_connections: 64,
+    };
     TenantStore::new(pool.clone()).set_quotas(&tenant, &quotas).await?;
     carry_stored_artifacts(&pool, &tenant, args.stored_artifacts).await?;
     let watcher = Watcher::connect(&client, &tenant).await?;

@@ -36,6 +36,10 @@ pub struct Quotas {
     /// jobs kept for its sessions, upload grants, the E2B gateway's metadata and `envVars` of its
     /// sandboxes), until the retention deletes them (migrations 0022, 0027, 0028).
     pub max_result_bytes: u64,
+    /// Connections its database login may hold open at once (the role's `CONNECTION LIMIT`,
+    /// which Postgres enforces; migration 0029): a tenant opening connections must not take
+    /// the ones every service needs.
+    pub max_db_connections: u32,
 }
 
 impl Default for Quotas {
@@ -46,6 +50,7 @@ impl Default for Quotas {
             max_artifact_bytes: 5 * 1024 * 1024 * 1024,
             max_jobs_in_flight: 4,
             max_result_bytes: 2 * 1024 * 1024 * 1024,
+            max_db_connections: 16,
         }
     }
 }
@@ -59,12 +64,14 @@ impl Quotas {
             max_artifact_bytes: u64::try_from(r.try_get::<i64, _>("max_artifact_bytes")?).unwrap_or(0),
             max_jobs_in_flight: u32::try_from(r.try_get::<i32, _>("max_jobs_in_flight")?).unwrap_or(1),
             max_result_bytes: u64::try_from(r.try_get::<i64, _>("max_result_bytes")?).unwrap_or(0),
+            max_db_connections: u32::try_from(r.try_get::<i32, _>("max_db_connections")?).unwrap_or(1),
         })
     }
 
     /// The operator's defaults for new tenants: `SANDCELL_DEFAULT_MAX_SESSIONS` (20),
     /// `SANDCELL_DEFAULT_MAX_QUEUED_JOBS` (1000), `SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES` (5 GiB),
-    /// `SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT` (4), `SANDCELL_DEFAULT_MAX_RESULT_BYTES` (2 GiB).
+    /// `SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT` (4), `SANDCELL_DEFAULT_MAX_RESULT_BYTES` (2 GiB),
+    /// `SANDCELL_DEFAULT_MAX_DB_CONNECTIONS` (16).
     pub fn from_env() -> Result<Self> {
         let d = Quotas::default();
         Ok(Quotas {
@@ -73,6 +80,7 @@ impl Quotas {
             max_artifact_bytes: parse_or("SANDCELL_DEFAULT_MAX_ARTIFACT_BYTES", d.max_artifact_bytes)?,
             max_jobs_in_flight: parse_or("SANDCELL_DEFAULT_MAX_JOBS_IN_FLIGHT", d.max_jobs_in_flight)?.max(1),
             max_result_bytes: parse_or("SANDCELL_DEFAULT_MAX_RESULT_BYTES", d.max_result_bytes)?.max(1),
+            max_db_connections: parse_or("SANDCELL_DEFAULT_MAX_DB_CONNECTIONS", d.max_db_connections)?.max(1),
         })
     }
 }
@@ -81,8 +89,8 @@ impl Quotas {
 /// tenant row (its notification channel lives there).
 pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: &Quotas) -> Result<()> {
     sqlx::query(
-        "INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, max_result_bytes)
-         VALUES ($1, $2, $3, $4, $5, $6)
+        "INSERT INTO tenants (tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, max_result_bytes, max_db_connections)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
          ON CONFLICT (tenant) DO NOTHING",
     )
     .bind(tenant)
@@ -91,6 +99,7 @@ pub async fn ensure(tx: &mut Transaction<'_, Postgres>, tenant: &str, defaults: 
     .bind(i64::try_from(defaults.max_artifact_bytes).unwrap_or(i64::MAX))
     .bind(i32::try_from(defaults.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
     .bind(i64::try_from(defaults.max_result_bytes.max(1)).unwrap_or(i64::MAX))
+    .bind(db_connections(defaults))
     .execute(&mut **tx)
     .await
     .with_context(|| format!("registering tenant {tenant}"))?;
@@ -145,7 +154,12 @@ impl TenantStore {
         let login = DbLogin { role: format!("{TENANT_ROLE_PREFIX}{}", random_hex(16)), password: random_hex(40) };
         // Role names and passwords are generated hex, so formatting them into DDL is safe
         // (utility statements take no bind parameters).
-        let ddl = format!("CREATE ROLE {} LOGIN PASSWORD '{}' IN ROLE {TENANT_GROUP_ROLE}", login.role, login.password);
+        let limit: i32 = sqlx::query_scalar("SELECT max_db_connections FROM tenants WHERE tenant = $1")
+            .bind(tenant)
+            .fetch_one(&mut *tx)
+            .await
+            .context("reading the tenant's connection quota")?;
+        let ddl = format!("CREATE ROLE {} LOGIN PASSWORD '{}' CONNECTION LIMIT {limit} IN ROLE {TENANT_GROUP_ROLE}", login.role, login.password);
         sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&mut *tx).await.context("creating the tenant's role")?;
         sqlx::query("UPDATE tenants SET db_role = $2 WHERE tenant = $1")
             .bind(tenant)
@@ -172,7 +186,8 @@ impl TenantStore {
 
     async fn set_quotas_in(&self, tx: &mut Transaction<'_, Postgres>, tenant: &str, q: &Quotas) -> Result<()> {
         sqlx::query(
-            "UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4, max_jobs_in_flight = $5, max_result_bytes = $6
+            "UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4, max_jobs_in_flight = $5, max_result_bytes = $6,
+                    max_db_connections = $7
              WHERE tenant = $1",
         )
         .bind(tenant)
@@ -181,16 +196,29 @@ impl TenantStore {
         .bind(i64::try_from(q.max_artifact_bytes).unwrap_or(i64::MAX))
         .bind(i32::try_from(q.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
         .bind(i64::try_from(q.max_result_bytes.max(1)).unwrap_or(i64::MAX))
+        .bind(db_connections(q))
         .execute(&mut **tx)
         .await
         .context("updating quotas")?;
+        let role: Option<String> = sqlx::query_scalar("SELECT db_role FROM tenants WHERE tenant = $1")
+            .bind(tenant)
+            .fetch_optional(&mut **tx)
+            .await
+            .context("reading the tenant's role")?
+            .flatten();
+        if let Some(role) = role.filter(|r| is_tenant_role(r)) {
+            // The role name is generated hex and the limit a number (no bind parameters in DDL).
+            let ddl = format!("ALTER ROLE {role} CONNECTION LIMIT {}", db_connections(q));
+            sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&mut **tx).await.context("setting the tenant's connection limit")?;
+        }
         Ok(())
     }
 
     /// Every registered tenant, by name: its quotas and whether it has a database login.
     pub async fn list(&self) -> Result<Vec<(String, Quotas, bool)>> {
         let rows = sqlx::query(
-            "SELECT tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, db_role IS NOT NULL, max_result_bytes
+            "SELECT tenant, max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, db_role IS NOT NULL, max_result_bytes,
+                    max_db_connections
              FROM tenants ORDER BY tenant",
         )
         .fetch_all(&self.pool)
@@ -226,11 +254,13 @@ impl TenantStore {
 
     /// The tenant's quotas, if it is registered.
     pub async fn quotas(&self, tenant: &str) -> Result<Option<Quotas>> {
-        let row = sqlx::query("SELECT max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, max_result_bytes FROM tenants WHERE tenant = $1")
-            .bind(tenant)
-            .fetch_optional(&self.pool)
-            .await
-            .context("reading quotas")?;
+        let row = sqlx::query(
+            "SELECT max_sessions, max_queued_jobs, max_artifact_bytes, max_jobs_in_flight, max_result_bytes, max_db_connections FROM tenants WHERE tenant = $1",
+        )
+        .bind(tenant)
+        .fetch_optional(&self.pool)
+        .await
+        .context("reading quotas")?;
         row.as_ref().map(Quotas::from_row).transpose()
     }
 
@@ -317,6 +347,49 @@ pub(crate) async fn stored_bytes(tx: &mut Transaction<'_, Postgres>, tenant: &st
     .context("summing the tenant's stored, reserved and uploadable bytes")
 }
 
+/// The built-in functions no tenant login may execute, as `deploy/postgres/lockdown.sql` (a
+/// superuser's step; it says why) takes them from PUBLIC: every advisory lock (a tenant's
+/// ~12,000 filled Postgres' shared lock table and every new connection failed; one in the
+/// schedulers' classes took intake partitions from them) and every way to create a large
+/// object (disk outside every quota).
+pub const KEPT_FROM_TENANTS: [&str; 19] = [
+    "pg_advisory_lock(bigint)",
+    "pg_advisory_lock(integer,integer)",
+    "pg_advisory_lock_shared(bigint)",
+    "pg_advisory_lock_shared(integer,integer)",
+    "pg_try_advisory_lock(bigint)",
+    "pg_try_advisory_lock(integer,integer)",
+    "pg_try_advisory_lock_shared(bigint)",
+    "pg_try_advisory_lock_shared(integer,integer)",
+    "pg_advisory_xact_lock(bigint)",
+    "pg_advisory_xact_lock(integer,integer)",
+    "pg_advisory_xact_lock_shared(bigint)",
+    "pg_advisory_xact_lock_shared(integer,integer)",
+    "pg_try_advisory_xact_lock(bigint)",
+    "pg_try_advisory_xact_lock(integer,integer)",
+    "pg_try_advisory_xact_lock_shared(bigint)",
+    "pg_try_advisory_xact_lock_shared(integer,integer)",
+    "lo_creat(integer)",
+    "lo_create(oid)",
+    "lo_from_bytea(oid,bytea)",
+];
+
+/// Which of [`KEPT_FROM_TENANTS`] tenants' logins can still execute in this database (empty
+/// once `deploy/postgres/lockdown.sql` was applied to it).
+pub async fn functions_tenants_can_reach(pool: &PgPool) -> Result<Vec<String>> {
+    sqlx::query_scalar("SELECT f FROM unnest($1::text[]) f WHERE has_function_privilege($2, 'pg_catalog.' || f, 'EXECUTE') ORDER BY f")
+        .bind(&KEPT_FROM_TENANTS[..])
+        .bind(TENANT_GROUP_ROLE)
+        .fetch_all(pool)
+        .await
+        .context("checking which built-in functions tenants can execute")
+}
+
+/// A tenant's connection quota as the role's limit: at least 1 (Postgres reads -1 as no limit).
+fn db_connections(q: &Quotas) -> i32 {
+    i32::try_from(q.max_db_connections.max(1)).unwrap_or(i32::MAX)
+}
+
 fn is_tenant_role(role: &str) -> bool {
     role.strip_prefix(TENANT_ROLE_PREFIX).is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
@@ -324,6 +397,16 @@ fn is_tenant_role(role: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lockdown_script_takes_every_function_the_check_looks_for() {
+        let script = include_str!("../../deploy/postgres/lockdown.sql");
+        for f in KEPT_FROM_TENANTS {
+            assert!(script.contains(&format!("'{f}'")), "{f} is not in deploy/postgres/lockdown.sql");
+        }
+        let quoted = script.lines().filter(|l| !l.trim_start().starts_with("--")).flat_map(|l| l.split('\'')).filter(|w| w.ends_with(')')).count();
+        assert_eq!(quoted, KEPT_FROM_TENANTS.len(), "the script names functions the check does not");
+    }
 
     #[test]
     fn generated_roles_are_recognised_and_nothing_else_is() {

@@ -51,6 +51,9 @@ test_db=${SANDCELL_TEST_DATABASE:-sandcell_test}
 echo "== a fresh database for the run: $test_db"
 runuser -u postgres -- psql -X -q -v ON_ERROR_STOP=1 -d postgres \
     -c "DROP DATABASE IF EXISTS \"$test_db\" WITH (FORCE)" -c "CREATE DATABASE \"$test_db\" OWNER sandcell"
+# What no tenant login may execute there (deploy/postgres/lockdown.sql), as up.sh does in the
+# stack's database: a superuser's step, per database.
+runuser -u postgres -- psql -X -q -v ON_ERROR_STOP=1 -d "$test_db" -f - >/dev/null <"$repo/deploy/postgres/lockdown.sql"
 export SANDCELL_DATABASE_URL="${SANDCELL_DATABASE_URL%/*}/$test_db"
 
 # Test-friendly settings: a fast sweeper so TTL expiry is observable in seconds.

@@ -256,6 +256,9 @@ SELECT 'CREATE ROLE sandcell' WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rol
 ALTER ROLE sandcell LOGIN CREATEROLE PASSWORD :'pw';
 SELECT 'CREATE DATABASE sandcell OWNER sandcell' WHERE NOT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'sandcell') \gexec
 EOF
+    # Built-in functions no tenant login may execute (advisory locks, large objects): only a
+    # superuser can revoke them, in each database (deploy/postgres/lockdown.sql says why).
+    runuser -u postgres -- psql -X -q -v ON_ERROR_STOP=1 -d sandcell -f - >/dev/null <"$REPO/deploy/postgres/lockdown.sql"
     log "postgres: ready, role and database sandcell ok"
 }
 

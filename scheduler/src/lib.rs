@@ -194,6 +194,16 @@ pub async fn run(cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     let db_url = cfg.services.database_url.clone();
     let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, 8)).await;
+    match sandcell_core::tenants::functions_tenants_can_reach(&pool).await {
+        Ok(reached) if !reached.is_empty() => tracing::error!(
+            functions = reached.join(", "),
+            "tenants' database logins can execute built-in functions with which one tenant can stop every other's jobs \
+             (advisory locks fill Postgres' lock table; large objects fill its disk): apply deploy/postgres/lockdown.sql \
+             to this database as a superuser"
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = format!("{e:#}"), "could not check what tenants' database logins can execute"),
+    }
     let jobs = JobStore::new(pool).with_tenant_defaults(cfg.tenant_defaults);
     let store = ArtifactStore::new(&cfg.services.s3);
     // Backstop for the sweeper: lifecycle rules count whole days, so one day past the longest

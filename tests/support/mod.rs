@@ -275,9 +275,10 @@ impl TestTenant {
         Client::connect(&self.creds.amqp_url, &self.creds.database_url).await.expect("tenant client connects")
     }
 
-    /// A database pool logged in as the tenant's role.
+    /// A database pool logged in as the tenant's role: at most 4 connections, as the client
+    /// library's, well within the tenant's `max_db_connections`.
     pub async fn db(&self) -> sqlx::PgPool {
-        sqlx::PgPool::connect(&self.creds.database_url).await.expect("tenant role connects")
+        sandcell_core::pool::options(4).connect(&self.creds.database_url).await.expect("tenant role connects")
     }
 }
 

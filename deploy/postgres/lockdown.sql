@@ -1,0 +1,43 @@
+-- Built-in functions a tenant's database login must not execute. Run once in sandcell's
+-- database, as a superuser (only a built-in function's owner can revoke what PUBLIC holds on it,
+-- and sandcell's own role is not one): `deploy/local/up.sh` and `deploy/local/test.sh` do;
+-- elsewhere see docs/operations.md. Idempotent. sandcell's scheduler checks at start that it was
+-- applied (`sandcell_core::tenants::functions_tenants_can_reach`) and logs an error naming
+-- this file if not.
+--
+-- Why: a tenant gets a login that can only read its own rows, but PUBLIC may execute these in
+-- every database, and with them one tenant harmed every other:
+-- - advisory locks: ~12,000 of them, taken from one connection, fill Postgres' shared lock
+--   table; then every new connection fails (`FATAL: out of shared memory`) and so does any
+--   statement needing a lock the table has no room for, for as long as that session lives.
+--   One lock of the schedulers' presence class made each scheduler count one more scheduler
+--   and give up part of the intake's partitions, which nobody then consumed; one of the
+--   partition class kept that partition from every scheduler;
+-- - large objects: a tenant could create them without bound (`lo_from_bytea`), filling the
+--   disk Postgres shares with every tenant, outside every quota.
+-- sandcell's own role keeps the advisory locks (the intake's partitions, sqlx's migration lock);
+-- it uses no large objects.
+
+DO $$
+DECLARE
+    owner name := (SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = current_database());
+    f text;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[
+        'pg_advisory_lock(bigint)', 'pg_advisory_lock(integer,integer)',
+        'pg_advisory_lock_shared(bigint)', 'pg_advisory_lock_shared(integer,integer)',
+        'pg_try_advisory_lock(bigint)', 'pg_try_advisory_lock(integer,integer)',
+        'pg_try_advisory_lock_shared(bigint)', 'pg_try_advisory_lock_shared(integer,integer)',
+        'pg_advisory_xact_lock(bigint)', 'pg_advisory_xact_lock(integer,integer)',
+        'pg_advisory_xact_lock_shared(bigint)', 'pg_advisory_xact_lock_shared(integer,integer)',
+        'pg_try_advisory_xact_lock(bigint)', 'pg_try_advisory_xact_lock(integer,integer)',
+        'pg_try_advisory_xact_lock_shared(bigint)', 'pg_try_advisory_xact_lock_shared(integer,integer)'
+    ] LOOP
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION pg_catalog.%s FROM PUBLIC', f);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION pg_catalog.%s TO %I', f, owner);
+    END LOOP;
+    FOREACH f IN ARRAY ARRAY['lo_creat(integer)', 'lo_create(oid)', 'lo_from_bytea(oid,bytea)'] LOOP
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION pg_catalog.%s FROM PUBLIC', f);
+    END LOOP;
+END;
+$$;
