@@ -829,8 +829,8 @@ async fn a_tenants_login_cannot_take_advisory_locks_or_create_large_objects() {
         assert!(err.to_string().contains("permission denied for function"), "{sql}: {err}");
     }
     let service = service_db().await;
-    let reached = sandcell_core::tenants::functions_tenants_can_reach(&service).await.expect("the scheduler's check");
-    assert!(reached.is_empty(), "tenants can still execute {reached:?}");
+    let missing = sandcell_core::tenants::lockdown_missing(&service).await.expect("the scheduler's check");
+    assert!(missing.is_empty(), "the lockdown is missing {missing:?}");
     // The service role keeps the locks the schedulers share the intake with.
     let (got, freed): (bool, bool) =
         sqlx::query_as("SELECT pg_try_advisory_lock(424242), pg_advisory_unlock(424242)").fetch_one(&service).await.expect("service lock");
@@ -872,4 +872,73 @@ async fn a_tenants_login_holds_at_most_its_quota_of_database_connections() {
         .await
         .expect("the role's limit");
     assert_eq!(limit, 5);
+}
+
+/// A tenant's login could keep a transaction (or one statement) open, or stop reading its
+/// connection, for as long as it liked; meanwhile Postgres could not trim its notification
+/// queue past that session, and every job's commit writes to that queue. Two connections of one
+/// tenant, one listening in an open transaction and one notifying, filled it (8 GB) in 44 s, and
+/// from then on every commit failed (`too many notifications in the NOTIFY queue`), every
+/// tenant's. Postgres' timeouts cannot be imposed (any session may `SET` them), so the scheduler
+/// ends a tenant's session idle in a transaction or in one statement for
+/// `SANDCELL_TENANT_DB_HOLD_S` (10 s here); sessions that only listen, or come and go, stay.
+#[tokio::test]
+async fn a_tenants_database_session_holding_a_transaction_or_a_statement_open_is_ended_and_others_stay() {
+    let t = TestTenant::create(None).await;
+    let url = &t.creds.database_url;
+    // Holding the notification queue: listening inside an open transaction, after a flood.
+    let mut holder = sqlx::PgConnection::connect(url).await.expect("tenant connects");
+    sqlx::query("LISTEN sandcell_test_held").execute(&mut holder).await.expect("LISTEN");
+    sqlx::query("BEGIN").execute(&mut holder).await.expect("BEGIN");
+    sqlx::query("SELECT 1").execute(&mut holder).await.expect("in the transaction");
+    let mut flooder = sqlx::PgConnection::connect(url).await.expect("tenant connects");
+    sqlx::query("SELECT count(pg_notify('sandcell_test_flood', i::text || repeat('a', 7900))) FROM generate_series(1, 20000) i")
+        .execute(&mut flooder)
+        .await
+        .expect("notifying");
+    let service = service_db().await;
+    let usage = || async { sqlx::query_scalar::<_, f64>("SELECT pg_notification_queue_usage()").fetch_one(&service).await.expect("queue usage") };
+    let held = usage().await;
+    assert!(held > 0.01, "the flood waits in the queue for the holder: {held}");
+    // One statement for ten minutes.
+    let long = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let mut conn = sqlx::PgConnection::connect(&url).await.expect("tenant connects");
+            let started = std::time::Instant::now();
+            let r = sqlx::query("SELECT pg_sleep(600)").execute(&mut conn).await;
+            (r.map(|_| ()), started.elapsed())
+        }
+    });
+    // A listener between its notifications, and a pool used now and then, are not holding.
+    let mut listener = sqlx::postgres::PgListener::connect(url).await.expect("tenant listener");
+    listener.listen("sandcell_test_idle").await.expect("LISTEN");
+    let db = t.db().await;
+
+    let (r, took) = tokio::time::timeout(Duration::from_secs(60), long).await.expect("the long statement was ended").expect("task");
+    let err = r.expect_err("the long statement cannot finish");
+    assert!(err.to_string().contains("terminat"), "{err}");
+    assert!(took < Duration::from_secs(40), "ended after {took:?}");
+    let err = sqlx::query("SELECT 1").execute(&mut holder).await.expect_err("the transaction's session was ended");
+    assert!(!err.to_string().is_empty());
+    // With the holder gone the queue is trimmed as it is read (a notification moves its tail).
+    let drained = eventually(Duration::from_secs(30), || async {
+        sqlx::query("SELECT pg_notify('sandcell_test_tick', '')").execute(&service).await.expect("notify");
+        Some(usage().await).filter(|u| *u < held / 2.0)
+    })
+    .await;
+    assert!(drained.is_some(), "the queue stayed at {} (was {held})", usage().await);
+
+    // The others are as they were.
+    let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut flooder).await.expect("the flooder, idle, stays");
+    assert_eq!(one, 1);
+    sqlx::query("SELECT pg_notify('sandcell_test_idle', 'still here')").execute(&service).await.expect("notify");
+    let n = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.expect("the listener hears").expect("a notification");
+    assert_eq!(n.payload(), "still here");
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(&db).await.expect("the pool reads");
+    assert_eq!(jobs, 0);
+    for holding in ["idle_in_transaction", "long_statement"] {
+        let ended = scheduler_metric(&format!("sandcell_tenant_db_sessions_ended_total{{holding=\"{holding}\"}}")).await;
+        assert!(ended.is_some_and(|n| n >= 1.0), "{holding}: the scheduler counted {ended:?}");
+    }
 }

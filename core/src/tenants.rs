@@ -19,6 +19,8 @@ use crate::config::parse_or;
 pub const TENANT_GROUP_ROLE: &str = "sandcell_tenant";
 /// Prefix of tenants' login roles (followed by 16 hex digits).
 const TENANT_ROLE_PREFIX: &str = "sandcell_t_";
+/// A tenant login's name, as a Postgres regular expression ([`is_tenant_role`]).
+const TENANT_ROLE_PATTERN: &str = "^sandcell_t_[0-9a-f]{16}$";
 
 /// A tenant's quotas. Over any of them, a submission is `rejected` with `quota_exceeded`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -374,15 +376,110 @@ pub const KEPT_FROM_TENANTS: [&str; 19] = [
     "lo_from_bytea(oid,bytea)",
 ];
 
-/// Which of [`KEPT_FROM_TENANTS`] tenants' logins can still execute in this database (empty
-/// once `deploy/postgres/lockdown.sql` was applied to it).
-pub async fn functions_tenants_can_reach(pool: &PgPool) -> Result<Vec<String>> {
-    sqlx::query_scalar("SELECT f FROM unnest($1::text[]) f WHERE has_function_privilege($2, 'pg_catalog.' || f, 'EXECUTE') ORDER BY f")
-        .bind(&KEPT_FROM_TENANTS[..])
-        .bind(TENANT_GROUP_ROLE)
-        .fetch_all(pool)
-        .await
-        .context("checking which built-in functions tenants can execute")
+/// What `deploy/postgres/lockdown.sql` would still change in this database (empty once it was
+/// applied): each of [`KEPT_FROM_TENANTS`] tenants' logins can still execute, and
+/// `pg_read_all_stats` and `pg_signal_backend` if this role may not see or end tenants'
+/// sessions ([`sessions_holding`], [`end_tenant_session`]).
+pub async fn lockdown_missing(pool: &PgPool) -> Result<Vec<String>> {
+    sqlx::query_scalar(
+        "SELECT f FROM unnest($1::text[]) f WHERE has_function_privilege($2, 'pg_catalog.' || f, 'EXECUTE')
+         UNION ALL SELECT r FROM unnest(ARRAY['pg_read_all_stats', 'pg_signal_backend']) r WHERE NOT pg_has_role(r, 'MEMBER')
+         ORDER BY 1",
+    )
+    .bind(&KEPT_FROM_TENANTS[..])
+    .bind(TENANT_GROUP_ROLE)
+    .fetch_all(pool)
+    .await
+    .context("checking what tenants' logins can reach")
+}
+
+/// Why a tenant's database session holds what every tenant shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Holding {
+    /// In a transaction and idle: it holds back vacuum's horizon, and a listener's place in the
+    /// notification queue, which every job's commit writes to.
+    IdleInTransaction,
+    /// One statement running: as above while it runs, and a core's worth of CPU.
+    LongStatement,
+    /// Blocked writing to a client that does not read (results, or the notifications it
+    /// listens for: the queue cannot be trimmed past them).
+    NotReading,
+}
+
+impl Holding {
+    /// Its label (metrics, logs).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Holding::IdleInTransaction => "idle_in_transaction",
+            Holding::LongStatement => "long_statement",
+            Holding::NotReading => "not_reading",
+        }
+    }
+
+    /// Every value.
+    pub const ALL: [Holding; 3] = [Holding::IdleInTransaction, Holding::LongStatement, Holding::NotReading];
+}
+
+/// A tenant login's database session, as [`sessions_holding`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TenantSession {
+    /// Its backend's process id.
+    pub pid: i32,
+    /// When that backend started (with `pid`, names the session: pids are reused).
+    pub started: chrono::DateTime<chrono::Utc>,
+    /// The tenant's login role.
+    pub role: String,
+    /// What it holds.
+    pub holding: Holding,
+}
+
+/// The sessions of tenants' logins in this database that hold what every tenant shares: idle
+/// in a transaction, or running one statement, for `hold` or longer; and every one blocked
+/// writing to its client now (how long is the caller's to judge: Postgres keeps no time of it).
+/// Only logins named as [`TenantStore::create`] names them count (superusers, sandcell's own
+/// role and operators' never do). Needs `pg_read_all_stats` (`deploy/postgres/lockdown.sql`):
+/// without it Postgres shows no other role's state, and nothing is found.
+pub async fn sessions_holding(pool: &PgPool, hold: std::time::Duration) -> Result<Vec<TenantSession>> {
+    let rows = sqlx::query(
+        "SELECT a.pid, a.backend_start, a.usename::text AS role,
+                CASE WHEN a.state LIKE 'idle in transaction%' AND a.state_change <= now() - make_interval(secs => $1) THEN 'idle_in_transaction'
+                     WHEN a.state = 'active' AND a.query_start <= now() - make_interval(secs => $1) THEN 'long_statement'
+                     ELSE 'not_reading' END AS holding
+           FROM pg_stat_activity a
+          WHERE a.datname = current_database() AND a.usename ~ $2 AND a.pid <> pg_backend_pid()
+            AND ((a.state LIKE 'idle in transaction%' AND a.state_change <= now() - make_interval(secs => $1))
+              OR (a.state = 'active' AND a.query_start <= now() - make_interval(secs => $1))
+              OR a.wait_event = 'ClientWrite')",
+    )
+    .bind(hold.as_secs_f64())
+    .bind(TENANT_ROLE_PATTERN)
+    .fetch_all(pool)
+    .await
+    .context("looking for tenants' sessions holding what all share")?;
+    rows.iter()
+        .map(|r| {
+            let holding = match r.try_get::<&str, _>("holding")? {
+                "idle_in_transaction" => Holding::IdleInTransaction,
+                "long_statement" => Holding::LongStatement,
+                _ => Holding::NotReading,
+            };
+            Ok(TenantSession { pid: r.try_get("pid")?, started: r.try_get("backend_start")?, role: r.try_get("role")?, holding })
+        })
+        .collect()
+}
+
+/// End `session` (its connection closes; its transaction rolls back). Whether it was still
+/// there to end. Needs `pg_signal_backend` (`deploy/postgres/lockdown.sql`).
+pub async fn end_tenant_session(pool: &PgPool, session: &TenantSession) -> Result<bool> {
+    let ended: Option<bool> =
+        sqlx::query_scalar("SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a WHERE a.pid = $1 AND a.backend_start = $2 AND a.usename ~ $3")
+            .bind(session.pid)
+            .bind(session.started)
+            .bind(TENANT_ROLE_PATTERN)
+            .fetch_optional(pool)
+            .await
+            .with_context(|| format!("ending database session {} of {}", session.pid, session.role))?;
+    Ok(ended.unwrap_or(false))
 }
 
 /// A tenant's connection quota as the role's limit: at least 1 (Postgres reads -1 as no limit).
@@ -406,6 +503,12 @@ mod tests {
         }
         let quoted = script.lines().filter(|l| !l.trim_start().starts_with("--")).flat_map(|l| l.split('\'')).filter(|w| w.ends_with(')')).count();
         assert_eq!(quoted, KEPT_FROM_TENANTS.len(), "the script names functions the check does not");
+    }
+
+    #[test]
+    fn the_pattern_postgres_matches_names_the_roles_this_module_makes() {
+        assert_eq!(TENANT_ROLE_PATTERN, format!("^{TENANT_ROLE_PREFIX}[0-9a-f]{{16}}$"));
+        assert!(random_hex(16).bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "lowercase hex, as the pattern says");
     }
 
     #[test]

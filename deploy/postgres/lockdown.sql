@@ -1,8 +1,9 @@
--- Built-in functions a tenant's database login must not execute. Run once in sandcell's
+-- Built-in functions a tenant's database login must not execute, and what sandcell's own role
+-- needs to see and end a tenant's session that holds what all share. Run once in sandcell's
 -- database, as a superuser (only a built-in function's owner can revoke what PUBLIC holds on it,
 -- and sandcell's own role is not one): `deploy/local/up.sh` and `deploy/local/test.sh` do;
 -- elsewhere see docs/operations.md. Idempotent. sandcell's scheduler checks at start that it was
--- applied (`sandcell_core::tenants::functions_tenants_can_reach`) and logs an error naming
+-- applied (`sandcell_core::tenants::lockdown_missing`) and logs an error naming
 -- this file if not.
 --
 -- Why: a tenant gets a login that can only read its own rows, but PUBLIC may execute these in
@@ -16,7 +17,15 @@
 -- - large objects: a tenant could create them without bound (`lo_from_bytea`), filling the
 --   disk Postgres shares with every tenant, outside every quota.
 -- sandcell's own role keeps the advisory locks (the intake's partitions, sqlx's migration lock);
--- it uses no large objects.
+-- it uses no large objects. And it is let see and end other roles' sessions
+-- (`pg_read_all_stats`: without it `pg_stat_activity` hides their state; `pg_signal_backend`,
+-- which cannot touch a superuser's): a tenant's session idle in a transaction, or in one statement,
+-- holds back vacuum for every table and holds the notification queue, which every job's commit
+-- writes to (two connections of one tenant filled it in 44 s, and then every commit failed:
+-- `too many notifications in the NOTIFY queue`); the scheduler ends such sessions
+-- (`SANDCELL_TENANT_DB_HOLD_S`), and only a superuser can let it.
+
+SET client_min_messages = warning;
 
 DO $$
 DECLARE
@@ -39,5 +48,6 @@ BEGIN
     FOREACH f IN ARRAY ARRAY['lo_creat(integer)', 'lo_create(oid)', 'lo_from_bytea(oid,bytea)'] LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION pg_catalog.%s FROM PUBLIC', f);
     END LOOP;
+    EXECUTE format('GRANT pg_read_all_stats, pg_signal_backend TO %I', owner);
 END;
 $$;

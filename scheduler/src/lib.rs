@@ -20,6 +20,8 @@
 //!   worker gave up on), from a copy of each;
 //! - [`live_output`] holds each tenant to its share of the broker's live-output queues and
 //!   bindings (closing its connections and deleting its queues past it);
+//! - [`tenant_sessions`] ends tenants' database sessions that hold what every tenant shares
+//!   (a transaction or a statement kept open, a connection not read);
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 
@@ -32,6 +34,7 @@ mod metrics;
 mod partitions;
 mod sweeper;
 mod tenant_gates;
+mod tenant_sessions;
 mod uploads;
 
 use std::collections::HashSet;
@@ -95,6 +98,12 @@ pub struct Config {
     /// `SANDCELL_TRUSTED_PUBLISHERS`, default `sandcell`: broker users that may submit for any
     /// tenant (the body's `tenant` is believed). Every other user submits as itself.
     pub trusted_publishers: HashSet<String>,
+    /// `SANDCELL_TENANT_DB_HOLD_S`, default 10: a tenant's database session idle in a
+    /// transaction, in one statement, or blocked writing to its client this long is ended
+    /// ([`tenant_sessions`]); 0 turns that off.
+    pub tenant_db_hold: Duration,
+    /// `SANDCELL_TENANT_DB_CHECK_MS`, default 1000: how often the scheduler looks.
+    pub tenant_db_check: Duration,
     /// `SANDCELL_DEFAULT_MAX_*`: quotas of tenants registered on their first job.
     pub tenant_defaults: Quotas,
     /// `SANDCELL_MAX_UPLOAD_FILE_BYTES`, default 100 MiB (as the workers'): the largest file an
@@ -167,6 +176,8 @@ impl Config {
                 .filter(|s| !s.is_empty())
                 .map(String::from)
                 .collect(),
+            tenant_db_hold: Duration::from_secs_f64(config::parse_or("SANDCELL_TENANT_DB_HOLD_S", 10.0f64)?.clamp(0.0, 86_400.0)),
+            tenant_db_check: Duration::from_millis(config::parse_or("SANDCELL_TENANT_DB_CHECK_MS", 1000u64)?.clamp(100, 60_000)),
             tenant_defaults: Quotas::from_env()?,
             max_upload_bytes: config::parse_or("SANDCELL_MAX_UPLOAD_FILE_BYTES", 100u64 << 20)?,
             upload_url_ttl: Duration::from_secs(url_ttl_s),
@@ -194,12 +205,12 @@ pub async fn run(cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     let db_url = cfg.services.database_url.clone();
     let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, 8)).await;
-    match sandcell_core::tenants::functions_tenants_can_reach(&pool).await {
-        Ok(reached) if !reached.is_empty() => tracing::error!(
-            functions = reached.join(", "),
-            "tenants' database logins can execute built-in functions with which one tenant can stop every other's jobs \
-             (advisory locks fill Postgres' lock table; large objects fill its disk): apply deploy/postgres/lockdown.sql \
-             to this database as a superuser"
+    match sandcell_core::tenants::lockdown_missing(&pool).await {
+        Ok(missing) if !missing.is_empty() => tracing::error!(
+            missing = missing.join(", "),
+            "one tenant's database login can stop every other's jobs here (advisory locks fill Postgres' lock table, large \
+             objects its disk, and without pg_read_all_stats and pg_signal_backend this scheduler cannot see or end a \
+             tenant's session that holds the notification queue): apply deploy/postgres/lockdown.sql to this database as a superuser"
         ),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = format!("{e:#}"), "could not check what tenants' database logins can execute"),
@@ -246,6 +257,11 @@ pub async fn run(cfg: Config) -> Result<()> {
     let shutdown = CancellationToken::new();
     let mut live_watch =
         tokio::spawn(live_output::run(management, cfg.live_output_limits, service_user, metrics.clone(), cfg.live_output_check, shutdown.clone()));
+    let tenant_watch = if cfg.tenant_db_hold.is_zero() {
+        tokio::spawn(std::future::pending::<()>())
+    } else {
+        tokio::spawn(tenant_sessions::run(jobs.pool().clone(), metrics.clone(), cfg.tenant_db_check, cfg.tenant_db_hold))
+    };
     let stop_grace = cfg.stop_grace;
     let mut intake = tokio::spawn(intake::run(cfg, jobs, store_for_uploads, metrics, broker_up, shutdown.clone()));
 
@@ -255,6 +271,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         r = store_sweeper => r.context("store sweeper task panicked"),
         r = dispatcher => r.context("dispatcher task panicked"),
         r = recorder => r.context("dead-letter recorder task panicked"),
+        r = tenant_watch => r.context("tenant session watch task panicked"),
         r = &mut live_watch => r.context("live-output watch task panicked"),
         r = &mut intake => r.context("intake task panicked"),
         signal = sandcell_core::telemetry::stop_signal() => {
