@@ -942,3 +942,43 @@ async fn a_tenants_database_session_holding_a_transaction_or_a_statement_open_is
         assert!(ended.is_some_and(|n| n >= 1.0), "{holding}: the scheduler counted {ended:?}");
     }
 }
+
+/// The third way a tenant's session held the notification queue: it listens and stops reading
+/// its connection (Postgres then waits to write to it, and cannot trim the queue past what it
+/// has not sent). The scheduler ends one seen blocked so at every look for
+/// `SANDCELL_TENANT_DB_HOLD_S`.
+#[tokio::test]
+async fn a_tenants_listener_that_stops_reading_its_connection_is_ended() {
+    let t = TestTenant::create(None).await;
+    let mut deaf = sqlx::PgConnection::connect(&t.creds.database_url).await.expect("tenant connects");
+    sqlx::query("LISTEN sandcell_test_deaf").execute(&mut deaf).await.expect("LISTEN");
+    // Nothing reads `deaf` from here on: what is sent to it fills the socket's buffers.
+    let service = service_db().await;
+    let own = t.db().await;
+    sqlx::query("SELECT count(pg_notify('sandcell_test_deaf', i::text || repeat('a', 7900))) FROM generate_series(1, 2000) i")
+        .execute(&service)
+        .await
+        .expect("notifying");
+    let blocked = eventually(Duration::from_secs(10), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE usename = current_user AND wait_event = 'ClientWrite'")
+            .fetch_one(&own)
+            .await
+            .expect("own sessions");
+        (n > 0).then_some(())
+    })
+    .await;
+    assert!(blocked.is_some(), "the listener's backend never blocked writing to it");
+    let ended = eventually(Duration::from_secs(60), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE usename = current_user AND wait_event = 'ClientWrite'")
+            .fetch_one(&own)
+            .await
+            .expect("own sessions");
+        (n == 0).then_some(())
+    })
+    .await;
+    assert!(ended.is_some(), "the listener that does not read is still there");
+    let err = sqlx::query("SELECT 1").execute(&mut deaf).await.expect_err("its session was ended");
+    assert!(!err.to_string().is_empty());
+    let counted = scheduler_metric("sandcell_tenant_db_sessions_ended_total{holding=\"not_reading\"}").await;
+    assert!(counted.is_some_and(|n| n >= 1.0), "counted {counted:?}");
+}
