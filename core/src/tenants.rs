@@ -352,9 +352,10 @@ pub(crate) async fn stored_bytes(tx: &mut Transaction<'_, Postgres>, tenant: &st
 /// The built-in functions no tenant login may execute, as `deploy/postgres/lockdown.sql` (a
 /// superuser's step; it says why) takes them from PUBLIC: every advisory lock (a tenant's
 /// ~12,000 filled Postgres' shared lock table and every new connection failed; one in the
-/// schedulers' classes took intake partitions from them) and every way to create a large
-/// object (disk outside every quota).
-pub const KEPT_FROM_TENANTS: [&str; 19] = [
+/// schedulers' classes took intake partitions from them), every way to create a large object
+/// (disk outside every quota), and `pg_get_object_address` (a lock on every object it is asked
+/// about: the lock table again).
+pub const KEPT_FROM_TENANTS: [&str; 20] = [
     "pg_advisory_lock(bigint)",
     "pg_advisory_lock(integer,integer)",
     "pg_advisory_lock_shared(bigint)",
@@ -374,16 +375,21 @@ pub const KEPT_FROM_TENANTS: [&str; 19] = [
     "lo_creat(integer)",
     "lo_create(oid)",
     "lo_from_bytea(oid,bytea)",
+    "pg_get_object_address(text,text[],text[])",
 ];
 
 /// What `deploy/postgres/lockdown.sql` would still change in this database (empty once it was
-/// applied): each of [`KEPT_FROM_TENANTS`] tenants' logins can still execute, and
+/// applied): each of [`KEPT_FROM_TENANTS`] tenants' logins can still execute,
 /// `pg_read_all_stats` and `pg_signal_backend` if this role may not see or end tenants'
-/// sessions ([`sessions_holding`], [`end_tenant_session`]).
+/// sessions ([`sessions_holding`], [`end_tenant_session`]), and `temp_file_limit` if the
+/// database sets none.
 pub async fn lockdown_missing(pool: &PgPool) -> Result<Vec<String>> {
     sqlx::query_scalar(
         "SELECT f FROM unnest($1::text[]) f WHERE has_function_privilege($2, 'pg_catalog.' || f, 'EXECUTE')
          UNION ALL SELECT r FROM unnest(ARRAY['pg_read_all_stats', 'pg_signal_backend']) r WHERE NOT pg_has_role(r, 'MEMBER')
+         UNION ALL SELECT 'temp_file_limit' WHERE NOT EXISTS (
+             SELECT 1 FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase
+              WHERE d.datname = current_database() AND s.setrole = 0 AND s.setconfig::text LIKE '%temp_file_limit=%')
          ORDER BY 1",
     )
     .bind(&KEPT_FROM_TENANTS[..])
@@ -391,33 +397,6 @@ pub async fn lockdown_missing(pool: &PgPool) -> Result<Vec<String>> {
     .fetch_all(pool)
     .await
     .context("checking what tenants' logins can reach")
-}
-
-/// Why a tenant's database session holds what every tenant shares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Holding {
-    /// In a transaction and idle: it holds back vacuum's horizon, and a listener's place in the
-    /// notification queue, which every job's commit writes to.
-    IdleInTransaction,
-    /// One statement running: as above while it runs, and a core's worth of CPU.
-    LongStatement,
-    /// Blocked writing to a client that does not read (results, or the notifications it
-    /// listens for: the queue cannot be trimmed past them).
-    NotReading,
-}
-
-impl Holding {
-    /// Its label (metrics, logs).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Holding::IdleInTransaction => "idle_in_transaction",
-            Holding::LongStatement => "long_statement",
-            Holding::NotReading => "not_reading",
-        }
-    }
-
-    /// Every value.
-    pub const ALL: [Holding; 3] = [Holding::IdleInTransaction, Holding::LongStatement, Holding::NotReading];
 }
 
 /// A tenant login's database session, as [`sessions_holding`] finds it.
@@ -429,43 +408,29 @@ pub struct TenantSession {
     pub started: chrono::DateTime<chrono::Utc>,
     /// The tenant's login role.
     pub role: String,
-    /// What it holds.
-    pub holding: Holding,
 }
 
-/// The sessions of tenants' logins in this database that hold what every tenant shares: idle
-/// in a transaction, or running one statement, for `hold` or longer; and every one blocked
-/// writing to its client now (how long is the caller's to judge: Postgres keeps no time of it).
+/// The sessions of tenants' logins in this database whose transaction began `hold` or longer
+/// ago: one statement running, or many one after another, or none now (idle in it). Each holds
+/// back vacuum's horizon, and a listener's place in the notification queue, which every job's
+/// commit writes to. A session blocked writing to a client that does not read is one of them
+/// too: Postgres sends notifications (and results) inside a transaction.
 /// Only logins named as [`TenantStore::create`] names them count (superusers, sandcell's own
 /// role and operators' never do). Needs `pg_read_all_stats` (`deploy/postgres/lockdown.sql`):
 /// without it Postgres shows no other role's state, and nothing is found.
 pub async fn sessions_holding(pool: &PgPool, hold: std::time::Duration) -> Result<Vec<TenantSession>> {
     let rows = sqlx::query(
-        "SELECT a.pid, a.backend_start, a.usename::text AS role,
-                CASE WHEN a.state LIKE 'idle in transaction%' AND a.state_change <= now() - make_interval(secs => $1) THEN 'idle_in_transaction'
-                     WHEN a.state = 'active' AND a.query_start <= now() - make_interval(secs => $1) THEN 'long_statement'
-                     ELSE 'not_reading' END AS holding
+        "SELECT a.pid, a.backend_start, a.usename::text AS role
            FROM pg_stat_activity a
           WHERE a.datname = current_database() AND a.usename ~ $2 AND a.pid <> pg_backend_pid()
-            AND ((a.state LIKE 'idle in transaction%' AND a.state_change <= now() - make_interval(secs => $1))
-              OR (a.state = 'active' AND a.query_start <= now() - make_interval(secs => $1))
-              OR a.wait_event = 'ClientWrite')",
+            AND a.xact_start <= now() - make_interval(secs => $1)",
     )
     .bind(hold.as_secs_f64())
     .bind(TENANT_ROLE_PATTERN)
     .fetch_all(pool)
     .await
     .context("looking for tenants' sessions holding what all share")?;
-    rows.iter()
-        .map(|r| {
-            let holding = match r.try_get::<&str, _>("holding")? {
-                "idle_in_transaction" => Holding::IdleInTransaction,
-                "long_statement" => Holding::LongStatement,
-                _ => Holding::NotReading,
-            };
-            Ok(TenantSession { pid: r.try_get("pid")?, started: r.try_get("backend_start")?, role: r.try_get("role")?, holding })
-        })
-        .collect()
+    rows.iter().map(|r| Ok(TenantSession { pid: r.try_get("pid")?, started: r.try_get("backend_start")?, role: r.try_get("role")? })).collect()
 }
 
 /// End `session` (its connection closes; its transaction rolls back). Whether it was still

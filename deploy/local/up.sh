@@ -235,6 +235,13 @@ step_postgres() {
 # managed by sandcell deploy/local/up.sh: loopback only
 listen_addresses = '127.0.0.1'
 port = 5432
+# Room in the shared lock table (this × max_connections entries; 64 by default): a tenant's
+# sessions may each lock every relation of the database (~500) within SANDCELL_TENANT_DB_HOLD_S,
+# and a full table fails every new connection (docs/security.md, "Postgres, shared resources").
+max_locks_per_transaction = 256
+# A connection that has not authenticated holds a slot of max_connections until this passes
+# (the role's connection limit only counts it once it has): 1 min by default.
+authentication_timeout = 10s
 EOF
     if [ "$(pg_status)" = online ]; then
         if [ $conf_changed -eq 1 ]; then

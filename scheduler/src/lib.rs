@@ -21,7 +21,7 @@
 //! - [`live_output`] holds each tenant to its share of the broker's live-output queues and
 //!   bindings (closing its connections and deleting its queues past it);
 //! - [`tenant_sessions`] ends tenants' database sessions that hold what every tenant shares
-//!   (a transaction or a statement kept open, a connection not read);
+//!   (a transaction kept open);
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 
@@ -98,9 +98,8 @@ pub struct Config {
     /// `SANDCELL_TRUSTED_PUBLISHERS`, default `sandcell`: broker users that may submit for any
     /// tenant (the body's `tenant` is believed). Every other user submits as itself.
     pub trusted_publishers: HashSet<String>,
-    /// `SANDCELL_TENANT_DB_HOLD_S`, default 10: a tenant's database session idle in a
-    /// transaction, in one statement, or blocked writing to its client this long is ended
-    /// ([`tenant_sessions`]); 0 turns that off.
+    /// `SANDCELL_TENANT_DB_HOLD_S`, default 10: a tenant's database session whose transaction
+    /// began this long ago is ended ([`tenant_sessions`]); 0 turns that off.
     pub tenant_db_hold: Duration,
     /// `SANDCELL_TENANT_DB_CHECK_MS`, default 1000: how often the scheduler looks.
     pub tenant_db_check: Duration,

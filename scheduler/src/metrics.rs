@@ -44,9 +44,9 @@ pub struct Metrics {
     /// `queues` or `bindings` than their limit, whose connections were closed and live queues
     /// deleted.
     pub live_output_enforced: IntCounterVec,
-    /// `sandcell_tenant_db_sessions_ended_total{holding}`: tenants' database sessions ended for
-    /// holding what every tenant shares (`idle_in_transaction`, `long_statement`, `not_reading`).
-    pub tenant_db_sessions_ended: IntCounterVec,
+    /// `sandcell_tenant_db_sessions_ended_total`: tenants' database sessions ended for keeping a
+    /// transaction open past `SANDCELL_TENANT_DB_HOLD_S`.
+    pub tenant_db_sessions_ended: prometheus::IntCounter,
     /// `sandcell_live_output_check_failures_total`: live-output checks that could not read the
     /// broker (its management API unreachable or refusing).
     pub live_output_check_failures: prometheus::IntCounter,
@@ -102,14 +102,11 @@ impl Metrics {
         let live_output_check_failures =
             prometheus::IntCounter::new("sandcell_live_output_check_failures_total", "Live-output checks that could not read the broker's management API")?;
         registry.register(Box::new(live_output_check_failures.clone()))?;
-        let tenant_db_sessions_ended = IntCounterVec::new(
-            Opts::new("sandcell_tenant_db_sessions_ended_total", "Tenants' database sessions ended for holding what every tenant shares"),
-            &["holding"],
+        let tenant_db_sessions_ended = prometheus::IntCounter::new(
+            "sandcell_tenant_db_sessions_ended_total",
+            "Tenants' database sessions ended for keeping a transaction open past SANDCELL_TENANT_DB_HOLD_S",
         )?;
         registry.register(Box::new(tenant_db_sessions_ended.clone()))?;
-        for holding in sandcell_core::tenants::Holding::ALL {
-            tenant_db_sessions_ended.with_label_values(&[holding.as_str()]);
-        }
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
