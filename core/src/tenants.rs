@@ -156,12 +156,8 @@ impl TenantStore {
         let login = DbLogin { role: format!("{TENANT_ROLE_PREFIX}{}", random_hex(16)), password: random_hex(40) };
         // Role names and passwords are generated hex, so formatting them into DDL is safe
         // (utility statements take no bind parameters).
-        let limit: i32 = sqlx::query_scalar("SELECT max_db_connections FROM tenants WHERE tenant = $1")
-            .bind(tenant)
-            .fetch_one(&mut *tx)
-            .await
-            .context("reading the tenant's connection quota")?;
-        let ddl = format!("CREATE ROLE {} LOGIN PASSWORD '{}' CONNECTION LIMIT {limit} IN ROLE {TENANT_GROUP_ROLE}", login.role, login.password);
+        let ddl =
+            format!("CREATE ROLE {} LOGIN PASSWORD '{}' CONNECTION LIMIT {} IN ROLE {TENANT_GROUP_ROLE}", login.role, login.password, db_connections(quotas));
         sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&mut *tx).await.context("creating the tenant's role")?;
         sqlx::query("UPDATE tenants SET db_role = $2 WHERE tenant = $1")
             .bind(tenant)
@@ -187,10 +183,11 @@ impl TenantStore {
     }
 
     async fn set_quotas_in(&self, tx: &mut Transaction<'_, Postgres>, tenant: &str, q: &Quotas) -> Result<()> {
-        sqlx::query(
+        let role: Option<String> = sqlx::query_scalar(
             "UPDATE tenants SET max_sessions = $2, max_queued_jobs = $3, max_artifact_bytes = $4, max_jobs_in_flight = $5, max_result_bytes = $6,
                     max_db_connections = $7
-             WHERE tenant = $1",
+             WHERE tenant = $1
+             RETURNING db_role",
         )
         .bind(tenant)
         .bind(i32::try_from(q.max_sessions).unwrap_or(i32::MAX))
@@ -199,15 +196,10 @@ impl TenantStore {
         .bind(i32::try_from(q.max_jobs_in_flight.max(1)).unwrap_or(i32::MAX))
         .bind(i64::try_from(q.max_result_bytes.max(1)).unwrap_or(i64::MAX))
         .bind(db_connections(q))
-        .execute(&mut **tx)
+        .fetch_optional(&mut **tx)
         .await
-        .context("updating quotas")?;
-        let role: Option<String> = sqlx::query_scalar("SELECT db_role FROM tenants WHERE tenant = $1")
-            .bind(tenant)
-            .fetch_optional(&mut **tx)
-            .await
-            .context("reading the tenant's role")?
-            .flatten();
+        .context("updating quotas")?
+        .flatten();
         if let Some(role) = role.filter(|r| is_tenant_role(r)) {
             // The role name is generated hex and the limit a number (no bind parameters in DDL).
             let ddl = format!("ALTER ROLE {role} CONNECTION LIMIT {}", db_connections(q));
@@ -400,7 +392,7 @@ pub async fn lockdown_missing(pool: &PgPool) -> Result<Vec<String>> {
 }
 
 /// A tenant login's database session, as [`sessions_holding`] finds it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone)]
 pub struct TenantSession {
     /// Its backend's process id.
     pub pid: i32,
