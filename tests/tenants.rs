@@ -642,6 +642,66 @@ async fn a_tenant_over_its_result_bytes_quota_may_still_close_its_sessions() {
     assert_eq!((again.status, again.reason.as_ref().map(|r| r.code)), (JobStatus::Rejected, Some(ErrorCode::SessionClosed)), "{again:?}");
 }
 
+/// A tenant found at a quota is refused again from the intake's memory of that look for a moment
+/// (`SANDCELL_INTAKE_QUOTA_MEMORY_MS`, `scheduler::quota_memory`), not judged under its lock
+/// submission after submission: before, its flood past the quota was judged one submission at a
+/// time and held up every tenant's submissions behind it in the intake's partitions (3,000
+/// published in 0.9 s delayed another tenant's `6*7` by 10.5 s). Every submission of the flood
+/// is still answered, with the quota's figures, and once its jobs end the tenant is admitted.
+#[tokio::test]
+async fn a_tenants_flood_past_its_quota_is_refused_from_the_intakes_memory_and_every_submission_is_answered() {
+    use futures::StreamExt as _;
+    let t = TestTenant::create(Some(Quotas { max_queued_jobs: 2, ..Quotas::default() })).await;
+    let c = t.client().await;
+    let pool = service_db().await;
+    let before = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics");
+    // Two slow jobs hold the quota while the flood arrives.
+    let slow: Vec<_> = (0..2).map(|_| python(&t.name, "import time; time.sleep(15)")).collect();
+    for s in &slow {
+        c.submit(s).await.expect("submit");
+    }
+    let unfinished = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')")
+            .bind(&t.name)
+            .fetch_one(&pool)
+            .await
+            .ok()
+    };
+    assert!(eventually(Duration::from_secs(30), || async { (unfinished().await? == 2).then_some(()) }).await.is_some(), "the slow jobs were not recorded");
+
+    const FLOOD: usize = 400;
+    let flood: Vec<_> = (0..FLOOD).map(|_| python(&t.name, "print(1)")).collect();
+    futures::stream::iter(&flood).map(|s| c.submit(s)).buffer_unordered(32).for_each(|r| async { r.expect("submit") }).await;
+    let ids: Vec<String> = flood.iter().map(|s| s.job_id.clone()).collect();
+    let answered = eventually(Duration::from_secs(60), || async {
+        let rows = sqlx::query("SELECT status, reason->>'code' AS code, reason->>'message' AS message FROM jobs WHERE tenant = $1 AND job_id = ANY($2)")
+            .bind(&t.name)
+            .bind(&ids)
+            .fetch_all(&pool)
+            .await
+            .ok()?;
+        (rows.len() == FLOOD).then_some(rows)
+    })
+    .await
+    .expect("every submission of the flood answered");
+    for row in &answered {
+        let (status, code, message): (String, Option<String>, Option<String>) = (row.get("status"), row.get("code"), row.get("message"));
+        assert_eq!((status.as_str(), code.as_deref()), ("rejected", Some("quota_exceeded")), "{message:?}");
+        assert!(message.as_deref().is_some_and(|m| m.contains("its quota is 2")), "{message:?}");
+    }
+    let from_memory = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics") - before;
+    eprintln!("{FLOOD} submissions past the quota: {from_memory} refused from the intake's memory");
+    assert!(from_memory >= (FLOOD * 3 / 4) as f64, "only {from_memory} of {FLOOD} refusals were made without a look under the tenant's lock");
+
+    // The memory lapses: once the slow jobs end, the tenant's next job is judged and admitted.
+    for s in &slow {
+        let r = c.wait(&t.name, &s.job_id, JOB_WAIT).await.expect("result");
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    }
+    let next = run(&c, &python(&t.name, "6 * 7")).await;
+    assert_eq!(value(&next).as_deref(), Some("42"), "{next:?}");
+}
+
 /// Before, every refusal was a row kept for the retention (30 days), even past the tenant's
 /// `max_result_bytes`: a tenant over that quota, submitting without end, grew the database all
 /// tenants share at the intake's rate. Now, while a tenant is over it, only its newest

@@ -44,6 +44,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::quota_memory::{self, QuotaMemory};
 use crate::tenant_gates::{self, Gate, TenantGates};
 use crate::{partitions, Config};
 use sandcell_core::store::ArtifactStore;
@@ -53,7 +54,8 @@ use sandcell_core::broker::Disposition;
 /// Consume submissions until `shutdown`, reconnecting after broker or database failures.
 pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, broker_up: Arc<AtomicBool>, shutdown: CancellationToken) {
     let gates = TenantGates::new(cfg.tenant_concurrency);
-    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates };
+    let refused = QuotaMemory::new(cfg.quota_memory);
+    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused };
     loop {
         let result = consume(&shared, &broker_up, &shutdown).await;
         broker_up.store(false, Ordering::Relaxed);
@@ -82,6 +84,9 @@ struct Shared {
     /// One tenant's handlers hold at most `SANDCELL_INTAKE_TENANT_CONCURRENCY` of the database
     /// connections, whichever partitions brought them.
     gates: TenantGates,
+    /// Tenants found at a quota in the last `SANDCELL_INTAKE_QUOTA_MEMORY_MS`: their flood is
+    /// refused without taking their lock for each submission ([`crate::quota_memory`]).
+    refused: QuotaMemory,
 }
 
 /// A partition being consumed: how to stop it, and its task (which ends once the partition's
@@ -266,7 +271,7 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     let tenant = from.attributed(verdict.as_ref().ok().map(|sub| sub.tenant.as_str()));
     let key = session_key(tenant, &verdict);
     let gate = shared.gates.gate(tenant);
-    spawn_in_lane(key, gate, shared, in_flight, async move { handle_delivery(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery, verdict).await });
+    spawn_in_lane(key, gate, shared, in_flight, async move { handle_delivery(&s, &publisher, delivery, verdict).await });
 }
 
 /// Handle a delivery in a task of its own holding `in_flight`: after the deliveries entered
@@ -401,7 +406,8 @@ const FAILED_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 /// dead-lettered. Infrastructure errors are retried a few times (an outage of the database for as
 /// long as it lasts); then the message goes back to the queue for a later try — a failing
 /// submission never takes the consumer or any other submission down.
-async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publisher: &Channel, delivery: Delivery, verdict: Result<Submission, Rejection>) {
+async fn handle_delivery(shared: &Shared, publisher: &Channel, delivery: Delivery, verdict: Result<Submission, Rejection>) {
+    let metrics = &shared.metrics;
     let started = Instant::now();
     // While the database is unreachable the submission waits here, however long that takes: it
     // is not at fault, the partition's later submissions could not be recorded either, and each
@@ -409,7 +415,7 @@ async fn handle_delivery(cfg: &Config, jobs: &JobStore, metrics: &Metrics, publi
     let handled = sandcell_core::retry_classified("handling a submission", 6, outage_or_transient, |attempt| {
         // A retry of this very delivery, or a redelivery, may finish a dispatch it began.
         let may_redispatch = delivery.redelivered || attempt > 1;
-        handle(cfg, jobs, metrics, publisher, &delivery, &verdict, may_redispatch)
+        handle(shared, publisher, &delivery, &verdict, may_redispatch)
     })
     .await;
     let disposition = match handled {
@@ -483,18 +489,17 @@ impl Publisher {
 }
 
 async fn handle(
-    cfg: &Config,
-    jobs: &JobStore,
-    metrics: &Metrics,
+    shared: &Shared,
     publisher: &Channel,
     delivery: &Delivery,
     verdict: &Result<Submission, Rejection>,
     may_redispatch: bool,
 ) -> Result<Disposition> {
+    let (cfg, jobs, metrics) = (&shared.cfg, &shared.jobs, &shared.metrics);
     let message_id = delivery.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
     let from = Publisher::of(delivery, &cfg.trusted_publishers);
     match decide(verdict.clone(), &from) {
-        Decision::Accept(sub) => accept(cfg, jobs, metrics, publisher, &sub, &delivery.data, may_redispatch).await,
+        Decision::Accept(sub) => accept(shared, publisher, &sub, &delivery.data, may_redispatch).await,
         Decision::Reject(rejection) => {
             if rejection.reason.code == ErrorCode::TenantMismatch {
                 tracing::warn!(publisher = ?from.name(), job_id = ?rejection.job_id, "submission claims another tenant; refused");
@@ -539,15 +544,21 @@ pub(crate) fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -
     }
 }
 
-async fn accept(
-    cfg: &Config,
-    jobs: &JobStore,
-    metrics: &Metrics,
-    publisher: &Channel,
-    sub: &Submission,
-    body: &[u8],
-    may_redispatch: bool,
-) -> Result<Disposition> {
+async fn accept(shared: &Shared, publisher: &Channel, sub: &Submission, body: &[u8], may_redispatch: bool) -> Result<Disposition> {
+    let (cfg, jobs, metrics) = (&shared.cfg, &shared.jobs, &shared.metrics);
+    // A tenant found at a quota a moment ago is refused again without a look under its lock.
+    // Not a retry or a redelivery: its job may be recorded and still to be dispatched.
+    let kind = match &sub.session {
+        None => Some(quota_memory::Kind::OneOff),
+        Some(req) if req.new => Some(quota_memory::Kind::OpensSession),
+        Some(_) => None,
+    };
+    if let Some(kind) = kind.filter(|_| !may_redispatch) {
+        if let Some(reason) = shared.refused.recall(&sub.tenant, kind) {
+            metrics.refused_from_memory.inc();
+            return refuse(jobs, metrics, sub, &reason).await;
+        }
+    }
     let limits = cfg.policy.resolve(&sub.resource_request());
     let digest = hex::encode(Sha256::digest(body));
     // An existing session's job goes to its owner, which the record reads (and routes); any
@@ -582,8 +593,8 @@ async fn accept(
         None => None,
     };
     // Jobs of the shared queues are subject to their tenant's fair share.
-    let shared = (!existing).then_some(payload.as_slice());
-    let routed_to = match jobs.record_queued(sub, &limits, &digest, record, shared).await? {
+    let fair_shared = (!existing).then_some(payload.as_slice());
+    let routed_to = match jobs.record_queued(sub, &limits, &digest, record, fair_shared).await? {
         Recorded::New { routed_to } => routed_to,
         Recorded::Parked => {
             tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "session moving; job parked for its new owner");
@@ -611,7 +622,13 @@ async fn accept(
             }
             routed_to
         }
-        Recorded::OverQuota(reason) | Recorded::SessionRefused(reason) => return refuse(jobs, metrics, sub, &reason).await,
+        Recorded::OverQuota(reason) => {
+            if let Some(kind) = kind {
+                shared.refused.remember(&sub.tenant, kind, &reason);
+            }
+            return refuse(jobs, metrics, sub, &reason).await;
+        }
+        Recorded::SessionRefused(reason) => return refuse(jobs, metrics, sub, &reason).await,
         Recorded::Duplicate { status, same_payload, .. } => {
             if same_payload {
                 tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, %status, "duplicate submission; not run again");

@@ -50,6 +50,10 @@ pub struct Metrics {
     /// `sandcell_live_output_check_failures_total`: live-output checks that could not read the
     /// broker (its management API unreachable or refusing).
     pub live_output_check_failures: prometheus::IntCounter,
+    /// `sandcell_intake_refused_from_memory_total`: submissions refused with the figures of their
+    /// tenant's refusal a moment before, without a look under its lock (also counted in
+    /// `sandcell_submissions_total{outcome="rejected"}`; [`crate::quota_memory`]).
+    pub refused_from_memory: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -107,6 +111,11 @@ impl Metrics {
             "Tenants' database sessions ended for keeping a transaction open past SANDCELL_TENANT_DB_HOLD_S",
         )?;
         registry.register(Box::new(tenant_db_sessions_ended.clone()))?;
+        let refused_from_memory = prometheus::IntCounter::new(
+            "sandcell_intake_refused_from_memory_total",
+            "Submissions refused with their tenant's quota refusal of a moment before, without a new look",
+        )?;
+        registry.register(Box::new(refused_from_memory.clone()))?;
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
@@ -141,6 +150,7 @@ impl Metrics {
             live_output_enforced,
             live_output_check_failures,
             tenant_db_sessions_ended,
+            refused_from_memory,
         })
     }
 }
