@@ -45,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::quota_memory::{self, QuotaMemory};
+use crate::refusals::Refusals;
 use crate::tenant_gates::{self, Gate, TenantGates};
 use crate::{partitions, Config};
 use sandcell_core::store::ArtifactStore;
@@ -55,7 +56,8 @@ use sandcell_core::broker::Disposition;
 pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, broker_up: Arc<AtomicBool>, shutdown: CancellationToken) {
     let gates = TenantGates::new(cfg.tenant_concurrency);
     let refused = QuotaMemory::new(cfg.quota_memory);
-    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused };
+    let refusals = Refusals::start(jobs.clone());
+    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals };
     loop {
         let result = consume(&shared, &broker_up, &shutdown).await;
         broker_up.store(false, Ordering::Relaxed);
@@ -87,6 +89,8 @@ struct Shared {
     /// Tenants found at a quota in the last `SANDCELL_INTAKE_QUOTA_MEMORY_MS`: their flood is
     /// refused without taking their lock for each submission ([`crate::quota_memory`]).
     refused: QuotaMemory,
+    /// Writes the refusals made from that memory, many to a transaction.
+    refusals: Refusals,
 }
 
 /// A partition being consumed: how to stop it, and its task (which ends once the partition's
@@ -253,7 +257,7 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     let named = || matches!(from, Publisher::Trusted(_)).then(|| tenant_gates::named_tenant(&delivery.data)).flatten();
     if crate::uploads::is_upload_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
         let gate = shared.gates.gate(from.attributed(named().as_deref()));
-        spawn_in_lane(None, gate, shared, in_flight, async move { handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await });
+        spawn_in_lane(None, Some(gate), shared, in_flight, async move { handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await });
         return;
     }
     if crate::cancels::is_cancel_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
@@ -263,7 +267,7 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
         let tenant = from.attributed(named.as_deref());
         let key = (!delivery.routing_key.as_str().is_empty()).then(|| format!("{tenant}/{}", delivery.routing_key));
         let gate = shared.gates.gate(tenant);
-        spawn_in_lane(key, gate, shared, in_flight, async move { handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await });
+        spawn_in_lane(key, Some(gate), shared, in_flight, async move { handle_cancel(&s.cfg, &s.jobs, &s.metrics, &publisher, delivery).await });
         return;
     }
     // Judged once, here: the lane, the gate and the handler read the same verdict.
@@ -271,13 +275,27 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     let tenant = from.attributed(verdict.as_ref().ok().map(|sub| sub.tenant.as_str()));
     let key = session_key(tenant, &verdict);
     let gate = shared.gates.gate(tenant);
-    spawn_in_lane(key, gate, shared, in_flight, async move { handle_delivery(&s, &publisher, delivery, verdict).await });
+    // A job of no session (or opening one) of a tenant found at a quota a moment ago: refused
+    // from that memory, without the tenant's gate or lock. Not a redelivery: its job may be
+    // recorded and still to be dispatched.
+    let remembered = acceptable(&verdict, &from)
+        .and_then(quota_memory::Kind::of)
+        .filter(|_| key.is_none() && !delivery.redelivered)
+        .and_then(|kind| shared.refused.recall(tenant, kind));
+    spawn_in_lane(key, None, shared, in_flight, async move { handle_delivery(&s, &publisher, delivery, verdict, gate, remembered).await });
 }
 
 /// Handle a delivery in a task of its own holding `in_flight`: after the deliveries entered
-/// before it in its lane `key` (none: at once), once its tenant's `gate` lets it in. The lane
-/// comes first: a handler holding a place never waits for another handler.
-fn spawn_in_lane(key: Option<String>, gate: Gate, shared: &Shared, in_flight: mpsc::Sender<()>, work: impl std::future::Future<Output = ()> + Send + 'static) {
+/// before it in its lane `key` (none: at once), once its tenant's `gate` lets it in (a
+/// submission's handler takes its place itself, [`handle_delivery`]). The lane comes first: a
+/// handler holding a place never waits for another handler.
+fn spawn_in_lane(
+    key: Option<String>,
+    gate: Option<Gate>,
+    shared: &Shared,
+    in_flight: mpsc::Sender<()>,
+    work: impl std::future::Future<Output = ()> + Send + 'static,
+) {
     let (before, done) = match shared.lanes.lock() {
         Ok(mut lanes) => lanes.enter(key),
         Err(poisoned) => poisoned.into_inner().enter(key),
@@ -287,7 +305,10 @@ fn spawn_in_lane(key: Option<String>, gate: Gate, shared: &Shared, in_flight: mp
             // Err only means the previous handler's task ended without signalling.
             let _ = before.await;
         }
-        let place = gate.enter().await;
+        let place = match gate {
+            Some(gate) => Some(gate.enter().await),
+            None => None,
+        };
         work.await;
         drop(place);
         if let Some(done) = done {
@@ -406,29 +427,63 @@ const FAILED_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 /// dead-lettered. Infrastructure errors are retried a few times (an outage of the database for as
 /// long as it lasts); then the message goes back to the queue for a later try — a failing
 /// submission never takes the consumer or any other submission down.
-async fn handle_delivery(shared: &Shared, publisher: &Channel, delivery: Delivery, verdict: Result<Submission, Rejection>) {
+async fn handle_delivery(
+    shared: &Shared,
+    publisher: &Channel,
+    delivery: Delivery,
+    verdict: Result<Submission, Rejection>,
+    gate: Gate,
+    remembered: Option<Reason>,
+) {
     let metrics = &shared.metrics;
     let started = Instant::now();
-    // While the database is unreachable the submission waits here, however long that takes: it
-    // is not at fault, the partition's later submissions could not be recorded either, and each
-    // return to the queue would bring it closer to the dead letters (`DELIVERY_LIMIT`).
-    let handled = sandcell_core::retry_classified("handling a submission", 6, outage_or_transient, |attempt| {
-        // A retry of this very delivery, or a redelivery, may finish a dispatch it began.
-        let may_redispatch = delivery.redelivered || attempt > 1;
-        handle(shared, publisher, &delivery, &verdict, may_redispatch)
-    })
-    .await;
-    let disposition = match handled {
-        Ok(disposition) => disposition,
-        Err(e) => {
-            tracing::error!(error = format!("{e:#}"), message_id = ?delivery.properties.message_id(), "a submission could not be handled; returning it to the queue");
-            tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
-            Disposition::Requeue
+    // A place at its tenant's gate only for a submission judged under the tenant's lock.
+    let mut _place = None;
+    let disposition = match refuse_remembered(shared, &verdict, remembered.as_ref()).await {
+        Some(disposition) => disposition,
+        None => {
+            _place = Some(gate.enter().await);
+            // While the database is unreachable the submission waits here, however long that
+            // takes: it is not at fault, the partition's later submissions could not be
+            // recorded either, and each return to the queue would bring it closer to the dead
+            // letters (`DELIVERY_LIMIT`).
+            let handled = sandcell_core::retry_classified("handling a submission", 6, outage_or_transient, |attempt| {
+                // A retry of this very delivery, or a redelivery, may finish a dispatch it began.
+                let may_redispatch = delivery.redelivered || attempt > 1;
+                handle(shared, publisher, &delivery, &verdict, may_redispatch)
+            })
+            .await;
+            match handled {
+                Ok(disposition) => disposition,
+                Err(e) => {
+                    tracing::error!(error = format!("{e:#}"), message_id = ?delivery.properties.message_id(), "a submission could not be handled; returning it to the queue");
+                    tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
+                    Disposition::Requeue
+                }
+            }
         }
     };
     // The redelivery of a submission whose settlement failed finds the job recorded.
     settle(&delivery, disposition, metrics, "a submission").await;
     metrics.intake_seconds.observe(started.elapsed().as_secs_f64());
+}
+
+/// Refuse a submission from its tenant's remembered refusal ([`crate::quota_memory`]), written
+/// in a batch ([`crate::refusals`]): `None` when there is none, or when the batch failed (the
+/// submission is then judged as any other).
+async fn refuse_remembered(shared: &Shared, verdict: &Result<Submission, Rejection>, remembered: Option<&Reason>) -> Option<Disposition> {
+    let (Some(reason), Ok(sub)) = (remembered, verdict) else { return None };
+    match shared.refusals.record(&sub.tenant, &sub.job_id, reason).await {
+        Ok(written) => {
+            shared.metrics.refused_from_memory.inc();
+            refused(&shared.metrics, sub, reason, written);
+            Some(Disposition::Ack)
+        }
+        Err(e) => {
+            tracing::warn!(error = format!("{e:#}"), tenant = %sub.tenant, job_id = %sub.job_id, "a refusal from memory could not be recorded; judging the submission");
+            None
+        }
+    }
 }
 
 /// How the intake tries a message again: an outage of the database for as long as it lasts,
@@ -544,21 +599,19 @@ pub(crate) fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -
     }
 }
 
+/// The submission [`decide`] would accept, read without taking the verdict: a valid one whose
+/// publisher may submit as its tenant.
+fn acceptable<'a>(verdict: &'a Result<Submission, Rejection>, from: &Publisher) -> Option<&'a Submission> {
+    let sub = verdict.as_ref().ok()?;
+    match from {
+        Publisher::Unknown => None,
+        Publisher::Tenant(tenant) if sub.tenant != *tenant => None,
+        _ => Some(sub),
+    }
+}
+
 async fn accept(shared: &Shared, publisher: &Channel, sub: &Submission, body: &[u8], may_redispatch: bool) -> Result<Disposition> {
     let (cfg, jobs, metrics) = (&shared.cfg, &shared.jobs, &shared.metrics);
-    // A tenant found at a quota a moment ago is refused again without a look under its lock.
-    // Not a retry or a redelivery: its job may be recorded and still to be dispatched.
-    let kind = match &sub.session {
-        None => Some(quota_memory::Kind::OneOff),
-        Some(req) if req.new => Some(quota_memory::Kind::OpensSession),
-        Some(_) => None,
-    };
-    if let Some(kind) = kind.filter(|_| !may_redispatch) {
-        if let Some(reason) = shared.refused.recall(&sub.tenant, kind) {
-            metrics.refused_from_memory.inc();
-            return refuse(jobs, metrics, sub, &reason).await;
-        }
-    }
     let limits = cfg.policy.resolve(&sub.resource_request());
     let digest = hex::encode(Sha256::digest(body));
     // An existing session's job goes to its owner, which the record reads (and routes); any
@@ -623,7 +676,7 @@ async fn accept(shared: &Shared, publisher: &Channel, sub: &Submission, body: &[
             routed_to
         }
         Recorded::OverQuota(reason) => {
-            if let Some(kind) = kind {
+            if let Some(kind) = quota_memory::Kind::of(sub) {
                 shared.refused.remember(&sub.tenant, kind, &reason);
             }
             return refuse(jobs, metrics, sub, &reason).await;
@@ -668,12 +721,17 @@ async fn accept(shared: &Shared, publisher: &Channel, sub: &Submission, body: &[
 /// Record a valid submission that cannot run because of its session.
 async fn refuse(jobs: &JobStore, metrics: &Metrics, sub: &Submission, reason: &Reason) -> Result<Disposition> {
     let written = jobs.record_rejection(&sub.tenant, &sub.job_id, reason).await?;
+    refused(metrics, sub, reason, written);
+    Ok(Disposition::Ack)
+}
+
+/// Log and count a valid submission's refusal, recorded (`written`) or found recorded.
+fn refused(metrics: &Metrics, sub: &Submission, reason: &Reason, written: bool) {
     if !written {
         tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "resubmission of an existing job id; the existing job is kept");
     }
     tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, code = %reason.code, "submission refused: {}", reason.message);
     metrics.submissions.with_label_values(&["rejected"]).inc();
-    Ok(Disposition::Ack)
 }
 
 async fn reject(jobs: &JobStore, metrics: &Metrics, rej: &Rejection, message_id: Option<&str>, publisher: Option<&str>, body: &[u8]) -> Result<Disposition> {
@@ -727,6 +785,18 @@ mod tests {
         let Decision::Reject(r) = decide(Ok(sub("other")), &Publisher::Tenant("acme".into())) else { panic!("accepted") };
         assert_eq!(r.reason.code, ErrorCode::TenantMismatch);
         assert_eq!((r.tenant.as_deref(), r.job_id.as_deref()), (Some("acme"), Some("job-1")), "recorded under the publisher");
+    }
+
+    #[test]
+    fn only_what_the_identity_rules_accept_may_be_refused_from_memory() {
+        let rejection = Rejection { reason: Reason::new(ErrorCode::InvalidValue, "bad"), tenant: Some("acme".into()), job_id: Some("job-1".into()) };
+        let publishers = [Publisher::Unknown, Publisher::Tenant("acme".into()), Publisher::Trusted("sandcell".into())];
+        for verdict in [Ok(sub("acme")), Ok(sub("other")), Err(rejection)] {
+            for from in &publishers {
+                let accepted = matches!(decide(verdict.clone(), from), Decision::Accept(_));
+                assert_eq!(acceptable(&verdict, from).is_some(), accepted, "{verdict:?} from {from:?}");
+            }
+        }
     }
 
     #[test]

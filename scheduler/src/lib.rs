@@ -33,6 +33,7 @@ mod live_output;
 mod metrics;
 mod partitions;
 mod quota_memory;
+mod refusals;
 mod sweeper;
 mod tenant_gates;
 mod tenant_sessions;

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sandcell_protocol::Reason;
+use sandcell_protocol::{Reason, Submission};
 
 /// The default of `SANDCELL_INTAKE_QUOTA_MEMORY_MS`.
 pub const DEFAULT_QUOTA_MEMORY: Duration = Duration::from_millis(200);
@@ -35,6 +35,18 @@ pub enum Kind {
 
 /// When each tenant's submissions of a kind were last refused, and why.
 type Refusals = HashMap<(String, Kind), (Instant, Reason)>;
+
+impl Kind {
+    /// The kind of `sub`, if a refusal of it may be remembered: a job of an existing session
+    /// (a bare close among them, which passes the stored-bytes quotas) is always judged.
+    pub fn of(sub: &Submission) -> Option<Kind> {
+        match &sub.session {
+            None => Some(Kind::OneOff),
+            Some(req) if req.new => Some(Kind::OpensSession),
+            Some(_) => None,
+        }
+    }
+}
 
 /// Refusals remembered per tenant and [`Kind`], each for the memory's span.
 #[derive(Debug, Clone)]

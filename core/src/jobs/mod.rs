@@ -37,6 +37,37 @@ fn not_run() -> serde_json::Value {
     EMPTY.clone()
 }
 
+/// Delete a tenant's oldest refusals past the newest [`tenants::KEPT_REFUSALS_OVER_QUOTA`], only
+/// while it keeps its `max_result_bytes` or more (migration 0026).
+async fn forget_old_refusals(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, tenant: &str) -> Result<()> {
+    // Only while the tenant is over its quota. The refusals this writes have no session:
+    // a session's job rejected after it was queued (a moving session's taking-over job
+    // among them) is left to the retention. The newest ones are read without a lock
+    // (`jobs_refused`, migration 0026) for the cutoff; only the rows older than it are
+    // locked, and those another recording is deleting are skipped, not waited for.
+    let forgotten = sqlx::query(
+        "DELETE FROM jobs j USING (
+                 SELECT r.tenant, r.job_id FROM jobs r
+                  WHERE sandcell_over_result_bytes($1)
+                    AND r.tenant = $1 AND r.status = 'rejected' AND r.session_id IS NULL
+                    AND r.finished_at < (SELECT k.finished_at FROM jobs k
+                                          WHERE k.tenant = $1 AND k.status = 'rejected' AND k.session_id IS NULL
+                                          ORDER BY k.finished_at DESC OFFSET $2 - 1 LIMIT 1)
+                  FOR UPDATE SKIP LOCKED) old
+              WHERE j.tenant = old.tenant AND j.job_id = old.job_id",
+    )
+    .bind(tenant)
+    .bind(tenants::KEPT_REFUSALS_OVER_QUOTA)
+    .execute(&mut **tx)
+    .await
+    .context("deleting the old refusals of a tenant over its result bytes quota")?
+    .rows_affected();
+    if forgotten > 0 {
+        tracing::debug!(tenant, forgotten, "deleted old refusals of a tenant over its result bytes quota");
+    }
+    Ok(())
+}
+
 /// Embedded migrations from `migrations/`, applied at start-up by every binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
@@ -382,34 +413,49 @@ impl JobStore {
         .context("recording rejection")?
         .rows_affected();
         if n == 1 {
-            // Only while the tenant is over its quota. The refusals this writes have no session:
-            // a session's job rejected after it was queued (a moving session's taking-over job
-            // among them) is left to the retention. The newest ones are read without a lock
-            // (`jobs_refused`, migration 0026) for the cutoff; only the rows older than it are
-            // locked, and those another recording is deleting are skipped, not waited for.
-            let forgotten = sqlx::query(
-                "DELETE FROM jobs j USING (
-                     SELECT r.tenant, r.job_id FROM jobs r
-                      WHERE sandcell_over_result_bytes($1)
-                        AND r.tenant = $1 AND r.status = 'rejected' AND r.session_id IS NULL
-                        AND r.finished_at < (SELECT k.finished_at FROM jobs k
-                                              WHERE k.tenant = $1 AND k.status = 'rejected' AND k.session_id IS NULL
-                                              ORDER BY k.finished_at DESC OFFSET $2 - 1 LIMIT 1)
-                      FOR UPDATE SKIP LOCKED) old
-                  WHERE j.tenant = old.tenant AND j.job_id = old.job_id",
-            )
-            .bind(tenant)
-            .bind(tenants::KEPT_REFUSALS_OVER_QUOTA)
-            .execute(&mut *tx)
-            .await
-            .context("deleting the old refusals of a tenant over its result bytes quota")?
-            .rows_affected();
-            if forgotten > 0 {
-                tracing::debug!(tenant, forgotten, "deleted old refusals of a tenant over its result bytes quota");
-            }
+            forget_old_refusals(&mut tx, tenant).await?;
         }
         tx.commit().await.context("committing rejection")?;
         Ok(n == 1)
+    }
+
+    /// Record refusals of tenants known to exist (found at a quota a moment before) in one
+    /// transaction: one commit, one statement, for however many tenants and jobs. Each is
+    /// written as [`JobStore::record_rejection`] writes one (an existing job with that id is
+    /// left alone; a tenant over its `max_result_bytes` keeps its newest refusals only), and the
+    /// answer says, for each in order, whether its row was written.
+    pub async fn record_refusals(&self, refusals: &[(String, String, Reason)]) -> Result<Vec<bool>> {
+        let (mut tenants, mut job_ids, mut reasons) = (Vec::new(), Vec::new(), Vec::new());
+        for (tenant, job_id, reason) in refusals {
+            tenants.push(tenant.as_str());
+            job_ids.push(job_id.as_str());
+            reasons.push(storable::json(reason)?);
+        }
+        let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let written: Vec<(String, String)> = sqlx::query_as(
+            "INSERT INTO jobs (tenant, job_id, status, reason, execution, finished_at)
+             SELECT t, j, 'rejected', r, $4, now() FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS u(t, j, r)
+             ON CONFLICT (tenant, job_id) DO NOTHING
+             RETURNING tenant, job_id",
+        )
+        .bind(&tenants)
+        .bind(&job_ids)
+        .bind(&reasons)
+        .bind(not_run())
+        .fetch_all(&mut *tx)
+        .await
+        .context("recording refusals")?;
+        let written: std::collections::HashSet<(&str, &str)> = written.iter().map(|(t, j)| (t.as_str(), j.as_str())).collect();
+        let mut trimmed = std::collections::HashSet::new();
+        for (tenant, _) in &written {
+            if trimmed.insert(*tenant) {
+                forget_old_refusals(&mut tx, tenant).await?;
+            }
+        }
+        tx.commit().await.context("committing refusals")?;
+        // A job id twice in one batch is written once: the first asking is answered `true`.
+        let mut answered = std::collections::HashSet::new();
+        Ok(tenants.iter().zip(&job_ids).map(|(t, j)| written.contains(&(*t, *j)) && answered.insert((*t, *j))).collect())
     }
 
     /// Record a message that named no usable job id, keeping the newest
