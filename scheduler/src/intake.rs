@@ -56,7 +56,7 @@ use sandcell_core::broker::Disposition;
 pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, broker_up: Arc<AtomicBool>, shutdown: CancellationToken) {
     let gates = TenantGates::new(cfg.tenant_concurrency);
     let refused = QuotaMemory::new(cfg.quota_memory);
-    let refusals = Refusals::start(jobs.clone());
+    let refusals = Refusals::start(jobs.clone(), metrics.refusal_batch_size.clone());
     let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals };
     loop {
         let result = consume(&shared, &broker_up, &shutdown).await;
@@ -275,14 +275,10 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     let tenant = from.attributed(verdict.as_ref().ok().map(|sub| sub.tenant.as_str()));
     let key = session_key(tenant, &verdict);
     let gate = shared.gates.gate(tenant);
-    // A job of no session (or opening one) of a tenant found at a quota a moment ago: refused
-    // from that memory, without the tenant's gate or lock. Not a redelivery: its job may be
-    // recorded and still to be dispatched.
-    let remembered = acceptable(&verdict, &from)
-        .and_then(quota_memory::Kind::of)
-        .filter(|_| key.is_none() && !delivery.redelivered)
-        .and_then(|kind| shared.refused.recall(tenant, kind));
-    spawn_in_lane(key, None, shared, in_flight, async move { handle_delivery(&s, &publisher, delivery, verdict, gate, remembered).await });
+    // Refused without a judgment under the tenant's lock, and so without a place at its gate:
+    // not in a lane, not a redelivery (its job may be recorded and still to be dispatched).
+    let unjudged = (key.is_none() && !delivery.redelivered).then(|| unjudged_refusal(&shared.refused, &verdict, &from)).flatten();
+    spawn_in_lane(key, None, shared, in_flight, async move { handle_delivery(&s, &publisher, delivery, verdict, gate, unjudged).await });
 }
 
 /// Handle a delivery in a task of its own holding `in_flight`: after the deliveries entered
@@ -433,16 +429,26 @@ async fn handle_delivery(
     delivery: Delivery,
     verdict: Result<Submission, Rejection>,
     gate: Gate,
-    remembered: Option<Reason>,
+    unjudged: Option<Unjudged>,
 ) {
     let metrics = &shared.metrics;
     let started = Instant::now();
+    let tried = unjudged.is_some();
     // A place at its tenant's gate only for a submission judged under the tenant's lock.
     let mut _place = None;
-    let disposition = match refuse_remembered(shared, &verdict, remembered.as_ref()).await {
+    let mut disposition = refuse_unjudged(shared, unjudged).await;
+    if disposition.is_none() {
+        _place = Some(gate.enter().await);
+        // The tenant may have been found at a quota while this one waited at its gate (a flood
+        // arriving as the memory lapsed waits there for the first new look).
+        if !tried && !delivery.redelivered {
+            let from = Publisher::of(&delivery, &shared.cfg.trusted_publishers);
+            disposition = refuse_unjudged(shared, unjudged_refusal(&shared.refused, &verdict, &from)).await;
+        }
+    }
+    let disposition = match disposition {
         Some(disposition) => disposition,
         None => {
-            _place = Some(gate.enter().await);
             // While the database is unreachable the submission waits here, however long that
             // takes: it is not at fault, the partition's later submissions could not be
             // recorded either, and each return to the queue would bring it closer to the dead
@@ -468,19 +474,44 @@ async fn handle_delivery(
     metrics.intake_seconds.observe(started.elapsed().as_secs_f64());
 }
 
-/// Refuse a submission from its tenant's remembered refusal ([`crate::quota_memory`]), written
-/// in a batch ([`crate::refusals`]): `None` when there is none, or when the batch failed (the
-/// submission is then judged as any other).
-async fn refuse_remembered(shared: &Shared, verdict: &Result<Submission, Rejection>, remembered: Option<&Reason>) -> Option<Disposition> {
-    let (Some(reason), Ok(sub)) = (remembered, verdict) else { return None };
-    match shared.refusals.record(&sub.tenant, &sub.job_id, reason).await {
+/// A refusal the intake writes without judging the submission under its tenant's lock: an
+/// invalid submission (or one claiming another tenant) whose job id is known, or a valid one of
+/// a tenant found at a quota a moment ago ([`crate::quota_memory`]).
+struct Unjudged {
+    tenant: String,
+    job_id: String,
+    reason: Reason,
+    from_memory: bool,
+}
+
+/// The refusal of a delivery that needs no judgment under its tenant's lock, if it is one.
+fn unjudged_refusal(memory: &QuotaMemory, verdict: &Result<Submission, Rejection>, from: &Publisher) -> Option<Unjudged> {
+    if let Some(sub) = acceptable(verdict, from) {
+        let reason = quota_memory::Kind::of(sub).and_then(|kind| memory.recall(&sub.tenant, kind))?;
+        return Some(Unjudged { tenant: sub.tenant.clone(), job_id: sub.job_id.clone(), reason, from_memory: true });
+    }
+    let Decision::Reject(rejection) = decide(verdict.clone(), from) else { return None };
+    let (tenant, job_id) = rejection.recoverable_key()?;
+    Some(Unjudged { tenant: tenant.to_owned(), job_id: job_id.to_owned(), reason: rejection.reason.clone(), from_memory: false })
+}
+
+/// Write an unjudged refusal in a batch ([`crate::refusals`]): `None` when there is none, or
+/// when its batch failed (the submission is then judged as any other).
+async fn refuse_unjudged(shared: &Shared, unjudged: Option<Unjudged>) -> Option<Disposition> {
+    let u = unjudged?;
+    if u.reason.code == ErrorCode::TenantMismatch {
+        tracing::warn!(tenant = %u.tenant, job_id = %u.job_id, "submission claims another tenant; refused");
+    }
+    match shared.refusals.record(&u.tenant, &u.job_id, &u.reason).await {
         Ok(written) => {
-            shared.metrics.refused_from_memory.inc();
-            refused(&shared.metrics, sub, reason, written);
+            if u.from_memory {
+                shared.metrics.refused_from_memory.inc();
+            }
+            refused(&shared.metrics, &u.tenant, &u.job_id, &u.reason, written);
             Some(Disposition::Ack)
         }
         Err(e) => {
-            tracing::warn!(error = format!("{e:#}"), tenant = %sub.tenant, job_id = %sub.job_id, "a refusal from memory could not be recorded; judging the submission");
+            tracing::warn!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written in its batch; judging the submission");
             None
         }
     }
@@ -721,27 +752,24 @@ async fn accept(shared: &Shared, publisher: &Channel, sub: &Submission, body: &[
 /// Record a valid submission that cannot run because of its session.
 async fn refuse(jobs: &JobStore, metrics: &Metrics, sub: &Submission, reason: &Reason) -> Result<Disposition> {
     let written = jobs.record_rejection(&sub.tenant, &sub.job_id, reason).await?;
-    refused(metrics, sub, reason, written);
+    refused(metrics, &sub.tenant, &sub.job_id, reason, written);
     Ok(Disposition::Ack)
 }
 
-/// Log and count a valid submission's refusal, recorded (`written`) or found recorded.
-fn refused(metrics: &Metrics, sub: &Submission, reason: &Reason, written: bool) {
+/// Log and count the refusal of a submission whose job id is known: recorded (`written`), or
+/// the job id was taken and the existing job is kept.
+fn refused(metrics: &Metrics, tenant: &str, job_id: &str, reason: &Reason, written: bool) {
     if !written {
-        tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, "resubmission of an existing job id; the existing job is kept");
+        tracing::info!(tenant, job_id, code = %reason.code, "resubmission of an existing job id refused; the existing job is kept");
     }
-    tracing::info!(tenant = %sub.tenant, job_id = %sub.job_id, code = %reason.code, "submission refused: {}", reason.message);
+    tracing::info!(tenant, job_id, code = %reason.code, "submission refused: {}", reason.message);
     metrics.submissions.with_label_values(&["rejected"]).inc();
 }
 
 async fn reject(jobs: &JobStore, metrics: &Metrics, rej: &Rejection, message_id: Option<&str>, publisher: Option<&str>, body: &[u8]) -> Result<Disposition> {
     if let Some((tenant, job_id)) = rej.recoverable_key() {
         let written = jobs.record_rejection(tenant, job_id, &rej.reason).await?;
-        if !written {
-            tracing::warn!(tenant, job_id, code = %rej.reason.code, "invalid resubmission of an existing job id; the existing job is kept");
-        }
-        tracing::info!(tenant, job_id, code = %rej.reason.code, message = %rej.reason.message, "submission rejected");
-        metrics.submissions.with_label_values(&["rejected"]).inc();
+        refused(metrics, tenant, job_id, &rej.reason, written);
         return Ok(Disposition::Ack);
     }
     jobs.record_intake_rejection(message_id, publisher, &rej.reason, body).await?;

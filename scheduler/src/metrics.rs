@@ -54,6 +54,9 @@ pub struct Metrics {
     /// tenant's refusal a moment before, without a look under its lock (also counted in
     /// `sandcell_submissions_total{outcome="rejected"}`; [`crate::quota_memory`]).
     pub refused_from_memory: prometheus::IntCounter,
+    /// `sandcell_intake_refusal_batch_size`: refusals written by one transaction of the refusal
+    /// writer ([`crate::refusals`]); its count is the writer's transactions.
+    pub refusal_batch_size: Histogram,
 }
 
 impl Metrics {
@@ -116,6 +119,11 @@ impl Metrics {
             "Submissions refused with their tenant's quota refusal of a moment before, without a new look",
         )?;
         registry.register(Box::new(refused_from_memory.clone()))?;
+        let refusal_batch_size = Histogram::with_opts(
+            HistogramOpts::new("sandcell_intake_refusal_batch_size", "Refusals written by one transaction of the intake's refusal writer")
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
+        )?;
+        registry.register(Box::new(refusal_batch_size.clone()))?;
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
@@ -151,6 +159,7 @@ impl Metrics {
             live_output_check_failures,
             tenant_db_sessions_ended,
             refused_from_memory,
+            refusal_batch_size,
         })
     }
 }

@@ -1,13 +1,16 @@
-//! Refusals the intake makes from memory ([`crate::quota_memory`]), recorded in batches.
+//! Refusals the intake makes without judging a submission under its tenant's lock, recorded
+//! in batches: an invalid submission whose job id is known, and a tenant's submission refused
+//! from its remembered quota refusal ([`crate::quota_memory`]).
 //!
 //! Why: a refusal written on its own is a transaction, a commit and a notification (~3 ms of
-//! Postgres at four at a time on the local stack), so a tenant flooding past its quota was
-//! refused a few hundred submissions a second while every other tenant's submission waited
-//! behind its flood in the intake's partitions. One task writes whatever refusals are waiting
-//! when it is free, up to [`MAX_BATCH`], as one statement and one commit
+//! Postgres at four at a time on the local stack), so a tenant flooding past its quota, or
+//! flooding invalid submissions, was refused a few hundred a second while every other tenant's
+//! submission waited behind its flood in the intake's partitions. One task writes whatever
+//! refusals are waiting when it is free, up to [`MAX_BATCH`], as one statement and one commit
 //! ([`JobStore::record_refusals`]): the more are waiting, the larger the batch.
 
 use anyhow::{anyhow, Result};
+use prometheus::Histogram;
 use sandcell_core::jobs::JobStore;
 use sandcell_protocol::Reason;
 use tokio::sync::{mpsc, oneshot};
@@ -29,9 +32,9 @@ pub struct Refusals {
 
 impl Refusals {
     /// Start the writer on `jobs` (a task that ends once every handle is dropped).
-    pub fn start(jobs: JobStore) -> Refusals {
+    pub fn start(jobs: JobStore, batch_size: Histogram) -> Refusals {
         let (waiting, rx) = mpsc::channel(4 * MAX_BATCH);
-        tokio::spawn(write(jobs, rx));
+        tokio::spawn(write(jobs, batch_size, rx));
         Refusals { waiting }
     }
 
@@ -50,9 +53,10 @@ impl Refusals {
 }
 
 /// Write what is waiting, batch after batch, until every handle is gone.
-async fn write(jobs: JobStore, mut rx: mpsc::Receiver<Waiting>) {
+async fn write(jobs: JobStore, batch_size: Histogram, mut rx: mpsc::Receiver<Waiting>) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        batch_size.observe(batch.len() as f64);
         let refusals: Vec<_> = batch.iter().map(|w| w.refusal.clone()).collect();
         match jobs.record_refusals(&refusals).await {
             Ok(written) => {

@@ -397,48 +397,39 @@ impl JobStore {
     /// A tenant keeping its `max_result_bytes` or more keeps only its newest
     /// [`tenants::KEPT_REFUSALS_OVER_QUOTA`] refusals: older ones are deleted in the same transaction.
     pub async fn record_rejection(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
-        let mut tx = self.pool.begin().await.context("beginning transaction")?;
-        tenants::ensure(&mut tx, tenant, &self.tenant_defaults).await?;
-        let n = sqlx::query(
-            "INSERT INTO jobs (tenant, job_id, status, reason, execution, finished_at)
-             VALUES ($1, $2, 'rejected', $3, $4, now())
-             ON CONFLICT (tenant, job_id) DO NOTHING",
-        )
-        .bind(tenant)
-        .bind(job_id)
-        .bind(storable::json(reason)?)
-        .bind(not_run())
-        .execute(&mut *tx)
-        .await
-        .context("recording rejection")?
-        .rows_affected();
-        if n == 1 {
-            forget_old_refusals(&mut tx, tenant).await?;
-        }
-        tx.commit().await.context("committing rejection")?;
-        Ok(n == 1)
+        let written = self.record_refusals(&[(tenant.to_owned(), job_id.to_owned(), reason.clone())]).await?;
+        Ok(written.first().copied().unwrap_or(false))
     }
 
-    /// Record refusals of tenants known to exist (found at a quota a moment before) in one
-    /// transaction: one commit, one statement, for however many tenants and jobs. Each is
-    /// written as [`JobStore::record_rejection`] writes one (an existing job with that id is
+    /// Record rejected submissions in one transaction: one commit, one statement for their rows,
+    /// however many tenants and jobs. Each is written as [`JobStore::record_rejection`] says (a
+    /// tenant never seen is registered with the default quotas; an existing job with that id is
     /// left alone; a tenant over its `max_result_bytes` keeps its newest refusals only), and the
     /// answer says, for each in order, whether its row was written.
     pub async fn record_refusals(&self, refusals: &[(String, String, Reason)]) -> Result<Vec<bool>> {
-        let (mut tenants, mut job_ids, mut reasons) = (Vec::new(), Vec::new(), Vec::new());
-        for (tenant, job_id, reason) in refusals {
-            tenants.push(tenant.as_str());
+        // Rows, and the tenants' counts their triggers update, are locked in the tenants' order,
+        // the same in every batch: two schedulers' batches cannot deadlock.
+        let mut sorted: Vec<&(String, String, Reason)> = refusals.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        let (mut owners, mut job_ids, mut reasons) = (Vec::new(), Vec::new(), Vec::new());
+        for (tenant, job_id, reason) in sorted {
+            owners.push(tenant.as_str());
             job_ids.push(job_id.as_str());
             reasons.push(storable::json(reason)?);
         }
         let mut tx = self.pool.begin().await.context("beginning transaction")?;
+        let mut distinct = owners.clone();
+        distinct.dedup();
+        for tenant in distinct {
+            tenants::ensure(&mut tx, tenant, &self.tenant_defaults).await?;
+        }
         let written: Vec<(String, String)> = sqlx::query_as(
             "INSERT INTO jobs (tenant, job_id, status, reason, execution, finished_at)
              SELECT t, j, 'rejected', r, $4, now() FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS u(t, j, r)
              ON CONFLICT (tenant, job_id) DO NOTHING
              RETURNING tenant, job_id",
         )
-        .bind(&tenants)
+        .bind(&owners)
         .bind(&job_ids)
         .bind(&reasons)
         .bind(not_run())
@@ -455,7 +446,7 @@ impl JobStore {
         tx.commit().await.context("committing refusals")?;
         // A job id twice in one batch is written once: the first asking is answered `true`.
         let mut answered = std::collections::HashSet::new();
-        Ok(tenants.iter().zip(&job_ids).map(|(t, j)| written.contains(&(*t, *j)) && answered.insert((*t, *j))).collect())
+        Ok(refusals.iter().map(|(t, j, _)| written.contains(&(t.as_str(), j.as_str())) && answered.insert((t.as_str(), j.as_str()))).collect())
     }
 
     /// Record a message that named no usable job id, keeping the newest
