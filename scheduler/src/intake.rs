@@ -432,13 +432,15 @@ async fn handle_delivery(
     unjudged: Option<Unjudged>,
 ) {
     let metrics = &shared.metrics;
-    let started = Instant::now();
+    let mut started = Instant::now();
     let tried = unjudged.is_some();
     // A place at its tenant's gate only for a submission judged under the tenant's lock.
     let mut _place = None;
     let mut disposition = refuse_unjudged(shared, unjudged).await;
     if disposition.is_none() {
         _place = Some(gate.enter().await);
+        // Measured from here, as before a submission's handler took its place itself.
+        started = Instant::now();
         // The tenant may have been found at a quota while this one waited at its gate (a flood
         // arriving as the memory lapsed waits there for the first new look).
         if !tried && !delivery.redelivered {
@@ -500,9 +502,15 @@ fn unjudged_refusal(memory: &QuotaMemory, verdict: &Result<Submission, Rejection
 async fn refuse_unjudged(shared: &Shared, unjudged: Option<Unjudged>) -> Option<Disposition> {
     let u = unjudged?;
     if u.reason.code == ErrorCode::TenantMismatch {
-        tracing::warn!(tenant = %u.tenant, job_id = %u.job_id, "submission claims another tenant; refused");
+        tracing::warn!(publisher = %u.tenant, job_id = %u.job_id, "submission claims another tenant; refused");
     }
     match shared.refusals.record(&u.tenant, &u.job_id, &u.reason).await {
+        Ok(false) if u.from_memory => {
+            // A valid submission whose job id was taken: a duplicate, as judging it would say.
+            tracing::info!(tenant = %u.tenant, job_id = %u.job_id, "duplicate submission; not run again");
+            shared.metrics.submissions.with_label_values(&["duplicate"]).inc();
+            Some(Disposition::Ack)
+        }
         Ok(written) => {
             if u.from_memory {
                 shared.metrics.refused_from_memory.inc();

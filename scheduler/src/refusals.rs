@@ -58,7 +58,12 @@ async fn write(jobs: JobStore, batch_size: Histogram, mut rx: mpsc::Receiver<Wai
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
         batch_size.observe(batch.len() as f64);
         let refusals: Vec<_> = batch.iter().map(|w| w.refusal.clone()).collect();
-        match jobs.record_refusals(&refusals).await {
+        let mut result = jobs.record_refusals(&refusals).await;
+        if result.as_ref().is_err_and(deadlocked) {
+            // Chosen by Postgres to break a cycle with another transaction (a sweep): once more.
+            result = jobs.record_refusals(&refusals).await;
+        }
+        match result {
             Ok(written) => {
                 for (w, written) in batch.drain(..).zip(written) {
                     let _ = w.written.send(Ok(written));
@@ -73,4 +78,11 @@ async fn write(jobs: JobStore, batch_size: Histogram, mut rx: mpsc::Receiver<Wai
             }
         }
     }
+}
+
+/// Whether Postgres ended the batch's transaction to break a deadlock or a serialization conflict.
+fn deadlocked(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<sqlx::Error>().and_then(|e| e.as_database_error()).and_then(|d| d.code()).is_some_and(|code| code == "40P01" || code == "40001")
+    })
 }

@@ -407,10 +407,11 @@ impl JobStore {
     /// left alone; a tenant over its `max_result_bytes` keeps its newest refusals only), and the
     /// answer says, for each in order, whether its row was written.
     pub async fn record_refusals(&self, refusals: &[(String, String, Reason)]) -> Result<Vec<bool>> {
-        // Rows, and the tenants' counts their triggers update, are locked in the tenants' order,
-        // the same in every batch: two schedulers' batches cannot deadlock.
+        // Rows, and the tenants' counts their triggers update, are locked in one order in every
+        // batch, so two batches cannot deadlock each other (a deadlock with another kind of
+        // transaction is Postgres' to break: the caller may try again).
         let mut sorted: Vec<&(String, String, Reason)> = refusals.iter().collect();
-        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        sorted.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
         let (mut owners, mut job_ids, mut reasons) = (Vec::new(), Vec::new(), Vec::new());
         for (tenant, job_id, reason) in sorted {
             owners.push(tenant.as_str());
@@ -425,7 +426,7 @@ impl JobStore {
         }
         let written: Vec<(String, String)> = sqlx::query_as(
             "INSERT INTO jobs (tenant, job_id, status, reason, execution, finished_at)
-             SELECT t, j, 'rejected', r, $4, now() FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS u(t, j, r)
+             SELECT t, j, 'rejected', r, $4, clock_timestamp() FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS u(t, j, r)
              ON CONFLICT (tenant, job_id) DO NOTHING
              RETURNING tenant, job_id",
         )
