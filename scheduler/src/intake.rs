@@ -89,7 +89,8 @@ struct Shared {
     /// Tenants found at a quota in the last `SANDCELL_INTAKE_QUOTA_MEMORY_MS`: their flood is
     /// refused without taking their lock for each submission ([`crate::quota_memory`]).
     refused: QuotaMemory,
-    /// Writes the refusals made from that memory, many to a transaction.
+    /// Writes the refusals made without a judgment under a tenant's lock (from that memory, or
+    /// of invalid submissions whose job id is known), many to a transaction.
     refusals: Refusals,
 }
 
