@@ -92,20 +92,9 @@ async fn a_tenants_flood_of_invalid_submissions_is_answered_every_one_with_its_r
         .buffer_unordered(32)
         .for_each(|r| async { r.expect("publish") })
         .await;
-    let rows = eventually(Duration::from_secs(60), || async {
-        let rows = sqlx::query("SELECT status, reason->>'code' AS code FROM jobs WHERE tenant = $1 AND job_id = ANY($2)")
-            .bind(&t.name)
-            .bind(&ids)
-            .fetch_all(&pool)
-            .await
-            .ok()?;
-        (rows.len() == FLOOD).then_some(rows)
-    })
-    .await
-    .expect("every submission of the flood answered");
-    for row in &rows {
-        let (status, code): (String, Option<String>) = (row.get("status"), row.get("code"));
-        assert_eq!((status.as_str(), code.as_deref()), ("rejected", Some("unknown_language")));
+    let answers = answers_of(&pool, &t.name, &ids, Duration::from_secs(60)).await.expect("every submission of the flood answered");
+    for a in &answers {
+        assert_eq!((a.status.as_str(), a.code.as_deref()), ("rejected", Some("unknown_language")), "{a:?}");
     }
     let (sum, count) = written().await;
     let (refusals, transactions) = (sum - sum0, count - count0);

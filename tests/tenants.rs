@@ -674,21 +674,10 @@ async fn a_tenants_flood_past_its_quota_is_refused_from_the_intakes_memory_and_e
     let flood: Vec<_> = (0..FLOOD).map(|_| python(&t.name, "print(1)")).collect();
     futures::stream::iter(&flood).map(|s| c.submit(s)).buffer_unordered(32).for_each(|r| async { r.expect("submit") }).await;
     let ids: Vec<String> = flood.iter().map(|s| s.job_id.clone()).collect();
-    let answered = eventually(Duration::from_secs(60), || async {
-        let rows = sqlx::query("SELECT status, reason->>'code' AS code, reason->>'message' AS message FROM jobs WHERE tenant = $1 AND job_id = ANY($2)")
-            .bind(&t.name)
-            .bind(&ids)
-            .fetch_all(&pool)
-            .await
-            .ok()?;
-        (rows.len() == FLOOD).then_some(rows)
-    })
-    .await
-    .expect("every submission of the flood answered");
-    for row in &answered {
-        let (status, code, message): (String, Option<String>, Option<String>) = (row.get("status"), row.get("code"), row.get("message"));
-        assert_eq!((status.as_str(), code.as_deref()), ("rejected", Some("quota_exceeded")), "{message:?}");
-        assert!(message.as_deref().is_some_and(|m| m.contains("its quota is 2")), "{message:?}");
+    let answered = answers_of(&pool, &t.name, &ids, Duration::from_secs(60)).await.expect("every submission of the flood answered");
+    for a in &answered {
+        assert_eq!((a.status.as_str(), a.code.as_deref()), ("rejected", Some("quota_exceeded")), "{a:?}");
+        assert!(a.message.as_deref().is_some_and(|m| m.contains("its quota is 2")), "{a:?}");
     }
     let from_memory = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics") - before;
     eprintln!("{FLOOD} submissions past the quota: {from_memory} refused from the intake's memory");

@@ -251,6 +251,34 @@ where
     }
 }
 
+/// One recorded answer to a submission: its status and, when refused or failed, its reason's
+/// code and message.
+#[derive(Debug)]
+pub struct Answer {
+    /// `rejected`, `queued`, `succeeded`, …
+    pub status: String,
+    /// The reason's code (`quota_exceeded`, `unknown_language`, …), if any.
+    pub code: Option<String>,
+    /// The reason's message, if any.
+    pub message: Option<String>,
+}
+
+/// Wait up to `limit` until every one of `job_ids` of `tenant` has a row in `jobs`, and return
+/// their answers (in no particular order); `None` if some are still missing then.
+pub async fn answers_of(pool: &sqlx::PgPool, tenant: &str, job_ids: &[String], limit: Duration) -> Option<Vec<Answer>> {
+    use sqlx::Row;
+    eventually(limit, || async {
+        let rows = sqlx::query("SELECT status, reason->>'code' AS code, reason->>'message' AS message FROM jobs WHERE tenant = $1 AND job_id = ANY($2)")
+            .bind(tenant)
+            .bind(job_ids)
+            .fetch_all(pool)
+            .await
+            .ok()?;
+        (rows.len() == job_ids.len()).then(|| rows.iter().map(|r| Answer { status: r.get("status"), code: r.get("code"), message: r.get("message") }).collect())
+    })
+    .await
+}
+
 /// A tenant created the way an operator creates one (`sandcell-admin tenant create`): its own
 /// broker user and database role, with the given quotas (defaults when `None`).
 pub struct TestTenant {
