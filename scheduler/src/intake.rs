@@ -489,13 +489,16 @@ struct Unjudged {
 
 /// The refusal of a delivery that needs no judgment under its tenant's lock, if it is one.
 fn unjudged_refusal(memory: &QuotaMemory, verdict: &Result<Submission, Rejection>, from: &Publisher) -> Option<Unjudged> {
-    if let Some(sub) = acceptable(verdict, from) {
-        let reason = quota_memory::Kind::of(sub).and_then(|kind| memory.recall(&sub.tenant, kind))?;
-        return Some(Unjudged { tenant: sub.tenant.clone(), job_id: sub.job_id.clone(), reason, from_memory: true });
+    match judge(verdict, from) {
+        Ok(sub) => {
+            let reason = quota_memory::Kind::of(sub).and_then(|kind| memory.recall(&sub.tenant, kind))?;
+            Some(Unjudged { tenant: sub.tenant.clone(), job_id: sub.job_id.clone(), reason, from_memory: true })
+        }
+        Err(rejection) => {
+            let (tenant, job_id) = rejection.recoverable_key().map(|(t, j)| (t.to_owned(), j.to_owned()))?;
+            Some(Unjudged { tenant, job_id, reason: rejection.reason, from_memory: false })
+        }
     }
-    let Decision::Reject(rejection) = decide(verdict.clone(), from) else { return None };
-    let (tenant, job_id) = rejection.recoverable_key()?;
-    Some(Unjudged { tenant: tenant.to_owned(), job_id: job_id.to_owned(), reason: rejection.reason.clone(), from_memory: false })
 }
 
 /// Write an unjudged refusal in a batch ([`crate::refusals`]): `None` when there is none, or
@@ -593,9 +596,9 @@ async fn handle(
     let (cfg, jobs, metrics) = (&shared.cfg, &shared.jobs, &shared.metrics);
     let message_id = delivery.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
     let from = Publisher::of(delivery, &cfg.trusted_publishers);
-    match decide(verdict.clone(), &from) {
-        Decision::Accept(sub) => accept(shared, publisher, &sub, &delivery.data, may_redispatch).await,
-        Decision::Reject(rejection) => {
+    match judge(verdict, &from) {
+        Ok(sub) => accept(shared, publisher, sub, &delivery.data, may_redispatch).await,
+        Err(rejection) => {
             if rejection.reason.code == ErrorCode::TenantMismatch {
                 tracing::warn!(publisher = ?from.name(), job_id = ?rejection.job_id, "submission claims another tenant; refused");
             }
@@ -616,37 +619,41 @@ pub(crate) enum Decision {
 /// The identity rules: a message without `user_id` is refused; a tenant's broker user can only
 /// submit as that tenant; a trusted publisher names the tenant in the body; a refusal is recorded
 /// under the publishing tenant, never under the one its body claims.
-pub(crate) fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision {
+///
+/// Reads the verdict without taking it: the submission the intake may accept, or the refusal
+/// to record.
+pub(crate) fn judge<'a>(verdict: &'a Result<Submission, Rejection>, from: &Publisher) -> Result<&'a Submission, Rejection> {
     match (verdict, from) {
         (_, Publisher::Unknown) => {
             let reason = Reason::new(ErrorCode::Unauthenticated, "the message has no user_id property: publish with user_id set to your broker user");
-            Decision::Reject(Rejection { reason, tenant: None, job_id: None })
+            Err(Rejection { reason, tenant: None, job_id: None })
         }
         (Ok(sub), Publisher::Tenant(tenant)) if sub.tenant != *tenant => {
             let reason = Reason::new(
                 ErrorCode::TenantMismatch,
                 format!("the body names tenant {:?} but the message was published by broker user {tenant:?}", sub.tenant),
             );
-            Decision::Reject(Rejection { reason, tenant: Some(tenant.clone()), job_id: Some(sub.job_id) })
+            Err(Rejection { reason, tenant: Some(tenant.clone()), job_id: Some(sub.job_id.clone()) })
         }
-        (Ok(sub), _) => Decision::Accept(Box::new(sub)),
-        (Err(mut rejection), _) => {
+        (Ok(sub), _) => Ok(sub),
+        (Err(rejection), _) => {
+            let mut rejection = rejection.clone();
             if let Publisher::Tenant(tenant) = from {
                 rejection.tenant = Some(tenant.clone());
             }
-            Decision::Reject(rejection)
+            Err(rejection)
         }
     }
 }
 
-/// The submission [`decide`] would accept, read without taking the verdict: a valid one whose
-/// publisher may submit as its tenant.
-fn acceptable<'a>(verdict: &'a Result<Submission, Rejection>, from: &Publisher) -> Option<&'a Submission> {
-    let sub = verdict.as_ref().ok()?;
-    match from {
-        Publisher::Unknown => None,
-        Publisher::Tenant(tenant) if sub.tenant != *tenant => None,
-        _ => Some(sub),
+/// [`judge`], taking the verdict: for callers that keep the decision.
+pub(crate) fn decide(verdict: Result<Submission, Rejection>, from: &Publisher) -> Decision {
+    if let Err(rejection) = judge(&verdict, from) {
+        return Decision::Reject(rejection);
+    }
+    match verdict {
+        Ok(sub) => Decision::Accept(Box::new(sub)),
+        Err(rejection) => Decision::Reject(rejection),
     }
 }
 
@@ -822,18 +829,6 @@ mod tests {
         let Decision::Reject(r) = decide(Ok(sub("other")), &Publisher::Tenant("acme".into())) else { panic!("accepted") };
         assert_eq!(r.reason.code, ErrorCode::TenantMismatch);
         assert_eq!((r.tenant.as_deref(), r.job_id.as_deref()), (Some("acme"), Some("job-1")), "recorded under the publisher");
-    }
-
-    #[test]
-    fn only_what_the_identity_rules_accept_may_be_refused_from_memory() {
-        let rejection = Rejection { reason: Reason::new(ErrorCode::InvalidValue, "bad"), tenant: Some("acme".into()), job_id: Some("job-1".into()) };
-        let publishers = [Publisher::Unknown, Publisher::Tenant("acme".into()), Publisher::Trusted("sandcell".into())];
-        for verdict in [Ok(sub("acme")), Ok(sub("other")), Err(rejection)] {
-            for from in &publishers {
-                let accepted = matches!(decide(verdict.clone(), from), Decision::Accept(_));
-                assert_eq!(acceptable(&verdict, from).is_some(), accepted, "{verdict:?} from {from:?}");
-            }
-        }
     }
 
     #[test]
