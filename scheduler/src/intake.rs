@@ -277,8 +277,11 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     let key = session_key(tenant, &verdict);
     let gate = shared.gates.gate(tenant);
     // Refused without a judgment under the tenant's lock, and so without a place at its gate:
-    // not in a lane, not a redelivery (its job may be recorded and still to be dispatched).
-    let unjudged = (key.is_none() && !delivery.redelivered).then(|| unjudged_refusal(&shared.refused, &verdict, &from)).flatten();
+    // not a redelivery (its job may be recorded and still to be dispatched). A refusal takes no
+    // turn in its session's lane either: a flood into one session is refused in batches, not
+    // one write after another (its refusal then stands, [`handle_delivery`]).
+    let unjudged = (!delivery.redelivered).then(|| unjudged_refusal(&shared.refused, &verdict, &from)).flatten();
+    let key = if unjudged.is_some() { None } else { key };
     spawn_in_lane(key, None, shared, in_flight, async move { handle_delivery(&s, &publisher, delivery, verdict, gate, unjudged).await });
 }
 
@@ -437,7 +440,27 @@ async fn handle_delivery(
     let tried = unjudged.is_some();
     // A place at its tenant's gate only for a submission judged under the tenant's lock.
     let mut _place = None;
-    let mut disposition = refuse_unjudged(shared, unjudged).await;
+    let mut disposition = match unjudged {
+        // A session's job refused from memory was taken out of its session's lane: judged now,
+        // it could be admitted ahead of the session's jobs published before it. Its refusal
+        // stands (written on its own if its batch fails, an outage waited out); only should that
+        // fail too does it go back to the queue.
+        Some(u) if u.from_memory && session_key(&u.tenant, &verdict).is_some() => match refuse_unjudged(shared, &u, true).await {
+            Ok(disposition) => Some(disposition),
+            Err(e) => {
+                tracing::error!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written; returning the submission to the queue");
+                tokio::time::sleep(FAILED_REQUEUE_DELAY).await;
+                Some(Disposition::Requeue)
+            }
+        },
+        Some(u) => refuse_unjudged(shared, &u, false)
+            .await
+            .inspect_err(|e| {
+                tracing::warn!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written in its batch; judging the submission")
+            })
+            .ok(),
+        None => None,
+    };
     if disposition.is_none() {
         _place = Some(gate.enter().await);
         // Measured from here, as before a submission's handler took its place itself.
@@ -446,7 +469,10 @@ async fn handle_delivery(
         // arriving as the memory lapsed waits there for the first new look).
         if !tried && !delivery.redelivered {
             let from = Publisher::of(&delivery, &shared.cfg.trusted_publishers);
-            disposition = refuse_unjudged(shared, unjudged_refusal(&shared.refused, &verdict, &from)).await;
+            if let Some(u) = unjudged_refusal(&shared.refused, &verdict, &from) {
+                // Still in its lane: should the write fail, the submission is judged.
+                disposition = refuse_unjudged(shared, &u, false).await.ok();
+            }
         }
     }
     let disposition = match disposition {
@@ -501,32 +527,41 @@ fn unjudged_refusal(memory: &QuotaMemory, verdict: &Result<Submission, Rejection
     }
 }
 
-/// Write an unjudged refusal in a batch ([`crate::refusals`]): `None` when there is none, or
-/// when its batch failed (the submission is then judged as any other).
-async fn refuse_unjudged(shared: &Shared, unjudged: Option<Unjudged>) -> Option<Disposition> {
-    let u = unjudged?;
+/// How many times the refusal of a session's job taken out of its lane is written on its own,
+/// once its batch failed, before the submission goes back to the queue (an outage of the
+/// database is waited out, not counted).
+const REFUSAL_WRITES_OUTSIDE_LANE: u32 = 6;
+
+/// Write an unjudged refusal in a batch ([`crate::refusals`]); the delivery's disposition once
+/// written. A refusal that `stands` (it left its session's lane) is written on its own should
+/// its batch fail, an outage of the database waited out: judged instead, it could be admitted
+/// ahead of its session's earlier jobs.
+async fn refuse_unjudged(shared: &Shared, u: &Unjudged, stands: bool) -> Result<Disposition> {
     if u.reason.code == ErrorCode::TenantMismatch {
         tracing::warn!(publisher = %u.tenant, job_id = %u.job_id, "submission claims another tenant; refused");
     }
-    match shared.refusals.record(&u.tenant, &u.job_id, &u.reason).await {
-        Ok(false) if u.from_memory => {
-            // A valid submission whose job id was taken: a duplicate, as judging it would say.
-            tracing::info!(tenant = %u.tenant, job_id = %u.job_id, "duplicate submission; not run again");
-            shared.metrics.submissions.with_label_values(&["duplicate"]).inc();
-            Some(Disposition::Ack)
+    let written = match shared.refusals.record(&u.tenant, &u.job_id, &u.reason).await {
+        Ok(written) => written,
+        Err(e) if stands => {
+            tracing::warn!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written in its batch; writing it on its own");
+            sandcell_core::retry_classified("writing a refusal", REFUSAL_WRITES_OUTSIDE_LANE, outage_or_transient, |_| {
+                shared.jobs.record_rejection(&u.tenant, &u.job_id, &u.reason)
+            })
+            .await?
         }
-        Ok(written) => {
-            if u.from_memory {
-                shared.metrics.refused_from_memory.inc();
-            }
-            refused(&shared.metrics, &u.tenant, &u.job_id, &u.reason, written);
-            Some(Disposition::Ack)
-        }
-        Err(e) => {
-            tracing::warn!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written in its batch; judging the submission");
-            None
-        }
+        Err(e) => return Err(e),
+    };
+    if !written && u.from_memory {
+        // A valid submission whose job id was taken: a duplicate, as judging it would say.
+        tracing::info!(tenant = %u.tenant, job_id = %u.job_id, "duplicate submission; not run again");
+        shared.metrics.submissions.with_label_values(&["duplicate"]).inc();
+        return Ok(Disposition::Ack);
     }
+    if u.from_memory {
+        shared.metrics.refused_from_memory.inc();
+    }
+    refused(&shared.metrics, &u.tenant, &u.job_id, &u.reason, written);
+    Ok(Disposition::Ack)
 }
 
 /// How the intake tries a message again: an outage of the database for as long as it lasts,
