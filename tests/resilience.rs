@@ -641,6 +641,81 @@ async fn submissions_published_while_the_database_is_stopped_run_once_and_in_ord
     }
 }
 
+/// A flood into one session past the tenant's quota is refused from the intake's memory outside
+/// the session's lane (`scheduler::quota_memory`), and such a refusal stands: Postgres stopped
+/// mid-flood fails its batch, and it is then written on its own once Postgres is back, never
+/// judged out of the session's order. The job holding the quota ends during the outage, so the
+/// flood's later submissions are admitted once Postgres is back: every one is answered, and the
+/// admitted ones ran in the order they were published (each appends its index to a list).
+#[tokio::test]
+async fn a_sessions_flood_refused_from_memory_across_a_database_outage_is_answered_and_the_session_keeps_its_order() {
+    use futures::StreamExt as _;
+    let _serial = SERIAL.lock().await;
+    let t = TestTenant::create(Some(sandcell_core::tenants::Quotas { max_queued_jobs: 2, ..Default::default() })).await;
+    let c = t.client().await;
+    let pool = service_db().await;
+    let sid = session_id(&run(&c, &open_session(&t.name, "x = []", None)).await);
+    // Two jobs of the session hold the quota: one running into the outage, one queued.
+    let held = [in_session(&t.name, &sid, "import time; time.sleep(4)"), in_session(&t.name, &sid, "pass")];
+    for s in &held {
+        c.submit(s).await.expect("submit");
+    }
+    let unfinished = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')")
+            .bind(&t.name)
+            .fetch_one(&pool)
+            .await
+            .ok()
+    };
+    assert!(eventually(Duration::from_secs(30), || async { (unfinished().await? == 2).then_some(()) }).await.is_some(), "the session's jobs were not recorded");
+    // A first look finds the tenant at its quota: the flood behind it is refused from memory.
+    let first = run(&c, &in_session(&t.name, &sid, "x.append(-1)")).await;
+    assert_eq!((first.status, first.reason.as_ref().map(|r| r.code)), (JobStatus::Rejected, Some(sandcell_protocol::ErrorCode::QuotaExceeded)), "{first:?}");
+
+    // Published in the index's order: `buffered` starts each publish after the one before it
+    // (on one channel, so the broker takes them in that order) and waits for 64 confirms at once.
+    const FLOOD: usize = 1500;
+    let flood: Vec<_> = (0..FLOOD).map(|i| in_session(&t.name, &sid, &format!("x.append({i})"))).collect();
+    let publish = futures::stream::iter(&flood).map(|s| c.submit(s)).buffered(64).for_each(|r| async { r.expect("submit") });
+    let outage = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        sh("pg_ctlcluster 15 main stop");
+        let restart = StartDatabase;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        drop(restart);
+    };
+    tokio::join!(publish, outage);
+    both_healthy_again().await;
+
+    let ids: Vec<String> = flood.iter().map(|s| s.job_id.clone()).collect();
+    let answered = answers_of(&pool, &t.name, &ids, Duration::from_secs(120)).await.expect("every submission of the flood answered");
+    let refused = answered.iter().filter(|a| a.status == "rejected").count();
+    for a in answered.iter().filter(|a| a.status == "rejected") {
+        assert_eq!(a.code.as_deref(), Some("quota_exceeded"), "{a:?}");
+    }
+    let admitted: Vec<&sandcell_protocol::Submission> = {
+        let refused_ids: std::collections::HashSet<String> =
+            sqlx::query_scalar("SELECT job_id FROM jobs WHERE tenant = $1 AND job_id = ANY($2) AND status = 'rejected'")
+                .bind(&t.name)
+                .bind(&ids)
+                .fetch_all(&pool)
+                .await
+                .expect("refused ids")
+                .into_iter()
+                .collect();
+        flood.iter().filter(|s| !refused_ids.contains(&s.job_id)).collect()
+    };
+    for s in admitted.iter().copied().chain(&held) {
+        let r = c.wait(&t.name, &s.job_id, JOB_WAIT).await.expect("result");
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    }
+    eprintln!("{FLOOD} into one session across an outage: {refused} refused, {} admitted", admitted.len());
+    let ran = run(&c, &in_session(&t.name, &sid, "print(x)")).await;
+    let ran: Vec<i64> = serde_json::from_str(ran.execution.stdout.trim()).expect("the session's list");
+    let expected: Vec<i64> = admitted.iter().map(|s| s.code.trim_start_matches("x.append(").trim_end_matches(')').parse().expect("an index")).collect();
+    assert_eq!(ran, expected, "the session ran exactly its admitted jobs, in the order published");
+}
+
 /// Starts Postgres again when dropped, whatever the test's outcome.
 struct StartDatabase;
 
