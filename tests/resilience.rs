@@ -657,17 +657,7 @@ async fn a_sessions_flood_refused_from_memory_across_a_database_outage_is_answer
     let sid = session_id(&run(&c, &open_session(&t.name, "x = []", None)).await);
     // Two jobs of the session hold the quota: one running into the outage, one queued.
     let held = [in_session(&t.name, &sid, "import time; time.sleep(4)"), in_session(&t.name, &sid, "pass")];
-    for s in &held {
-        c.submit(s).await.expect("submit");
-    }
-    let unfinished = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')")
-            .bind(&t.name)
-            .fetch_one(&pool)
-            .await
-            .ok()
-    };
-    assert!(eventually(Duration::from_secs(30), || async { (unfinished().await? == 2).then_some(()) }).await.is_some(), "the session's jobs were not recorded");
+    hold_quota_with(&c, &pool, &t.name, &held).await;
     // A first look finds the tenant at its quota: the flood behind it is refused from memory.
     let first = run(&c, &in_session(&t.name, &sid, "x.append(-1)")).await;
     assert_eq!((first.status, first.reason.as_ref().map(|r| r.code)), (JobStatus::Rejected, Some(sandcell_protocol::ErrorCode::QuotaExceeded)), "{first:?}");

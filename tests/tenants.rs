@@ -663,17 +663,7 @@ async fn a_tenants_flood_past_its_quota_is_refused_from_the_intakes_memory_and_e
     let before = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics");
     // Two slow jobs hold the quota while the flood arrives.
     let slow: Vec<_> = (0..2).map(|_| python(&t.name, "import time; time.sleep(15)")).collect();
-    for s in &slow {
-        c.submit(s).await.expect("submit");
-    }
-    let unfinished = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')")
-            .bind(&t.name)
-            .fetch_one(&pool)
-            .await
-            .ok()
-    };
-    assert!(eventually(Duration::from_secs(30), || async { (unfinished().await? == 2).then_some(()) }).await.is_some(), "the slow jobs were not recorded");
+    hold_quota_with(&c, &pool, &t.name, &slow).await;
 
     const FLOOD: usize = 400;
     let flood: Vec<_> = (0..FLOOD).map(|_| python(&t.name, "print(1)")).collect();
@@ -1077,17 +1067,7 @@ async fn a_flood_into_one_session_past_the_quota_is_refused_from_memory_and_the_
     // Two jobs of the session hold the quota while the flood arrives: one running, one queued
     // behind it.
     let held = [in_session(&t.name, &sid, "import time; time.sleep(8); x = 1"), in_session(&t.name, &sid, "x = x + 1")];
-    for s in &held {
-        c.submit(s).await.expect("submit");
-    }
-    let unfinished = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')")
-            .bind(&t.name)
-            .fetch_one(&pool)
-            .await
-            .ok()
-    };
-    assert!(eventually(Duration::from_secs(30), || async { (unfinished().await? == 2).then_some(()) }).await.is_some(), "the session's jobs were not recorded");
+    hold_quota_with(&c, &pool, &t.name, &held).await;
 
     const FLOOD: usize = 400;
     let flood: Vec<_> = (0..FLOOD).map(|_| in_session(&t.name, &sid, "x = -1")).collect();

@@ -251,6 +251,21 @@ where
     }
 }
 
+/// Submit `subs` and wait up to 30 s until `tenant` has exactly that many jobs queued or
+/// running: they hold its `max_queued_jobs` quota (the tenant must have no other).
+pub async fn hold_quota_with(client: &Client, pool: &sqlx::PgPool, tenant: &str, subs: &[Submission]) {
+    for s in subs {
+        client.submit(s).await.expect("submit");
+    }
+    let recorded = eventually(Duration::from_secs(30), || async {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = $1 AND status IN ('queued', 'running')").bind(tenant).fetch_one(pool).await.ok()?;
+        (n == subs.len() as i64).then_some(())
+    })
+    .await;
+    assert!(recorded.is_some(), "the {} jobs holding the quota were not recorded", subs.len());
+}
+
 /// One recorded answer to a submission: its status and, when refused or failed, its reason's
 /// code and message.
 #[derive(Debug)]
