@@ -680,6 +680,100 @@ async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_
     assert_eq!(tenants.reserve_artifact_bytes(&t, &fourth, 1000).await.expect("reserve"), 0, "the reservation did not read the kept bytes");
 }
 
+/// The uploadable bytes the grant and the reservation read instead of summing a tenant's live
+/// grants (`tenant_upload_bytes`, migration 0030), and the same bytes summed from the grants.
+async fn uploadable_bytes(db: &sqlx::PgPool, t: &str) -> (i64, i64) {
+    let kept: i64 = sqlx::query_scalar("SELECT COALESCE(sum(bytes), 0)::bigint FROM tenant_upload_bytes WHERE tenant = $1")
+        .bind(t)
+        .fetch_one(db)
+        .await
+        .expect("kept uploadable bytes");
+    let summed: i64 = sqlx::query_scalar(
+        "SELECT COALESCE(sum(granted_bytes), 0)::bigint FROM uploads WHERE tenant = $1 AND objects_expire_at IS NOT NULL AND objects_removed_at IS NULL",
+    )
+    .bind(t)
+    .fetch_one(db)
+    .await
+    .expect("summed uploadable bytes");
+    (kept, summed)
+}
+
+#[tokio::test]
+async fn a_tenants_uploadable_bytes_follow_every_grant_removal_and_deletion_and_its_quota_and_reservations_use_them() {
+    use sandcell_core::jobs::{JobStore, Recorded};
+    use sandcell_core::tenants::{Quotas, TenantStore};
+    use sandcell_core::uploads;
+    use sandcell_protocol::upload::{UploadGrant, UploadTarget};
+    let db = service_db().await;
+    let t = tenant();
+    let quotas = Quotas { max_sessions: 10, max_queued_jobs: 10, max_artifact_bytes: 1000, ..Quotas::default() };
+    let tenants = TenantStore::new(db.clone());
+    tenants.set_quotas(&t, &quotas).await.expect("tenant");
+    let expires = chrono::Utc::now() + chrono::Duration::hours(1);
+    // A grant of one file of `bytes`, as the scheduler asks for it.
+    let ask = |upload_id: &str, bytes: u64| {
+        let (db, t, upload_id) = (db.clone(), t.clone(), upload_id.to_string());
+        async move {
+            let files = vec![UploadTarget {
+                path: "a.csv".into(),
+                s3_key: format!("{t}/_uploads/{upload_id}/a.csv"),
+                put_url: "http://127.0.0.1/unused".into(),
+                size_bytes: bytes,
+            }];
+            let grant = UploadGrant { tenant: t.clone(), upload_id, status: "ready".into(), reason: None, files, expires_at: Some(expires) };
+            uploads::grant(&db, &grant, bytes, expires, &quotas).await.expect("grant").grant
+        }
+    };
+    let bytes = |expected: i64, step: &str| {
+        let (db, t, step) = (db.clone(), t.clone(), step.to_string());
+        async move {
+            let (kept, summed) = uploadable_bytes(&db, &t).await;
+            assert_eq!(kept, summed, "after {step}: the kept uploadable bytes drifted from the grants");
+            assert_eq!(kept, expected, "after {step}: uploadable bytes");
+        }
+    };
+    bytes(0, "nothing").await;
+
+    let first = ask("up-1", 600).await;
+    assert_eq!(first.status, "ready", "{first:?}");
+    bytes(600, "a grant").await;
+    let again = ask("up-1", 600).await;
+    assert_eq!(again.status, "ready", "the same request keeps its answer: {again:?}");
+    bytes(600, "the same request asked again").await;
+    let refused = ask("up-2", 600).await;
+    assert_eq!((refused.status.as_str(), refused.reason.as_ref().map(|r| r.code)), ("rejected", Some(ErrorCode::QuotaExceeded)), "{refused:?}");
+    bytes(600, "a refusal").await;
+    let second = ask("up-3", 300).await;
+    assert_eq!(second.status, "ready", "{second:?}");
+    bytes(900, "a second grant").await;
+
+    // A running job's reservation sees the grants.
+    let store = JobStore::new(db.clone());
+    let sub = python(&t, "1");
+    let limits = sandcell_protocol::LimitPolicy::default().resolve(&sub.resource_request());
+    let r = store.record_queued(&sub, &limits, "digest", None, None).await.expect("record");
+    assert!(matches!(r, Recorded::New { .. }), "{r:?}");
+    sqlx::query("UPDATE jobs SET status = 'running' WHERE tenant = $1 AND job_id = $2").bind(&t).bind(&sub.job_id).execute(&db).await.expect("running");
+    assert_eq!(tenants.reserve_artifact_bytes(&t, &sub.job_id, 500).await.expect("reserve"), 100, "900 of 1000 bytes were granted");
+
+    // A removal postponed changes nothing; a removal done frees the grant's bytes.
+    uploads::postpone(&db, &t, "up-1", Duration::from_secs(3600)).await.expect("postpone");
+    bytes(900, "a postponed removal").await;
+    assert!(uploads::mark_removed(&db, &t, "up-1").await.expect("removed"));
+    bytes(300, "a removal").await;
+    // A row deleted (by the retention) with its objects still there frees its bytes; a removed
+    // one deleted changes nothing.
+    sqlx::query("DELETE FROM uploads WHERE tenant = $1 AND upload_id = ANY($2)").bind(&t).bind(&["up-1", "up-3"][..]).execute(&db).await.expect("delete");
+    bytes(0, "the grants deleted").await;
+
+    // The grant and the reservation read the kept bytes, not the grants: kept bytes of no grant
+    // (written here by hand) fill the quota as granted ones would.
+    sqlx::query("INSERT INTO tenant_upload_bytes (tenant, shard, bytes) VALUES ($1, 99, 1000)").bind(&t).execute(&db).await.expect("kept bytes");
+    let refused = ask("up-4", 1).await;
+    assert_eq!(refused.status, "rejected", "the grant did not read the kept bytes: {refused:?}");
+    assert_eq!(tenants.reserve_artifact_bytes(&t, &sub.job_id, 1000).await.expect("reserve"), 0, "the reservation did not read the kept bytes");
+}
+
 /// A claim tried again in place after its first try failed (whose answer may have been lost
 /// after the claim was committed) takes the job back from its own worker, and from no other; a
 /// fresh claim never takes a running job.

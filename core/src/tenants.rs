@@ -323,22 +323,17 @@ pub(crate) async fn lock_stored_bytes_quota(tx: &mut Transaction<'_, Postgres>, 
 /// What counts against `tenant`'s stored-bytes quota: its available artifacts (the bytes
 /// `tenant_artifact_bytes` keeps, migration 0018), the reservations of its running jobs but
 /// `except_job`'s, and the bytes its upload grants let it put whose objects are not removed yet
-/// (migration 0019). The one sum of a tenant's footprint in the store, read under the lock of
-/// [`lock_stored_bytes_quota`].
+/// (the bytes `tenant_upload_bytes` keeps, migration 0030). The one sum of a tenant's footprint in
+/// the store, `sandcell_stored_bytes`, read under the lock of [`lock_stored_bytes_quota`]: kept
+/// figures, so that neither a tenant's artifacts nor its live grants weigh on its next grant or
+/// reservation.
 pub(crate) async fn stored_bytes(tx: &mut Transaction<'_, Postgres>, tenant: &str, except_job: Option<&str>) -> Result<i64> {
-    sqlx::query_scalar(
-        "SELECT (COALESCE((SELECT sum(bytes) FROM tenant_artifact_bytes WHERE tenant = $1), 0)
-               + COALESCE((SELECT sum(r.bytes) FROM artifact_reservations r
-                           JOIN jobs j ON j.tenant = r.tenant AND j.job_id = r.job_id
-                           WHERE r.tenant = $1 AND r.job_id IS DISTINCT FROM $2 AND j.status = 'running'), 0)
-               + COALESCE((SELECT sum(granted_bytes) FROM uploads
-                           WHERE tenant = $1 AND objects_expire_at IS NOT NULL AND objects_removed_at IS NULL), 0))::bigint",
-    )
-    .bind(tenant)
-    .bind(except_job)
-    .fetch_one(&mut **tx)
-    .await
-    .context("summing the tenant's stored, reserved and uploadable bytes")
+    sqlx::query_scalar("SELECT sandcell_stored_bytes($1, $2)")
+        .bind(tenant)
+        .bind(except_job)
+        .fetch_one(&mut **tx)
+        .await
+        .context("summing the tenant's stored, reserved and uploadable bytes")
 }
 
 /// The built-in functions no tenant login may execute, as `deploy/postgres/lockdown.sql` (a
