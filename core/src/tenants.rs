@@ -296,20 +296,6 @@ impl TenantStore {
 /// client to read the answers to its latest submissions.
 pub const KEPT_REFUSALS_OVER_QUOTA: i64 = 1000;
 
-/// The bytes of rows `tenant` makes Postgres keep (job rows, upload answers and gateway
-/// sandboxes, as `tenant_job_counts.kept_bytes` counts them, migrations 0022, 0027 and 0028) and its
-/// `max_result_bytes`; `None` for a tenant with no row.
-pub(crate) async fn kept_bytes(tx: &mut Transaction<'_, Postgres>, tenant: &str) -> Result<Option<(i64, i64)>> {
-    sqlx::query_as(
-        "SELECT COALESCE((SELECT sum(c.kept_bytes) FROM tenant_job_counts c WHERE c.tenant = t.tenant), 0)::bigint, t.max_result_bytes
-           FROM tenants t WHERE t.tenant = $1",
-    )
-    .bind(tenant)
-    .fetch_optional(&mut **tx)
-    .await
-    .context("summing the bytes the tenant keeps in the database")
-}
-
 /// Take `tenant`'s row lock, under which its stored bytes are counted and added to, and return
 /// its stored-bytes quota (`max_artifact_bytes`); `None` for a tenant with no row (no quota).
 pub(crate) async fn lock_stored_bytes_quota(tx: &mut Transaction<'_, Postgres>, tenant: &str) -> Result<Option<i64>> {

@@ -25,9 +25,18 @@ pub struct Recorded {
 /// upload_id)` has one: the same request asked again keeps its first answer, which is
 /// returned, with whether this call recorded it.
 pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
+    record_all(pool, std::slice::from_ref(grant)).await?.pop().context("an upload answer recorded without its answer")
+}
+
+/// [`record`] each of `grants`, in one transaction, answering in their order.
+async fn record_all(pool: &PgPool, grants: &[UploadGrant]) -> Result<Vec<Recorded>> {
     let mut tx = pool.begin().await.context("beginning an upload answer")?;
-    let recorded = insert(&mut *tx, grant, 0, None).await?;
-    forget_refusals_past_quota(&mut tx, &recorded).await?;
+    let mut recorded = Vec::with_capacity(grants.len());
+    for grant in grants {
+        let r = insert(&mut *tx, grant).await?;
+        forget_refusals_past_quota(&mut tx, &r).await?;
+        recorded.push(r);
+    }
     tx.commit().await.context("committing an upload answer")?;
     Ok(recorded)
 }
@@ -63,72 +72,141 @@ async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgre
     Ok(())
 }
 
-/// Record a `ready` grant that lets its tenant put `bytes` in the store, kept until
-/// `objects_expire_at`, if the tenant's stored-bytes quota has room for them (under the
-/// tenant's row lock, so grants and job commits at the same moment cannot together overshoot
-/// it); otherwise a refusal, `quota_exceeded` with the figures. As [`record`], a first answer
-/// stands. A tenant with no row (named by a trusted publisher) is registered with `defaults`,
-/// as by its first job.
-pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expire_at: DateTime<Utc>, defaults: &Quotas) -> Result<Recorded> {
-    let mut tx = pool.begin().await.context("beginning an upload grant")?;
-    crate::tenants::ensure(&mut tx, &grant.tenant, defaults).await?;
-    let max = crate::tenants::lock_stored_bytes_quota(&mut tx, &grant.tenant).await?;
-    let standing: Option<serde_json::Value> = sqlx::query_scalar("SELECT grant_doc FROM uploads WHERE tenant = $1 AND upload_id = $2")
-        .bind(&grant.tenant)
-        .bind(&grant.upload_id)
-        .fetch_optional(&mut *tx)
-        .await
-        .context("looking for a standing upload grant")?;
-    if let Some(doc) = standing {
-        tx.commit().await.context("ending an upload grant")?;
-        return Ok(Recorded { grant: serde_json::from_value(doc).context("decoding a recorded upload grant")?, inserted: false });
-    }
-    // `ensure` made the row: a tenant without one would have no quota.
-    let max = max.unwrap_or(i64::MAX);
-    let used = crate::tenants::stored_bytes(&mut tx, &grant.tenant, None).await?;
-    let wanted = i64::try_from(bytes).unwrap_or(i64::MAX);
-    let (kept, max_kept) = crate::tenants::kept_bytes(&mut tx, &grant.tenant).await?.unwrap_or((0, i64::MAX));
-    let refusal = if used.saturating_add(wanted) > max {
-        Some(format!(
-            "tenant stores or may upload {used} bytes, the upload asks for {bytes} more; its quota is {max} (wait for artifacts and uploads to expire)"
-        ))
-    } else if kept >= max_kept {
-        Some(format!(
-            "tenant keeps {kept} bytes of job results and upload answers in the database; its quota is {max_kept} (they are deleted SANDCELL_RESULT_RETENTION_S after they end)"
-        ))
-    } else {
-        None
-    };
-    let recorded = match refusal {
-        Some(reason) => {
-            insert(&mut *tx, &UploadGrant::rejected(&grant.tenant, &grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, reason)), 0, None).await?
-        }
-        None => insert(&mut *tx, grant, bytes, Some(objects_expire_at)).await?,
-    };
-    forget_refusals_past_quota(&mut tx, &recorded).await?;
-    tx.commit().await.context("committing an upload grant")?;
-    Ok(recorded)
+/// A `ready` grant to record: the answer, the bytes it lets its tenant put in the store, and
+/// until when what is put through it is kept.
+#[derive(Debug, Clone)]
+pub struct GrantAsk {
+    /// The answer, with its URLs.
+    pub grant: UploadGrant,
+    /// The bytes its files may hold together.
+    pub bytes: u64,
+    /// When its objects are removed (`objects_expire_at`).
+    pub objects_expire_at: DateTime<Utc>,
 }
 
-/// The one insert into `uploads`. The no-op update makes a conflict return the standing row;
-/// `xmax = 0` holds only for a row this statement inserted (an updated row carries this
-/// transaction's id in `xmax`).
-async fn insert<'e>(db: impl sqlx::PgExecutor<'e>, grant: &UploadGrant, bytes: u64, objects_expire_at: Option<DateTime<Utc>>) -> Result<Recorded> {
-    let doc = serde_json::to_value(grant).context("encoding an upload grant")?;
+/// Record a `ready` grant that lets its tenant put `bytes` in the store, kept until
+/// `objects_expire_at`: [`grant_many`] of one.
+pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expire_at: DateTime<Utc>, defaults: &Quotas) -> Result<Recorded> {
+    let ask = GrantAsk { grant: grant.clone(), bytes, objects_expire_at };
+    grant_many(pool, std::slice::from_ref(&ask), defaults, true).await?.pop().flatten().context("an upload grant recorded without an answer")
+}
+
+/// Record `asks`, each if its tenant's stored-bytes quota has room for its bytes (under the
+/// tenant's row lock, so grants and job commits at the same moment cannot together overshoot
+/// it) and its tenant keeps less than its `max_result_bytes`; otherwise a refusal,
+/// `quota_exceeded` with the figures. As [`record`], a first answer stands. A tenant with no
+/// row (named by a trusted publisher) is registered with `defaults`, as by its first job.
+/// Answers in the order of `asks`; with `wait_for_locks` false, a grant whose tenant's row another
+/// transaction holds is answered `None` and nothing of it is written (a batch serving every
+/// tenant must not wait behind one tenant's lock).
+///
+/// The grants are one statement and one commit, `sandcell_grant_uploads` (migration 0031):
+/// the tenant's lock, the standing answer, both quotas and the row for each, in the order of
+/// their tenants' names (so that two batches take tenants' locks in one order). A refusal is
+/// then recorded as [`record`] does (no lock), all of a batch's in one transaction.
+pub async fn grant_many(pool: &PgPool, asks: &[GrantAsk], defaults: &Quotas, wait_for_locks: bool) -> Result<Vec<Option<Recorded>>> {
+    let mut order: Vec<usize> = (0..asks.len()).collect();
+    order.sort_by(|&a, &b| (&asks[a].grant.tenant, &asks[a].grant.upload_id).cmp(&(&asks[b].grant.tenant, &asks[b].grant.upload_id)));
+    let mut answers: Vec<Option<Recorded>> = vec![None; asks.len()];
+    let mut refused = Vec::new();
+    // A tenant the first look found no row of is registered, and its grants asked again.
+    for round in 0..2 {
+        let mut unknown = Vec::new();
+        for (i, outcome) in order.iter().copied().zip(grant_in_one_statement(pool, asks, &order, wait_for_locks).await?) {
+            let ask = &asks[i];
+            let refusal = match outcome.outcome.as_str() {
+                "granted" | "standing" => {
+                    let doc = outcome.answer.context("an upload grant recorded without its answer")?;
+                    let grant = serde_json::from_value(doc).context("decoding a recorded upload grant")?;
+                    answers[i] = Some(Recorded { grant, inserted: outcome.inserted });
+                    continue;
+                }
+                "busy" if !wait_for_locks => continue,
+                "unknown_tenant" if round == 0 => {
+                    unknown.push(i);
+                    continue;
+                }
+                "over_stored_bytes" => format!(
+                    "tenant stores or may upload {} bytes, the upload asks for {} more; its quota is {} (wait for artifacts and uploads to expire)",
+                    outcome.used, ask.bytes, outcome.quota
+                ),
+                "over_result_bytes" => format!(
+                    "tenant keeps {} bytes of job results and upload answers in the database; its quota is {} (they are deleted SANDCELL_RESULT_RETENTION_S after they end)",
+                    outcome.used, outcome.quota
+                ),
+                other => anyhow::bail!("granting upload {} of tenant {}: unexpected outcome {other:?}", ask.grant.upload_id, ask.grant.tenant),
+            };
+            refused.push((i, UploadGrant::rejected(&ask.grant.tenant, &ask.grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, refusal))));
+        }
+        if unknown.is_empty() {
+            break;
+        }
+        let mut tx = pool.begin().await.context("beginning a tenant's registration")?;
+        for &i in &unknown {
+            crate::tenants::ensure(&mut tx, &asks[i].grant.tenant, defaults).await?;
+        }
+        tx.commit().await.context("registering the tenants of upload grants")?;
+        order = unknown;
+    }
+    if !refused.is_empty() {
+        let (at, refusals): (Vec<usize>, Vec<UploadGrant>) = refused.into_iter().unzip();
+        for (i, recorded) in at.into_iter().zip(record_all(pool, &refusals).await?) {
+            answers[i] = Some(recorded);
+        }
+    }
+    Ok(answers)
+}
+
+/// What `sandcell_grant_uploads` answered for one grant.
+struct Outcome {
+    outcome: String,
+    answer: Option<serde_json::Value>,
+    inserted: bool,
+    used: i64,
+    quota: i64,
+}
+
+/// `asks` taken in `order`, in one statement: one [`Outcome`] each, in that order.
+async fn grant_in_one_statement(pool: &PgPool, asks: &[GrantAsk], order: &[usize], wait_for_locks: bool) -> Result<Vec<Outcome>> {
+    let mut docs = Vec::with_capacity(order.len());
+    for &i in order {
+        docs.push(serde_json::to_value(&asks[i].grant).context("encoding an upload grant")?);
+    }
+    let rows: Vec<(i32, String, Option<serde_json::Value>, bool, i64, i64)> =
+        sqlx::query_as("SELECT ord, outcome, answer, inserted, used, quota FROM sandcell_grant_uploads($1, $2, $3, $4, $5, $6) ORDER BY ord")
+            .bind(order.iter().map(|&i| asks[i].grant.tenant.as_str()).collect::<Vec<_>>())
+            .bind(order.iter().map(|&i| asks[i].grant.upload_id.as_str()).collect::<Vec<_>>())
+            .bind(docs)
+            .bind(order.iter().map(|&i| i64::try_from(asks[i].bytes).unwrap_or(i64::MAX)).collect::<Vec<_>>())
+            .bind(order.iter().map(|&i| asks[i].objects_expire_at).collect::<Vec<_>>())
+            .bind(wait_for_locks)
+            .fetch_all(pool)
+            .await
+            .context("recording upload grants")?;
+    if rows.len() != order.len() {
+        anyhow::bail!("{} answers recorded for {} upload grants", rows.len(), order.len());
+    }
+    Ok(rows.into_iter().map(|(_, outcome, answer, inserted, used, quota)| Outcome { outcome, answer, inserted, used, quota }).collect())
+}
+
+/// The insert of an answer that lets its tenant put nothing (a grant's is
+/// `sandcell_grant_upload`'s, migration 0031). The no-op update makes a conflict return the
+/// standing row; `xmax = 0` holds only for a row this statement inserted (an updated row carries
+/// this transaction's id in `xmax`).
+async fn insert<'e>(db: impl sqlx::PgExecutor<'e>, grant: &UploadGrant) -> Result<Recorded> {
+    let doc = serde_json::to_value(grant).context("encoding an upload answer")?;
     let (kept, inserted): (serde_json::Value, bool) = sqlx::query_as(
-        "INSERT INTO uploads (tenant, upload_id, grant_doc, granted_bytes, objects_expire_at) VALUES ($1, $2, $3, $4, $5)
+        "INSERT INTO uploads (tenant, upload_id, grant_doc) VALUES ($1, $2, $3)
          ON CONFLICT (tenant, upload_id) DO UPDATE SET tenant = uploads.tenant
          RETURNING grant_doc, (xmax = 0)",
     )
     .bind(&grant.tenant)
     .bind(&grant.upload_id)
     .bind(doc)
-    .bind(i64::try_from(bytes).unwrap_or(i64::MAX))
-    .bind(objects_expire_at)
     .fetch_one(db)
     .await
-    .context("recording an upload grant")?;
-    let grant = serde_json::from_value(kept).context("decoding a recorded upload grant")?;
+    .context("recording an upload answer")?;
+    let grant = serde_json::from_value(kept).context("decoding a recorded upload answer")?;
     Ok(Recorded { grant, inserted })
 }
 

@@ -47,6 +47,7 @@ use crate::metrics::Metrics;
 use crate::quota_memory::{self, QuotaMemory};
 use crate::refusals::Refusals;
 use crate::tenant_gates::{self, Gate, TenantGates};
+use crate::uploads::{Grants, Prepared};
 use crate::{partitions, Config};
 use sandcell_core::store::ArtifactStore;
 
@@ -57,7 +58,8 @@ pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Met
     let gates = TenantGates::new(cfg.tenant_concurrency);
     let refused = QuotaMemory::new(cfg.quota_memory);
     let refusals = Refusals::start(jobs.clone(), metrics.refusal_batch_size.clone());
-    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals };
+    let grants = Grants::start(jobs.pool().clone(), cfg.tenant_defaults, metrics.upload_grant_batch_size.clone());
+    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals, grants };
     loop {
         let result = consume(&shared, &broker_up, &shutdown).await;
         broker_up.store(false, Ordering::Relaxed);
@@ -92,6 +94,8 @@ struct Shared {
     /// Writes the refusals made without a judgment under a tenant's lock (from that memory, or
     /// of invalid submissions whose job id is known), many to a transaction.
     refusals: Refusals,
+    /// Records upload grants, many to a transaction ([`crate::uploads::Grants`]).
+    grants: Grants,
 }
 
 /// A partition being consumed: how to stop it, and its task (which ends once the partition's
@@ -257,8 +261,10 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     // of that session's lane: it would hold the other's submissions up behind its own gate.
     let named = || matches!(from, Publisher::Trusted(_)).then(|| tenant_gates::named_tenant(&delivery.data)).flatten();
     if crate::uploads::is_upload_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
+        // No place at the gate for a grant: the grant writer holds one connection whatever the
+        // flood. Its handler takes a place to write on its own (a refusal, a failed batch).
         let gate = shared.gates.gate(from.attributed(named().as_deref()));
-        spawn_in_lane(None, Some(gate), shared, in_flight, async move { handle_upload(s.cfg, s.jobs, s.store, s.metrics, delivery).await });
+        spawn_in_lane(None, None, shared, in_flight, async move { handle_upload(&s, gate, delivery).await });
         return;
     }
     if crate::cancels::is_cancel_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
@@ -319,14 +325,39 @@ fn spawn_in_lane(
 }
 
 /// Answer an upload request ([`crate::uploads`]) and settle its delivery: acked once answered
-/// (or unattributable), returned to the queue when the database or the store failed.
-async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Metrics, delivery: Delivery) {
+/// (or unattributable), returned to the queue when the database or the store failed. A grant
+/// goes to the grant writer; a refusal, and a grant whose batch failed or whose tenant's row was
+/// held, is written on its own with a place at its tenant's `gate`.
+async fn handle_upload(shared: &Shared, gate: Gate, delivery: Delivery) {
+    let (cfg, pool) = (&shared.cfg, shared.jobs.pool());
     let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
     let trusted = matches!(publisher, Publisher::Trusted(_));
-    // An outage of the database is waited out, as for a submission; another failure returns it.
-    let answered = sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| {
-        crate::uploads::answer(jobs.pool(), &store, &delivery.data, publisher.name(), trusted, cfg.upload_terms())
-    })
+    let answered = async {
+        let prepared = crate::uploads::prepare(&shared.store, &delivery.data, publisher.name(), trusted, cfg.upload_terms()).await?;
+        let ask = match prepared {
+            Prepared::Unattributable => return Ok(None),
+            Prepared::Refused(refused) => {
+                let _place = gate.enter().await;
+                // An outage of the database is waited out, as for a submission; another failure returns it.
+                let recorded =
+                    sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| sandcell_core::uploads::record(pool, &refused))
+                        .await?;
+                return Ok(Some(recorded.grant));
+            }
+            Prepared::Grant(ask) => ask,
+        };
+        match shared.grants.grant(ask.clone()).await {
+            Ok(Some(recorded)) => return Ok(Some(recorded.grant)),
+            Ok(None) => tracing::debug!(upload_id = ask.grant.upload_id, "an upload grant's tenant was busy; it is recorded on its own"),
+            Err(e) => tracing::warn!(upload_id = ask.grant.upload_id, error = format!("{e:#}"), "an upload grant's batch failed; it is recorded on its own"),
+        }
+        let _place = gate.enter().await;
+        let recorded = sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| {
+            sandcell_core::uploads::grant(pool, &ask.grant, ask.bytes, ask.objects_expire_at, &cfg.tenant_defaults)
+        })
+        .await?;
+        anyhow::Ok(Some(recorded.grant))
+    }
     .await;
     let outcome = answered.map(|grant| match &grant {
         Some(g) if g.status == "ready" => "upload_ready",
@@ -336,7 +367,7 @@ async fn handle_upload(cfg: Config, jobs: JobStore, store: ArtifactStore, metric
             "upload_unattributable"
         }
     });
-    settle_request(&delivery, &metrics, "an upload request", outcome).await;
+    settle_request(&delivery, &shared.metrics, "an upload request", outcome).await;
 }
 
 /// Settle a delivery: the one place this scheduler acks, requeues or dead-letters a message

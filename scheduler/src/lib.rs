@@ -14,7 +14,9 @@
 //! - [`tenant_gates`] bounds how many of one tenant's messages the intake handles at once, so
 //!   that a tenant's flood cannot hold every database connection;
 //! - [`uploads`] answers tenants' upload requests (which arrive through the intake too) with
-//!   presigned PUT URLs under their own upload prefix;
+//!   presigned PUT URLs under their own upload prefix, the grants recorded in batches;
+//! - [`refusals`] records the intake's refusals made without a look under the tenant's lock, in
+//!   batches; [`batches`] is the one batch writer both are;
 //! - [`dead_letters`] records the outcome of a job whose message was dead-lettered (a
 //!   submission or an execution job returned to its queue too often, or a session's job its
 //!   worker gave up on), from a copy of each;
@@ -25,6 +27,7 @@
 //! - [`metrics`] holds the Prometheus collectors, served on `/metrics` with `/healthz`.
 #![warn(missing_docs)]
 
+mod batches;
 mod cancels;
 mod dead_letters;
 mod dispatch;
@@ -143,12 +146,7 @@ pub struct Config {
 impl Config {
     /// What an upload grant allows and for how long.
     pub(crate) fn upload_terms(&self) -> uploads::Terms {
-        uploads::Terms {
-            max_file_bytes: self.max_upload_bytes,
-            url_ttl: self.upload_url_ttl,
-            objects_ttl: self.upload_ttl,
-            tenant_defaults: self.tenant_defaults,
-        }
+        uploads::Terms { max_file_bytes: self.max_upload_bytes, url_ttl: self.upload_url_ttl, objects_ttl: self.upload_ttl }
     }
 
     /// Read the configuration from the environment.

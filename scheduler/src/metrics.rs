@@ -57,6 +57,9 @@ pub struct Metrics {
     /// `sandcell_intake_refusal_batch_size`: refusals written by one transaction of the refusal
     /// writer ([`crate::refusals`]); its count is the writer's transactions.
     pub refusal_batch_size: Histogram,
+    /// `sandcell_intake_upload_grant_batch_size`: upload grants recorded by one statement of the
+    /// grant writer ([`crate::uploads::Grants`]); its count is the writer's transactions.
+    pub upload_grant_batch_size: Histogram,
 }
 
 impl Metrics {
@@ -124,6 +127,11 @@ impl Metrics {
                 .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
         )?;
         registry.register(Box::new(refusal_batch_size.clone()))?;
+        let upload_grant_batch_size = Histogram::with_opts(
+            HistogramOpts::new("sandcell_intake_upload_grant_batch_size", "Upload grants recorded by one statement of the intake's grant writer")
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
+        )?;
+        registry.register(Box::new(upload_grant_batch_size.clone()))?;
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
@@ -160,6 +168,7 @@ impl Metrics {
             tenant_db_sessions_ended,
             refused_from_memory,
             refusal_batch_size,
+            upload_grant_batch_size,
         })
     }
 }
