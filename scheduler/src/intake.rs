@@ -286,7 +286,10 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     // not a redelivery (its job may be recorded and still to be dispatched). A refusal takes no
     // turn in its session's lane either: a flood into one session is refused in batches, not
     // one write after another (its refusal then stands, [`handle_delivery`]).
-    let unjudged = (!delivery.redelivered).then(|| unjudged_refusal(&shared.refused, &verdict, &from)).flatten();
+    let mut unjudged = (!delivery.redelivered).then(|| unjudged_refusal(&shared.refused, &verdict, &from)).flatten();
+    if let Some(u) = unjudged.as_mut() {
+        u.stands = u.from_memory && key.is_some();
+    }
     let key = if unjudged.is_some() { None } else { key };
     spawn_in_lane(key, None, shared, in_flight, async move { handle_delivery(&s, &publisher, delivery, verdict, gate, unjudged).await });
 }
@@ -476,7 +479,7 @@ async fn handle_delivery(
         // it could be admitted ahead of the session's jobs published before it. Its refusal
         // stands (written on its own if its batch fails, an outage waited out); only should that
         // fail too does it go back to the queue.
-        Some(u) if u.from_memory && session_key(&u.tenant, &verdict).is_some() => match refuse_unjudged(shared, &u, true).await {
+        Some(u) if u.stands => match refuse_unjudged(shared, &u).await {
             Ok(disposition) => Some(disposition),
             Err(e) => {
                 tracing::error!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written; returning the submission to the queue");
@@ -484,7 +487,7 @@ async fn handle_delivery(
                 Some(Disposition::Requeue)
             }
         },
-        Some(u) => refuse_unjudged(shared, &u, false)
+        Some(u) => refuse_unjudged(shared, &u)
             .await
             .inspect_err(|e| {
                 tracing::warn!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written in its batch; judging the submission")
@@ -502,7 +505,7 @@ async fn handle_delivery(
             let from = Publisher::of(&delivery, &shared.cfg.trusted_publishers);
             if let Some(u) = unjudged_refusal(&shared.refused, &verdict, &from) {
                 // Still in its lane: should the write fail, the submission is judged.
-                disposition = refuse_unjudged(shared, &u, false).await.ok();
+                disposition = refuse_unjudged(shared, &u).await.ok();
             }
         }
     }
@@ -542,6 +545,9 @@ struct Unjudged {
     job_id: String,
     reason: Reason,
     from_memory: bool,
+    /// Taken out of its session's lane (a session's job refused from memory, [`take`]): judged
+    /// instead, it could be admitted ahead of the session's earlier jobs, so its refusal stands.
+    stands: bool,
 }
 
 /// The refusal of a delivery that needs no judgment under its tenant's lock, if it is one.
@@ -549,11 +555,11 @@ fn unjudged_refusal(memory: &QuotaMemory, verdict: &Result<Submission, Rejection
     match judge(verdict, from) {
         Ok(sub) => {
             let reason = quota_memory::Kind::of(sub).and_then(|kind| memory.recall(&sub.tenant, kind))?;
-            Some(Unjudged { tenant: sub.tenant.clone(), job_id: sub.job_id.clone(), reason, from_memory: true })
+            Some(Unjudged { tenant: sub.tenant.clone(), job_id: sub.job_id.clone(), reason, from_memory: true, stands: false })
         }
         Err(rejection) => {
             let (tenant, job_id) = rejection.recoverable_key().map(|(t, j)| (t.to_owned(), j.to_owned()))?;
-            Some(Unjudged { tenant, job_id, reason: rejection.reason, from_memory: false })
+            Some(Unjudged { tenant, job_id, reason: rejection.reason, from_memory: false, stands: false })
         }
     }
 }
@@ -564,16 +570,16 @@ fn unjudged_refusal(memory: &QuotaMemory, verdict: &Result<Submission, Rejection
 const REFUSAL_WRITES_OUTSIDE_LANE: u32 = 6;
 
 /// Write an unjudged refusal in a batch ([`crate::refusals`]); the delivery's disposition once
-/// written. A refusal that `stands` (it left its session's lane) is written on its own should
+/// written. A refusal that [`Unjudged::stands`] (it left its session's lane) is written on its own should
 /// its batch fail, an outage of the database waited out: judged instead, it could be admitted
 /// ahead of its session's earlier jobs.
-async fn refuse_unjudged(shared: &Shared, u: &Unjudged, stands: bool) -> Result<Disposition> {
+async fn refuse_unjudged(shared: &Shared, u: &Unjudged) -> Result<Disposition> {
     if u.reason.code == ErrorCode::TenantMismatch {
         tracing::warn!(publisher = %u.tenant, job_id = %u.job_id, "submission claims another tenant; refused");
     }
     let written = match shared.refusals.record(&u.tenant, &u.job_id, &u.reason).await {
         Ok(written) => written,
-        Err(e) if stands => {
+        Err(e) if u.stands => {
             tracing::warn!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written in its batch; writing it on its own");
             sandcell_core::retry_classified("writing a refusal", REFUSAL_WRITES_OUTSIDE_LANE, outage_or_transient, |_| {
                 shared.jobs.record_rejection(&u.tenant, &u.job_id, &u.reason)
