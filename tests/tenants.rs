@@ -660,7 +660,7 @@ async fn a_tenants_flood_past_its_quota_is_refused_from_the_intakes_memory_and_e
     let t = TestTenant::create(Some(Quotas { max_queued_jobs: 2, ..Quotas::default() })).await;
     let c = t.client().await;
     let pool = service_db().await;
-    let before = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics");
+    let before = refused_from_memory().await;
     // Two slow jobs hold the quota while the flood arrives.
     let slow: Vec<_> = (0..2).map(|_| python(&t.name, "import time; time.sleep(15)")).collect();
     hold_quota_with(&c, &pool, &t.name, &slow).await;
@@ -674,9 +674,7 @@ async fn a_tenants_flood_past_its_quota_is_refused_from_the_intakes_memory_and_e
         assert_eq!((a.status.as_str(), a.code.as_deref()), ("rejected", Some("quota_exceeded")), "{a:?}");
         assert!(a.message.as_deref().is_some_and(|m| m.contains("its quota is 2")), "{a:?}");
     }
-    let from_memory = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics") - before;
-    eprintln!("{FLOOD} submissions past the quota: {from_memory} refused from the intake's memory");
-    assert!(from_memory >= (FLOOD * 3 / 4) as f64, "only {from_memory} of {FLOOD} refusals were made without a look under the tenant's lock");
+    mostly_refused_from_memory(before, FLOOD, "submissions past the quota").await;
 
     // The memory lapses: once the slow jobs end, the tenant's next job is judged and admitted.
     for s in &slow {
@@ -685,6 +683,19 @@ async fn a_tenants_flood_past_its_quota_is_refused_from_the_intakes_memory_and_e
     }
     let next = run(&c, &python(&t.name, "6 * 7")).await;
     assert_eq!(value(&next).as_deref(), Some("42"), "{next:?}");
+}
+
+/// The scheduler's count of refusals made from its quota memory.
+async fn refused_from_memory() -> f64 {
+    scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics")
+}
+
+/// At least three quarters of a flood of `flood` (`what` it was) were refused from the intake's
+/// memory since the count was `before`, not each with a look under the tenant's lock.
+async fn mostly_refused_from_memory(before: f64, flood: usize, what: &str) {
+    let from_memory = refused_from_memory().await - before;
+    eprintln!("{flood} {what}: {from_memory} refused from the intake's memory");
+    assert!(from_memory >= (flood * 3 / 4) as f64, "only {from_memory} of {flood} refusals were made without a look under the tenant's lock");
 }
 
 /// Before, every refusal was a row kept for the retention (30 days), even past the tenant's
@@ -1063,7 +1074,7 @@ async fn a_flood_into_one_session_past_the_quota_is_refused_from_memory_and_the_
     let c = t.client().await;
     let pool = service_db().await;
     let sid = session_id(&run(&c, &open_session(&t.name, "x = 0", None)).await);
-    let before = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics");
+    let before = refused_from_memory().await;
     // Two jobs of the session hold the quota while the flood arrives: one running, one queued
     // behind it.
     let held = [in_session(&t.name, &sid, "import time; time.sleep(8); x = 1"), in_session(&t.name, &sid, "x = x + 1")];
@@ -1077,9 +1088,7 @@ async fn a_flood_into_one_session_past_the_quota_is_refused_from_memory_and_the_
     for a in &answered {
         assert_eq!((a.status.as_str(), a.code.as_deref()), ("rejected", Some("quota_exceeded")), "{a:?}");
     }
-    let from_memory = scheduler_metric("sandcell_intake_refused_from_memory_total").await.expect("the scheduler's metrics") - before;
-    eprintln!("{FLOOD} jobs into one session past the quota: {from_memory} refused from the intake's memory");
-    assert!(from_memory >= (FLOOD * 3 / 4) as f64, "only {from_memory} of {FLOOD} refusals were made without a look under the tenant's lock");
+    mostly_refused_from_memory(before, FLOOD, "jobs into one session past the quota").await;
 
     // The session's admitted jobs ran in order, and none of the flood ran.
     for s in &held {
