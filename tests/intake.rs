@@ -67,6 +67,37 @@ fn body() -> serde_json::Value {
     serde_json::json!({"job_id": unique("bad"), "tenant": tenant(), "language": "python", "code": "print(1)"})
 }
 
+/// One of the intake's batch writers (`scheduler::batches`), as its histogram in the scheduler's
+/// metrics counts it.
+#[derive(Debug, Clone, Copy)]
+enum BatchWriter {
+    Refusals,
+    Grants,
+}
+
+impl BatchWriter {
+    /// What it has written so far, and in how many transactions.
+    async fn figures(self) -> (f64, f64) {
+        let name = match self {
+            BatchWriter::Refusals => "sandcell_intake_refusal_batch_size",
+            BatchWriter::Grants => "sandcell_intake_upload_grant_batch_size",
+        };
+        let sum = scheduler_metric(&format!("{name}_sum")).await.expect("the scheduler's metrics");
+        let count = scheduler_metric(&format!("{name}_count")).await.expect("the scheduler's metrics");
+        (sum, count)
+    }
+
+    /// Since its figures were `before`, it wrote at least `flood` items, at least two to a
+    /// transaction on average.
+    async fn wrote_in_batches_since(self, before: (f64, f64), flood: usize) {
+        let (sum, count) = self.figures().await;
+        let (items, transactions) = (sum - before.0, count - before.1);
+        eprintln!("a flood of {flood}: {self:?} wrote {items} in {transactions} transactions");
+        assert!(items >= flood as f64, "only {items} of the flood's {flood} went through the writer of {self:?}");
+        assert!(transactions <= items / 2.0, "{transactions} transactions for {items} of {self:?}: not written in batches");
+    }
+}
+
 /// A tenant's flood of invalid submissions is refused without a judgment under its lock or a
 /// place at its gate, the refusals written many to a transaction (`scheduler::refusals`): before,
 /// one transaction each, 3,000 published in 0.5-0.7 s to one partition held another tenant's job
@@ -77,12 +108,7 @@ async fn a_tenants_flood_of_invalid_submissions_is_answered_every_one_with_its_r
     let t = TestTenant::create(None).await;
     let c = t.client().await;
     let pool = service_db().await;
-    let written = || async {
-        let sum = scheduler_metric("sandcell_intake_refusal_batch_size_sum").await.expect("the scheduler's metrics");
-        let count = scheduler_metric("sandcell_intake_refusal_batch_size_count").await.expect("the scheduler's metrics");
-        (sum, count)
-    };
-    let (sum0, count0) = written().await;
+    let before = BatchWriter::Refusals.figures().await;
     const FLOOD: usize = 400;
     let ids: Vec<String> = (0..FLOOD).map(|_| unique("bad")).collect();
     let bodies: Vec<Vec<u8>> =
@@ -96,11 +122,7 @@ async fn a_tenants_flood_of_invalid_submissions_is_answered_every_one_with_its_r
     for a in &answers {
         assert_eq!((a.status.as_str(), a.code.as_deref()), ("rejected", Some("unknown_language")), "{a:?}");
     }
-    let (sum, count) = written().await;
-    let (refusals, transactions) = (sum - sum0, count - count0);
-    eprintln!("{FLOOD} invalid submissions: {refusals} refusals written in {transactions} transactions");
-    assert!(refusals >= FLOOD as f64, "only {refusals} of {FLOOD} refusals went through the refusal writer");
-    assert!(transactions <= refusals / 2.0, "{transactions} transactions for {refusals} refusals: not written in batches");
+    BatchWriter::Refusals.wrote_in_batches_since(before, FLOOD).await;
 }
 
 /// A tenant's flood of upload requests is granted through the intake's grant writer, many to a
@@ -114,12 +136,7 @@ async fn a_tenants_flood_of_upload_requests_is_granted_every_one_with_its_grants
     let t = TestTenant::create(None).await;
     let c = t.client().await;
     let pool = service_db().await;
-    let written = || async {
-        let sum = scheduler_metric("sandcell_intake_upload_grant_batch_size_sum").await.expect("the scheduler's metrics");
-        let count = scheduler_metric("sandcell_intake_upload_grant_batch_size_count").await.expect("the scheduler's metrics");
-        (sum, count)
-    };
-    let (sum0, count0) = written().await;
+    let before = BatchWriter::Grants.figures().await;
     const FLOOD: usize = 400;
     let requests: Vec<UploadRequest> = (0..FLOOD)
         .map(|_| UploadRequest { tenant: t.name.clone(), upload_id: unique("up"), files: vec![UploadFile { path: "data/a.csv".into(), size_bytes: 10 }] })
@@ -145,11 +162,7 @@ async fn a_tenants_flood_of_upload_requests_is_granted_every_one_with_its_grants
     }
     let (kept, summed) = uploadable_bytes(&pool, &t.name).await;
     assert_eq!((kept, summed), (10 * FLOOD as i64, 10 * FLOOD as i64), "the flood's bytes, counted once each");
-    let (sum, count) = written().await;
-    let (grants, transactions) = (sum - sum0, count - count0);
-    eprintln!("{FLOOD} upload requests: {grants} grants written in {transactions} transactions");
-    assert!(grants >= FLOOD as f64, "only {grants} of {FLOOD} grants went through the grant writer");
-    assert!(transactions <= grants / 2.0, "{transactions} transactions for {grants} grants: not written in batches");
+    BatchWriter::Grants.wrote_in_batches_since(before, FLOOD).await;
 }
 
 /// The grants of one batch are judged one after another against their tenants' quotas (a grant
@@ -658,20 +671,26 @@ async fn a_tenants_unfinished_job_figures_follow_every_way_a_job_is_recorded_hel
     beating.abort();
 }
 
+/// A figure of tenant `t` that triggers keep (`kept`, a query of `$1`), and the same figure
+/// summed from its rows (`summed`).
+async fn kept_and_summed(db: &sqlx::PgPool, t: &str, kept: &str, summed: &str) -> (i64, i64) {
+    let mut figures = [0i64; 2];
+    for (figure, sql) in figures.iter_mut().zip([kept, summed]) {
+        *figure = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(t).fetch_one(db).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    (figures[0], figures[1])
+}
+
 /// The stored bytes the record and the reservation read instead of summing a tenant's artifacts
 /// (`tenant_artifact_bytes`, migration 0018), and the same bytes summed from the artifact rows.
 async fn stored_bytes(db: &sqlx::PgPool, t: &str) -> (i64, i64) {
-    let kept: i64 = sqlx::query_scalar("SELECT COALESCE(sum(bytes), 0)::bigint FROM tenant_artifact_bytes WHERE tenant = $1")
-        .bind(t)
-        .fetch_one(db)
-        .await
-        .expect("kept bytes");
-    let summed: i64 = sqlx::query_scalar("SELECT COALESCE(sum(size_bytes), 0)::bigint FROM artifacts WHERE tenant = $1 AND state = 'available'")
-        .bind(t)
-        .fetch_one(db)
-        .await
-        .expect("summed bytes");
-    (kept, summed)
+    kept_and_summed(
+        db,
+        t,
+        "SELECT COALESCE(sum(bytes), 0)::bigint FROM tenant_artifact_bytes WHERE tenant = $1",
+        "SELECT COALESCE(sum(size_bytes), 0)::bigint FROM artifacts WHERE tenant = $1 AND state = 'available'",
+    )
+    .await
 }
 
 #[tokio::test]
@@ -787,19 +806,13 @@ async fn a_tenants_stored_bytes_follow_every_result_expiry_and_deletion_and_its_
 /// The uploadable bytes the grant and the reservation read instead of summing a tenant's live
 /// grants (`tenant_upload_bytes`, migration 0030), and the same bytes summed from the grants.
 async fn uploadable_bytes(db: &sqlx::PgPool, t: &str) -> (i64, i64) {
-    let kept: i64 = sqlx::query_scalar("SELECT COALESCE(sum(bytes), 0)::bigint FROM tenant_upload_bytes WHERE tenant = $1")
-        .bind(t)
-        .fetch_one(db)
-        .await
-        .expect("kept uploadable bytes");
-    let summed: i64 = sqlx::query_scalar(
+    kept_and_summed(
+        db,
+        t,
+        "SELECT COALESCE(sum(bytes), 0)::bigint FROM tenant_upload_bytes WHERE tenant = $1",
         "SELECT COALESCE(sum(granted_bytes), 0)::bigint FROM uploads WHERE tenant = $1 AND objects_expire_at IS NOT NULL AND objects_removed_at IS NULL",
     )
-    .bind(t)
-    .fetch_one(db)
     .await
-    .expect("summed uploadable bytes");
-    (kept, summed)
 }
 
 #[tokio::test]
