@@ -87,8 +87,9 @@ LANGUAGE sql STABLE AS $$
           + COALESCE((SELECT sum(u.bytes) FROM tenant_upload_bytes u WHERE u.tenant = p_tenant), 0))::bigint
 $$;
 
--- The index only that sum read.
-DROP INDEX uploads_live;
+-- `uploads_live`, the index only the sum read, is kept: during a rolling upgrade the binaries of
+-- before this migration still sum from `uploads`, and without it they would read every row of a
+-- tenant's under its lock. A later migration may drop it.
 
 REVOKE ALL ON FUNCTION sandcell_stored_bytes(text, text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION sandcell_count_uploadable_bytes() FROM PUBLIC;

@@ -6,8 +6,9 @@
 -- commit), six of them and the commit's flush under the tenant's row lock. A tenant's grants are
 -- judged one after another under that lock, so a flood of granted requests (3,000 of 10 bytes,
 -- spread over the intake's 8 partitions by upload id) left the partitions at ~600 a second and
--- held another tenant's job published behind it up 5.2 s. Now the lock is held for one statement
--- and its commit. A tenant with no row yet (named by a trusted publisher) is answered
+-- held another tenant's job published behind it up 5.2 s. Now a grant is one statement, and the
+-- scheduler's grant writer records many in one (`sandcell_grant_uploads` below), each tenant's
+-- lock held from its first grant of the batch to the batch's commit. A tenant with no row yet (named by a trusted publisher) is answered
 -- `unknown_tenant`; the caller registers it and asks again, as `sandcell_record_job` does.
 --
 -- With `p_wait` false the tenant's row is not waited for: a row another transaction holds is
@@ -73,8 +74,9 @@ REVOKE ALL ON FUNCTION sandcell_grant_upload(text, text, jsonb, bigint, timestam
 
 -- Many grants in one statement and one commit (`core::uploads::grant_many`, the scheduler's grant
 -- writer): each as `sandcell_grant_upload` answers it, in the order given, which the caller sorts
--- by tenant so that two batches take tenants' locks in one order. A tenant's lock, once taken, is
--- held to the batch's commit. Why: each grant's commit is a WAL flush and a notification, and a
+-- by tenant and upload id. A tenant's lock, once taken, is held to the batch's commit; the writer
+-- passes `p_wait` false, so no batch waits for a tenant's row another transaction holds (and two
+-- batches never hold the same tenant's), and bounds its other lock waits (`lock_timeout`). Why: each grant's commit is a WAL flush and a notification, and a
 -- tenant's grants wait for each other's lock through it; a batch pays that once.
 CREATE FUNCTION sandcell_grant_uploads(p_tenants text[], p_upload_ids text[], p_docs jsonb[], p_bytes bigint[], p_objects_expire_at timestamptz[], p_wait boolean)
 RETURNS TABLE (ord integer, outcome text, answer jsonb, inserted boolean, used bigint, quota bigint)

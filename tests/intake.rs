@@ -168,10 +168,11 @@ async fn a_tenants_flood_of_upload_requests_is_granted_every_one_with_its_grants
 /// The grants of one batch are judged one after another against their tenants' quotas (a grant
 /// sees the bytes of those before it in the batch), a tenant with no row is registered, the
 /// answers come back in the order asked, whatever order the batch takes the tenants' locks in,
-/// and a batch of the grant writer passes over a tenant whose row is held.
+/// a refusal is left to the caller to record, and a batch of the grant writer passes over a
+/// tenant whose row is held and gives up waiting for any other row after its lock timeout.
 #[tokio::test]
 async fn grants_of_one_batch_are_judged_in_turn_against_their_tenants_quotas_and_answered_in_the_order_asked() {
-    use sandcell_core::uploads::{grant_many, GrantAsk};
+    use sandcell_core::uploads::{grant_many, GrantAsk, Granted};
     use sandcell_protocol::upload::UploadGrant;
     let db = service_db().await;
     let (t, newcomer) = (tenant(), tenant());
@@ -185,23 +186,42 @@ async fn grants_of_one_batch_are_judged_in_turn_against_their_tenants_quotas_and
     };
     // Taken as (tenant, id): t's up-a (300), up-m (200), then up-z (600) finds 500 of 1000 used.
     let asks = [ask(&t, "up-z", 600), ask(&newcomer, "up-a", 10), ask(&t, "up-a", 300), ask(&t, "up-m", 200)];
-    let answers: Vec<_> =
-        grant_many(&db, &asks, &quotas, false).await.expect("a batch of grants").into_iter().map(|a| a.expect("no tenant's row is held")).collect();
-    let got: Vec<(&str, &str, &str)> = answers.iter().map(|r| (r.grant.tenant.as_str(), r.grant.upload_id.as_str(), r.grant.status.as_str())).collect();
+    let answers = grant_many(&db, &asks, &quotas, false).await.expect("a batch of grants");
+    let got: Vec<(&str, &str, &str, bool)> = answers
+        .iter()
+        .map(|a| match a {
+            Granted::Answered(r) => (r.grant.tenant.as_str(), r.grant.upload_id.as_str(), r.grant.status.as_str(), r.inserted),
+            Granted::Refused(g) => (g.tenant.as_str(), g.upload_id.as_str(), "refused", false),
+            Granted::Busy => ("", "", "busy", false),
+        })
+        .collect();
     assert_eq!(
         got,
-        [(t.as_str(), "up-z", "rejected"), (newcomer.as_str(), "up-a", "ready"), (t.as_str(), "up-a", "ready"), (t.as_str(), "up-m", "ready")],
+        [
+            (t.as_str(), "up-z", "refused", false),
+            (newcomer.as_str(), "up-a", "ready", true),
+            (t.as_str(), "up-a", "ready", true),
+            (t.as_str(), "up-m", "ready", true)
+        ],
         "{answers:?}"
     );
-    assert_eq!(answers[0].grant.reason.as_ref().map(|r| r.code), Some(ErrorCode::QuotaExceeded), "{answers:?}");
-    assert!(answers[0].grant.reason.as_ref().is_some_and(|r| r.message.contains("500 bytes")), "the refusal quotes what the batch had granted: {answers:?}");
-    assert!(answers.iter().all(|r| r.inserted), "{answers:?}");
+    let Granted::Refused(refused) = &answers[0] else { unreachable!() };
+    assert_eq!(refused.reason.as_ref().map(|r| r.code), Some(ErrorCode::QuotaExceeded), "{refused:?}");
+    assert!(refused.reason.as_ref().is_some_and(|r| r.message.contains("500 bytes")), "the refusal quotes what the batch had granted: {refused:?}");
+    let written: Option<String> =
+        sqlx::query_scalar("SELECT upload_id FROM uploads WHERE tenant = $1 AND upload_id = 'up-z'").bind(&t).fetch_optional(&db).await.expect("reading");
+    assert_eq!(written, None, "a batch wrote a refusal: its caller records it");
     assert_eq!(uploadable_bytes(&db, &t).await, (500, 500));
     assert_eq!(uploadable_bytes(&db, &newcomer).await, (10, 10));
-    // The same batch again: every first answer stands, nothing counted twice.
-    let again: Vec<_> = grant_many(&db, &asks, &quotas, true).await.expect("the batch again").into_iter().flatten().collect();
-    assert_eq!(again.len(), asks.len());
-    assert!(again.iter().zip(&answers).all(|(a, b)| !a.inserted && a.grant == b.grant), "{again:?}");
+    // The same batch again, waiting: every first answer stands, nothing counted twice.
+    let again = grant_many(&db, &asks, &quotas, true).await.expect("the batch again");
+    for (a, b) in again.iter().zip(&answers).skip(1) {
+        match (a, b) {
+            (Granted::Answered(a), Granted::Answered(b)) => assert!(!a.inserted && a.grant == b.grant, "{a:?} {b:?}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(matches!(&again[0], Granted::Refused(_)), "{again:?}");
     assert_eq!(uploadable_bytes(&db, &t).await, (500, 500));
 
     // A batch that does not wait for locks passes over a tenant whose row another transaction
@@ -213,11 +233,25 @@ async fn grants_of_one_batch_are_judged_in_turn_against_their_tenants_quotas_and
         .expect("the batch waited for a held tenant's row")
         .expect("a batch past a held row");
     holder.rollback().await.expect("letting the lock go");
-    assert!(passed[0].is_none(), "{passed:?}");
-    assert_eq!(passed[1].as_ref().map(|r| r.grant.status.as_str()), Some("ready"), "{passed:?}");
+    assert!(matches!(passed[0], Granted::Busy), "{passed:?}");
+    assert!(matches!(&passed[1], Granted::Answered(r) if r.grant.status == "ready"), "{passed:?}");
     let written: Option<String> =
         sqlx::query_scalar("SELECT upload_id FROM uploads WHERE tenant = $1 AND upload_id = 'up-held'").bind(&t).fetch_optional(&db).await.expect("reading");
     assert_eq!(written, None, "a grant passed over was written");
+
+    // A batch waiting for another row (here an insert of the same upload id, uncommitted) gives
+    // up after its lock timeout instead of holding every tenant's grants up.
+    let mut inserting = db.begin().await.expect("beginning the insert's transaction");
+    sqlx::query("INSERT INTO uploads (tenant, upload_id, grant_doc) VALUES ($1, 'up-racing', '{}')")
+        .bind(&newcomer)
+        .execute(&mut *inserting)
+        .await
+        .expect("inserting");
+    let gave_up = tokio::time::timeout(Duration::from_secs(10), grant_many(&db, &[ask(&newcomer, "up-racing", 1)], &quotas, false))
+        .await
+        .expect("the batch waited past its lock timeout");
+    inserting.rollback().await.expect("rolling the insert back");
+    assert!(gave_up.is_err(), "{gave_up:?}");
 }
 
 #[tokio::test]

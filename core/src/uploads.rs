@@ -25,18 +25,9 @@ pub struct Recorded {
 /// upload_id)` has one: the same request asked again keeps its first answer, which is
 /// returned, with whether this call recorded it.
 pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
-    record_all(pool, std::slice::from_ref(grant)).await?.pop().context("an upload answer recorded without its answer")
-}
-
-/// [`record`] each of `grants`, in one transaction, answering in their order.
-async fn record_all(pool: &PgPool, grants: &[UploadGrant]) -> Result<Vec<Recorded>> {
     let mut tx = pool.begin().await.context("beginning an upload answer")?;
-    let mut recorded = Vec::with_capacity(grants.len());
-    for grant in grants {
-        let r = insert(&mut *tx, grant).await?;
-        forget_refusals_past_quota(&mut tx, &r).await?;
-        recorded.push(r);
-    }
+    let recorded = insert(&mut *tx, grant).await?;
+    forget_refusals_past_quota(&mut tx, &recorded).await?;
     tx.commit().await.context("committing an upload answer")?;
     Ok(recorded)
 }
@@ -84,31 +75,52 @@ pub struct GrantAsk {
     pub objects_expire_at: DateTime<Utc>,
 }
 
-/// Record a `ready` grant that lets its tenant put `bytes` in the store, kept until
-/// `objects_expire_at`: [`grant_many`] of one.
-pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expire_at: DateTime<Utc>, defaults: &Quotas) -> Result<Recorded> {
-    let ask = GrantAsk { grant: grant.clone(), bytes, objects_expire_at };
-    grant_many(pool, std::slice::from_ref(&ask), defaults, true).await?.pop().flatten().context("an upload grant recorded without an answer")
+/// What [`grant_many`] came to for one grant.
+#[derive(Debug, Clone)]
+pub enum Granted {
+    /// The answer that stands for its upload id: this grant, or one recorded before it.
+    Answered(Recorded),
+    /// Over a quota: the refusal to record ([`record`]), not written yet.
+    Refused(UploadGrant),
+    /// Not waiting for locks, its tenant's row was held by another transaction: nothing written.
+    Busy,
 }
 
-/// Record `asks`, each if its tenant's stored-bytes quota has room for its bytes (under the
-/// tenant's row lock, so grants and job commits at the same moment cannot together overshoot
-/// it) and its tenant keeps less than its `max_result_bytes`; otherwise a refusal,
-/// `quota_exceeded` with the figures. As [`record`], a first answer stands. A tenant with no
-/// row (named by a trusted publisher) is registered with `defaults`, as by its first job.
-/// Answers in the order of `asks`; with `wait_for_locks` false, a grant whose tenant's row another
-/// transaction holds is answered `None` and nothing of it is written (a batch serving every
-/// tenant must not wait behind one tenant's lock).
+/// How long a batch that does not wait for tenants' rows waits for any other row another
+/// transaction holds (a count's shard, a conflicting insert): past it the batch fails, and its
+/// grants are recorded each on its own. A batch serves every tenant and holds the rows of the
+/// tenants it has taken: it must not wait long for anything.
+pub const BATCH_LOCK_TIMEOUT_MS: u32 = 200;
+
+/// Record a `ready` grant that lets its tenant put `bytes` in the store, kept until
+/// `objects_expire_at`, waiting for its tenant's row: [`grant_many`] of one, its refusal
+/// recorded ([`record`]).
+pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expire_at: DateTime<Utc>, defaults: &Quotas) -> Result<Recorded> {
+    let ask = GrantAsk { grant: grant.clone(), bytes, objects_expire_at };
+    match grant_many(pool, std::slice::from_ref(&ask), defaults, true).await?.pop() {
+        Some(Granted::Answered(recorded)) => Ok(recorded),
+        Some(Granted::Refused(refused)) => record(pool, &refused).await,
+        Some(Granted::Busy) | None => anyhow::bail!("upload {} of tenant {} was not granted", grant.upload_id, grant.tenant),
+    }
+}
+
+/// Judge `asks`: each is recorded if its tenant's stored-bytes quota has room for its bytes
+/// (under the tenant's row lock, so grants and job commits at the same moment cannot together
+/// overshoot it) and its tenant keeps less than its `max_result_bytes`; otherwise it is refused,
+/// `quota_exceeded` with the figures, and the refusal is the caller's to record (the batch
+/// writer's handlers write theirs each with a place at its tenant's gate, not in the writer every
+/// tenant shares). As [`record`], a first answer stands. A tenant with no row (named by a trusted
+/// publisher) is registered with `defaults`, as by its first job. Answers in the order of `asks`.
 ///
-/// The grants are one statement and one commit, `sandcell_grant_uploads` (migration 0031):
-/// the tenant's lock, the standing answer, both quotas and the row for each, in the order of
-/// their tenants' names (so that two batches take tenants' locks in one order). A refusal is
-/// then recorded as [`record`] does (no lock), all of a batch's in one transaction.
-pub async fn grant_many(pool: &PgPool, asks: &[GrantAsk], defaults: &Quotas, wait_for_locks: bool) -> Result<Vec<Option<Recorded>>> {
+/// The grants are one statement and one commit, `sandcell_grant_uploads` (migration 0031): the
+/// tenant's lock, the standing answer, both quotas and the row for each, taken sorted by tenant
+/// and upload id. With `wait_for_locks` false, a grant whose tenant's row another transaction
+/// holds is [`Granted::Busy`], and the statement waits at most [`BATCH_LOCK_TIMEOUT_MS`] for any
+/// other row.
+pub async fn grant_many(pool: &PgPool, asks: &[GrantAsk], defaults: &Quotas, wait_for_locks: bool) -> Result<Vec<Granted>> {
     let mut order: Vec<usize> = (0..asks.len()).collect();
     order.sort_by(|&a, &b| (&asks[a].grant.tenant, &asks[a].grant.upload_id).cmp(&(&asks[b].grant.tenant, &asks[b].grant.upload_id)));
-    let mut answers: Vec<Option<Recorded>> = vec![None; asks.len()];
-    let mut refused = Vec::new();
+    let mut answers: Vec<Option<Granted>> = vec![None; asks.len()];
     // A tenant the first look found no row of is registered, and its grants asked again.
     for round in 0..2 {
         let mut unknown = Vec::new();
@@ -118,10 +130,13 @@ pub async fn grant_many(pool: &PgPool, asks: &[GrantAsk], defaults: &Quotas, wai
                 "granted" | "standing" => {
                     let doc = outcome.answer.context("an upload grant recorded without its answer")?;
                     let grant = serde_json::from_value(doc).context("decoding a recorded upload grant")?;
-                    answers[i] = Some(Recorded { grant, inserted: outcome.inserted });
+                    answers[i] = Some(Granted::Answered(Recorded { grant, inserted: outcome.inserted }));
                     continue;
                 }
-                "busy" if !wait_for_locks => continue,
+                "busy" if !wait_for_locks => {
+                    answers[i] = Some(Granted::Busy);
+                    continue;
+                }
                 "unknown_tenant" if round == 0 => {
                     unknown.push(i);
                     continue;
@@ -136,7 +151,8 @@ pub async fn grant_many(pool: &PgPool, asks: &[GrantAsk], defaults: &Quotas, wai
                 ),
                 other => anyhow::bail!("granting upload {} of tenant {}: unexpected outcome {other:?}", ask.grant.upload_id, ask.grant.tenant),
             };
-            refused.push((i, UploadGrant::rejected(&ask.grant.tenant, &ask.grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, refusal))));
+            let refused = UploadGrant::rejected(&ask.grant.tenant, &ask.grant.upload_id, Reason::new(ErrorCode::QuotaExceeded, refusal));
+            answers[i] = Some(Granted::Refused(refused));
         }
         if unknown.is_empty() {
             break;
@@ -148,13 +164,7 @@ pub async fn grant_many(pool: &PgPool, asks: &[GrantAsk], defaults: &Quotas, wai
         tx.commit().await.context("registering the tenants of upload grants")?;
         order = unknown;
     }
-    if !refused.is_empty() {
-        let (at, refusals): (Vec<usize>, Vec<UploadGrant>) = refused.into_iter().unzip();
-        for (i, recorded) in at.into_iter().zip(record_all(pool, &refusals).await?) {
-            answers[i] = Some(recorded);
-        }
-    }
-    Ok(answers)
+    answers.into_iter().map(|a| a.context("an upload grant left without an answer")).collect()
 }
 
 /// What `sandcell_grant_uploads` answered for one grant.
@@ -172,17 +182,27 @@ async fn grant_in_one_statement(pool: &PgPool, asks: &[GrantAsk], order: &[usize
     for &i in order {
         docs.push(serde_json::to_value(&asks[i].grant).context("encoding an upload grant")?);
     }
-    let rows: Vec<(i32, String, Option<serde_json::Value>, bool, i64, i64)> =
-        sqlx::query_as("SELECT ord, outcome, answer, inserted, used, quota FROM sandcell_grant_uploads($1, $2, $3, $4, $5, $6) ORDER BY ord")
-            .bind(order.iter().map(|&i| asks[i].grant.tenant.as_str()).collect::<Vec<_>>())
-            .bind(order.iter().map(|&i| asks[i].grant.upload_id.as_str()).collect::<Vec<_>>())
-            .bind(docs)
-            .bind(order.iter().map(|&i| i64::try_from(asks[i].bytes).unwrap_or(i64::MAX)).collect::<Vec<_>>())
-            .bind(order.iter().map(|&i| asks[i].objects_expire_at).collect::<Vec<_>>())
-            .bind(wait_for_locks)
-            .fetch_all(pool)
+    let statement = sqlx::query_as::<_, (i32, String, Option<serde_json::Value>, bool, i64, i64)>(
+        "SELECT ord, outcome, answer, inserted, used, quota FROM sandcell_grant_uploads($1, $2, $3, $4, $5, $6) ORDER BY ord",
+    )
+    .bind(order.iter().map(|&i| asks[i].grant.tenant.as_str()).collect::<Vec<_>>())
+    .bind(order.iter().map(|&i| asks[i].grant.upload_id.as_str()).collect::<Vec<_>>())
+    .bind(docs)
+    .bind(order.iter().map(|&i| i64::try_from(asks[i].bytes).unwrap_or(i64::MAX)).collect::<Vec<_>>())
+    .bind(order.iter().map(|&i| asks[i].objects_expire_at).collect::<Vec<_>>())
+    .bind(wait_for_locks);
+    let rows = if wait_for_locks {
+        statement.fetch_all(pool).await.context("recording upload grants")?
+    } else {
+        let mut tx = pool.begin().await.context("beginning a batch of upload grants")?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL lock_timeout = '{BATCH_LOCK_TIMEOUT_MS}ms'")))
+            .execute(&mut *tx)
             .await
-            .context("recording upload grants")?;
+            .context("bounding a batch's lock waits")?;
+        let rows = statement.fetch_all(&mut *tx).await.context("recording upload grants")?;
+        tx.commit().await.context("committing a batch of upload grants")?;
+        rows
+    };
     if rows.len() != order.len() {
         anyhow::bail!("{} answers recorded for {} upload grants", rows.len(), order.len());
     }

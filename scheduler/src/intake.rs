@@ -50,6 +50,8 @@ use crate::tenant_gates::{self, Gate, TenantGates};
 use crate::uploads::{Grants, Prepared};
 use crate::{partitions, Config};
 use sandcell_core::store::ArtifactStore;
+use sandcell_core::uploads::Granted;
+use sandcell_protocol::upload::UploadGrant;
 
 use sandcell_core::broker::Disposition;
 
@@ -329,32 +331,26 @@ fn spawn_in_lane(
 
 /// Answer an upload request ([`crate::uploads`]) and settle its delivery: acked once answered
 /// (or unattributable), returned to the queue when the database or the store failed. A grant
-/// goes to the grant writer; a refusal, and a grant whose batch failed or whose tenant's row was
-/// held, is written on its own with a place at its tenant's `gate`.
+/// goes to the grant writer; what it does not write (a refusal, a grant whose tenant's row was
+/// held or whose batch failed) is written on its own with a place at its tenant's `gate`.
 async fn handle_upload(shared: &Shared, gate: Gate, delivery: Delivery) {
     let (cfg, pool) = (&shared.cfg, shared.jobs.pool());
     let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
     let trusted = matches!(publisher, Publisher::Trusted(_));
     let answered = async {
-        let prepared = crate::uploads::prepare(&shared.store, &delivery.data, publisher.name(), trusted, cfg.upload_terms()).await?;
-        let ask = match prepared {
+        let ask = match crate::uploads::prepare(&shared.store, &delivery.data, publisher.name(), trusted, cfg.upload_terms()).await? {
             Prepared::Unattributable => return Ok(None),
-            Prepared::Refused(refused) => {
-                let _place = gate.enter().await;
-                // An outage of the database is waited out, as for a submission; another failure returns it.
-                let recorded =
-                    sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| sandcell_core::uploads::record(pool, &refused))
-                        .await?;
-                return Ok(Some(recorded.grant));
-            }
+            Prepared::Refused(refused) => return record_upload_refusal(pool, gate, &refused).await.map(Some),
             Prepared::Grant(ask) => ask,
         };
         match shared.grants.grant(ask.clone()).await {
-            Ok(Some(recorded)) => return Ok(Some(recorded.grant)),
-            Ok(None) => tracing::debug!(upload_id = ask.grant.upload_id, "an upload grant's tenant was busy; it is recorded on its own"),
+            Ok(Granted::Answered(recorded)) => return Ok(Some(recorded.grant)),
+            Ok(Granted::Refused(refused)) => return record_upload_refusal(pool, gate, &refused).await.map(Some),
+            Ok(Granted::Busy) => tracing::debug!(upload_id = ask.grant.upload_id, "an upload grant's tenant was busy; it is recorded on its own"),
             Err(e) => tracing::warn!(upload_id = ask.grant.upload_id, error = format!("{e:#}"), "an upload grant's batch failed; it is recorded on its own"),
         }
         let _place = gate.enter().await;
+        // An outage of the database is waited out, as for a submission; another failure returns it.
         let recorded = sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| {
             sandcell_core::uploads::grant(pool, &ask.grant, ask.bytes, ask.objects_expire_at, &cfg.tenant_defaults)
         })
@@ -371,6 +367,15 @@ async fn handle_upload(shared: &Shared, gate: Gate, delivery: Delivery) {
         }
     });
     settle_request(&delivery, &shared.metrics, "an upload request", outcome).await;
+}
+
+/// Record an upload request's refusal with a place at its tenant's `gate`: the answer that
+/// stands for its upload id. An outage of the database is waited out.
+async fn record_upload_refusal(pool: &sqlx::PgPool, gate: Gate, refused: &UploadGrant) -> Result<UploadGrant> {
+    let _place = gate.enter().await;
+    let recorded =
+        sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| sandcell_core::uploads::record(pool, refused)).await?;
+    Ok(recorded.grant)
 }
 
 /// Settle a delivery: the one place this scheduler acks, requeues or dead-letters a message

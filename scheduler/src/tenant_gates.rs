@@ -1,8 +1,11 @@
 //! How many of one tenant's intake handlers this scheduler runs at once.
 //!
 //! Every handler of a tenant's message takes that tenant's row lock in Postgres (a job's record,
-//! `sandcell_record_job`; an upload's grant, `sandcell_core::uploads::grant`), so a tenant's
-//! handlers run one after another whatever their number. Before, the intake started every
+//! `sandcell_record_job`; an upload's grant recorded on its own, `sandcell_core::uploads::grant`),
+//! so a tenant's handlers run one after another whatever their number. (What needs no judgment
+//! under the lock takes no place: refusals from the quota memory and of invalid submissions, and
+//! upload grants, which one writer task records in batches on one connection,
+//! `crate::uploads::Grants`.) Before, the intake started every
 //! delivery it had prefetched at once (32 a partition, 8 partitions): a tenant flooding upload
 //! requests had up to 256 handlers asking for the scheduler's 8 database connections, each
 //! holding its connection while it waited for the tenant's lock. Every connection was then

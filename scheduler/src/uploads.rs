@@ -10,7 +10,7 @@ use anyhow::Result;
 use prometheus::Histogram;
 use sandcell_core::store::ArtifactStore;
 use sandcell_core::tenants::Quotas;
-use sandcell_core::uploads::{GrantAsk, Recorded};
+use sandcell_core::uploads::{GrantAsk, Granted};
 use sandcell_protocol::upload::{upload_key, UploadGrant, UploadRequest, UploadTarget, UPLOAD_MESSAGE_TYPE};
 use sandcell_protocol::{ErrorCode, Reason};
 use sqlx::PgPool;
@@ -120,12 +120,13 @@ pub const MAX_GRANT_BATCH: usize = 256;
 /// after another, each a transaction, a commit and a notification: a flood of 3,000 granted
 /// requests (spread over the 8 partitions by upload id) left the partitions at ~600 a second,
 /// and another tenant's job published behind it was recorded 4.0-6.5 s later. The writer holds
-/// one database connection whatever the flood, so a grant takes no place at its tenant's gate
-/// (its handler takes one only to record the grant on its own: after a failed batch, or when
-/// its tenant's row was held, which the writer does not wait for: it serves every tenant).
+/// one database connection whatever the flood, so a grant takes no place at its tenant's gate.
+/// Its handler takes one to write on its own what the writer, serving every tenant, does not: a
+/// refusal, a grant whose tenant's row was held (the writer does not wait for it), and a grant
+/// whose batch failed.
 #[derive(Clone)]
 pub struct Grants {
-    writer: Batcher<GrantAsk, Option<Recorded>>,
+    writer: Batcher<GrantAsk, Granted>,
 }
 
 impl Grants {
@@ -145,10 +146,11 @@ impl Grants {
         Grants { writer }
     }
 
-    /// Record `ask` with the batch it lands in: the answer that stands for its upload id, `None`
-    /// when its tenant's row was held by another transaction (nothing written: the batch does
-    /// not wait behind one tenant), or why the batch failed.
-    pub async fn grant(&self, ask: GrantAsk) -> Result<Option<Recorded>> {
+    /// Judge `ask` with the batch it lands in: the answer that stands for its upload id, the
+    /// refusal for the caller to record, [`Granted::Busy`] when its tenant's row was held by
+    /// another transaction (nothing written: the batch does not wait behind one tenant), or why
+    /// the batch failed.
+    pub async fn grant(&self, ask: GrantAsk) -> Result<Granted> {
         self.writer.write(ask).await
     }
 }
