@@ -30,14 +30,7 @@ impl Refusals {
     pub fn start(jobs: JobStore, batch_size: Histogram) -> Refusals {
         let writer = Batcher::start("refusals", MAX_BATCH, batch_size, move |refusals: Vec<(String, String, Reason)>| {
             let jobs = jobs.clone();
-            async move {
-                let mut result = jobs.record_refusals(&refusals).await;
-                if result.as_ref().is_err_and(deadlocked) {
-                    // Chosen by Postgres to break a cycle with another transaction (a sweep): once more.
-                    result = jobs.record_refusals(&refusals).await;
-                }
-                result
-            }
+            async move { crate::batches::once_more_if_deadlocked(|| jobs.record_refusals(&refusals)).await }
         });
         Refusals { writer }
     }
@@ -47,11 +40,4 @@ impl Refusals {
     pub async fn record(&self, tenant: &str, job_id: &str, reason: &Reason) -> Result<bool> {
         self.writer.write((tenant.to_owned(), job_id.to_owned(), reason.clone())).await
     }
-}
-
-/// Whether Postgres ended the batch's transaction to break a deadlock or a serialization conflict.
-pub(crate) fn deadlocked(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        c.downcast_ref::<sqlx::Error>().and_then(|e| e.as_database_error()).and_then(|d| d.code()).is_some_and(|code| code == "40P01" || code == "40001")
-    })
 }

@@ -134,14 +134,7 @@ impl Grants {
     pub fn start(pool: PgPool, defaults: Quotas, batch_size: Histogram) -> Grants {
         let writer = Batcher::start("upload grants", MAX_GRANT_BATCH, batch_size, move |asks: Vec<GrantAsk>| {
             let pool = pool.clone();
-            async move {
-                let mut result = sandcell_core::uploads::grant_many(&pool, &asks, &defaults, false).await;
-                if result.as_ref().is_err_and(crate::refusals::deadlocked) {
-                    // Chosen by Postgres to break a cycle with another transaction: once more.
-                    result = sandcell_core::uploads::grant_many(&pool, &asks, &defaults, false).await;
-                }
-                result
-            }
+            async move { crate::batches::once_more_if_deadlocked(|| sandcell_core::uploads::grant_many(&pool, &asks, &defaults, false)).await }
         });
         Grants { writer }
     }
