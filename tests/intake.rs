@@ -73,6 +73,7 @@ fn body() -> serde_json::Value {
 enum BatchWriter {
     Refusals,
     Grants,
+    UploadRefusals,
 }
 
 impl BatchWriter {
@@ -81,6 +82,7 @@ impl BatchWriter {
         let name = match self {
             BatchWriter::Refusals => "sandcell_intake_refusal_batch_size",
             BatchWriter::Grants => "sandcell_intake_upload_grant_batch_size",
+            BatchWriter::UploadRefusals => "sandcell_intake_upload_refusal_batch_size",
         };
         let sum = scheduler_metric(&format!("{name}_sum")).await.expect("the scheduler's metrics");
         let count = scheduler_metric(&format!("{name}_count")).await.expect("the scheduler's metrics");
@@ -163,6 +165,54 @@ async fn a_tenants_flood_of_upload_requests_is_granted_every_one_with_its_grants
     let (kept, summed) = uploadable_bytes(&pool, &t.name).await;
     assert_eq!((kept, summed), (10 * FLOOD as i64, 10 * FLOOD as i64), "the flood's bytes, counted once each");
     BatchWriter::Grants.wrote_in_batches_since(before, FLOOD).await;
+}
+
+/// A tenant's flood of upload requests the intake refuses (half invalid, half past its
+/// stored-bytes quota) is answered every one, each with its own reason, the refusals recorded
+/// many to a transaction (`scheduler::uploads::UploadRefusals`): before, one transaction each
+/// with a place at the tenant's gate, 3,000 past the quota held another tenant's job published
+/// behind them 2.1 s.
+#[tokio::test]
+async fn a_tenants_flood_of_refused_upload_requests_is_answered_every_one_with_its_refusals_written_in_batches() {
+    use futures::StreamExt as _;
+    use sandcell_protocol::upload::{UploadFile, UploadRequest};
+    let t = TestTenant::create(Some(sandcell_core::tenants::Quotas { max_artifact_bytes: 100, ..Default::default() })).await;
+    let c = t.client().await;
+    let pool = service_db().await;
+    let before = BatchWriter::UploadRefusals.figures().await;
+    const FLOOD: usize = 400;
+    let requests: Vec<UploadRequest> = (0..FLOOD)
+        .map(|i| {
+            let (path, size_bytes) = if i % 2 == 0 { ("../escape.csv", 1) } else { ("data/big.csv", 1_000) };
+            UploadRequest { tenant: t.name.clone(), upload_id: unique("up"), files: vec![UploadFile { path: path.into(), size_bytes }] }
+        })
+        .collect();
+    futures::stream::iter(&requests).map(|r| c.request_upload(r)).buffer_unordered(32).for_each(|r| async { r.expect("publish") }).await;
+    let ids: Vec<&str> = requests.iter().map(|r| r.upload_id.as_str()).collect();
+    let answered: std::collections::HashMap<String, serde_json::Value> = eventually(Duration::from_secs(60), || async {
+        let rows: Vec<(String, serde_json::Value)> = sqlx::query_as("SELECT upload_id, grant_doc FROM uploads WHERE tenant = $1 AND upload_id = ANY($2)")
+            .bind(&t.name)
+            .bind(&ids)
+            .fetch_all(&pool)
+            .await
+            .ok()?;
+        (rows.len() == FLOOD).then_some(rows.into_iter().collect())
+    })
+    .await
+    .expect("every upload request of the flood answered");
+    for (i, r) in requests.iter().enumerate() {
+        let grant: sandcell_protocol::upload::UploadGrant = serde_json::from_value(answered[&r.upload_id].clone()).expect("an answer");
+        let code = grant.reason.as_ref().map(|r| r.code);
+        assert_eq!(grant.status, "rejected", "{grant:?}");
+        assert!(grant.files.is_empty(), "a refusal lets its tenant put nothing: {grant:?}");
+        if i % 2 == 0 {
+            assert_eq!(code, Some(ErrorCode::InvalidFilePath), "{grant:?}");
+        } else {
+            assert_eq!(code, Some(ErrorCode::QuotaExceeded), "{grant:?}");
+        }
+    }
+    assert_eq!(uploadable_bytes(&pool, &t.name).await, (0, 0), "a refusal counts no bytes");
+    BatchWriter::UploadRefusals.wrote_in_batches_since(before, FLOOD).await;
 }
 
 /// The grants of one batch are judged one after another against their tenants' quotas (a grant
@@ -1019,6 +1069,46 @@ async fn an_upload_grant_is_recorded_once_and_a_later_answer_is_told_it_was_not(
     assert_eq!(again.grant, first, "the first answer stands and is returned");
     let read = sandcell_core::reads::upload_grant(&db, &t, &id).await.expect("reading the grant");
     assert_eq!(read, Some(first));
+}
+
+/// Upload refusals recorded in one batch (`uploads::record_many`) are answered in the order
+/// given: each that was new is recorded, one whose upload id already had an answer gets that
+/// answer back, and an upload id given twice in the batch is recorded once, its later copy
+/// told that its own was not.
+#[tokio::test]
+async fn upload_refusals_recorded_in_one_batch_keep_each_first_answer_and_come_back_in_the_order_given() {
+    use sandcell_protocol::upload::UploadGrant;
+    let db = service_db().await;
+    let (t, other) = (tenant(), tenant());
+    let refusal = |tenant: &str, id: &str, why: &str| UploadGrant::rejected(tenant, id, sandcell_protocol::Reason::new(ErrorCode::InvalidValue, why));
+    let standing = refusal(&t, "up-b", "the first answer");
+    assert!(sandcell_core::uploads::record(&db, &standing).await.expect("a first answer").inserted);
+    let batch = [
+        refusal(&t, "up-c", "new"),
+        refusal(&t, "up-b", "a late second answer"),
+        refusal(&other, "up-a", "another tenant's"),
+        refusal(&t, "up-c", "the same id again in the batch"),
+    ];
+    let recorded = sandcell_core::uploads::record_many(&db, &batch).await.expect("a batch of refusals");
+    let got: Vec<(&str, &str, &str, bool)> = recorded
+        .iter()
+        .map(|r| (r.grant.tenant.as_str(), r.grant.upload_id.as_str(), r.grant.reason.as_ref().map_or("", |r| r.message.as_str()), r.inserted))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (t.as_str(), "up-c", "new", true),
+            (t.as_str(), "up-b", "the first answer", false),
+            (other.as_str(), "up-a", "another tenant's", true),
+            (t.as_str(), "up-c", "new", false),
+        ],
+        "{recorded:?}"
+    );
+    for (tenant, id, message) in [(&t, "up-b", "the first answer"), (&t, "up-c", "new"), (&other, "up-a", "another tenant's")] {
+        let read = sandcell_core::reads::upload_grant(&db, tenant, id).await.expect("reading the answer");
+        assert_eq!(read.and_then(|g| g.reason).map(|r| r.message), Some(message.to_string()), "{tenant}/{id}");
+    }
+    assert!(sandcell_core::uploads::record_many(&db, &[]).await.expect("an empty batch").is_empty());
 }
 
 /// An upload grant is recorded only within its tenant's stored-bytes quota, under the tenant's

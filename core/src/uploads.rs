@@ -25,21 +25,77 @@ pub struct Recorded {
 /// upload_id)` has one: the same request asked again keeps its first answer, which is
 /// returned, with whether this call recorded it.
 pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
-    let mut tx = pool.begin().await.context("beginning an upload answer")?;
-    let recorded = insert(&mut *tx, grant).await?;
-    forget_refusals_past_quota(&mut tx, &recorded).await?;
-    tx.commit().await.context("committing an upload answer")?;
-    Ok(recorded)
+    record_many(pool, std::slice::from_ref(grant)).await?.pop().context("an upload answer recorded without its answer")
 }
 
-/// After recording a refusal for a tenant over its `max_result_bytes`, delete its refused
+/// [`record`] for each of `answers`, in one transaction: one insert statement for all of them,
+/// and each tenant's old refusals past its quota forgotten once. Returned in the order given;
+/// an upload id given twice is recorded once, and its later copies get the first's answer with
+/// `inserted` false, as a request asked again does.
+///
+/// Why: a refusal recorded on its own is a transaction and a commit; a tenant's flood of upload
+/// requests past its quota or invalid was answered one commit after another while other
+/// tenants' requests waited behind it in the intake's partitions
+/// (`scheduler::uploads::UploadRefusals` batches them).
+pub async fn record_many(pool: &PgPool, answers: &[UploadGrant]) -> Result<Vec<Recorded>> {
+    // Each (tenant, upload id) once, in a fixed order: one statement cannot insert a row twice,
+    // and two batches that meet take the unique index's entries in the same order.
+    let mut first: std::collections::BTreeMap<(&str, &str), usize> = std::collections::BTreeMap::new();
+    for (i, a) in answers.iter().enumerate() {
+        first.entry((a.tenant.as_str(), a.upload_id.as_str())).or_insert(i);
+    }
+    let (mut tenants, mut ids, mut docs) = (Vec::with_capacity(first.len()), Vec::with_capacity(first.len()), Vec::with_capacity(first.len()));
+    for (&(tenant, id), &i) in &first {
+        tenants.push(tenant);
+        ids.push(id);
+        docs.push(serde_json::to_value(&answers[i]).context("encoding an upload answer")?);
+    }
+    let mut tx = pool.begin().await.context("beginning a batch of upload answers")?;
+    // The no-op update makes a conflict return the standing row; `xmax = 0` holds only for a
+    // row this statement inserted (an updated row carries this transaction's id in `xmax`).
+    let rows = sqlx::query(
+        "INSERT INTO uploads (tenant, upload_id, grant_doc)
+         SELECT t, u, d FROM unnest($1::text[], $2::text[], $3::jsonb[]) WITH ORDINALITY AS a(t, u, d, n) ORDER BY n
+         ON CONFLICT (tenant, upload_id) DO UPDATE SET tenant = uploads.tenant
+         RETURNING tenant, upload_id, grant_doc, (xmax = 0) AS inserted",
+    )
+    .bind(&tenants)
+    .bind(&ids)
+    .bind(&docs)
+    .fetch_all(&mut *tx)
+    .await
+    .context("recording upload answers")?;
+    let mut standing: std::collections::BTreeMap<(String, String), Recorded> = std::collections::BTreeMap::new();
+    for row in rows {
+        let (tenant, id): (String, String) = (row.try_get("tenant")?, row.try_get("upload_id")?);
+        let grant = serde_json::from_value(row.try_get("grant_doc")?).context("decoding a recorded upload answer")?;
+        standing.insert((tenant, id), Recorded { grant, inserted: row.try_get("inserted")? });
+    }
+    let mut refused_tenants: Vec<&str> = standing.values().filter(|r| r.inserted && r.grant.status == "rejected").map(|r| r.grant.tenant.as_str()).collect();
+    refused_tenants.dedup();
+    for tenant in refused_tenants {
+        forget_refusals_past_quota(&mut tx, tenant).await?;
+    }
+    tx.commit().await.context("committing upload answers")?;
+    answers
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let key = (a.tenant.as_str(), a.upload_id.as_str());
+            let recorded = standing
+                .get(&(key.0.to_owned(), key.1.to_owned()))
+                .with_context(|| format!("upload {} of tenant {} recorded without its answer", a.upload_id, a.tenant))?;
+            let first_copy = first.get(&key) == Some(&i);
+            Ok(Recorded { grant: recorded.grant.clone(), inserted: recorded.inserted && first_copy })
+        })
+        .collect()
+}
+
+/// After recording a refusal of `tenant`, if it is over its `max_result_bytes`, delete its refused
 /// answers past the newest [`KEPT_REFUSALS_OVER_QUOTA`]: the newest are read without a lock
 /// (`uploads_refused`, migration 0027) for the cutoff; only older answers are locked, and those
 /// another recording is deleting are skipped, not waited for.
-async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, recorded: &Recorded) -> Result<()> {
-    if !recorded.inserted || recorded.grant.status != "rejected" {
-        return Ok(());
-    }
+async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, tenant: &str) -> Result<()> {
     let forgotten = sqlx::query(
         "DELETE FROM uploads u USING (
              SELECT r.tenant, r.upload_id FROM uploads r
@@ -51,14 +107,14 @@ async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgre
               FOR UPDATE SKIP LOCKED) old
           WHERE u.tenant = old.tenant AND u.upload_id = old.upload_id",
     )
-    .bind(&recorded.grant.tenant)
+    .bind(tenant)
     .bind(KEPT_REFUSALS_OVER_QUOTA)
     .execute(&mut **tx)
     .await
     .context("deleting the old upload refusals of a tenant over its result bytes quota")?
     .rows_affected();
     if forgotten > 0 {
-        tracing::debug!(tenant = recorded.grant.tenant, forgotten, "deleted old upload refusals of a tenant over its result bytes quota");
+        tracing::debug!(tenant, forgotten, "deleted old upload refusals of a tenant over its result bytes quota");
     }
     Ok(())
 }
@@ -207,27 +263,6 @@ async fn grant_in_one_statement(pool: &PgPool, asks: &[GrantAsk], order: &[usize
         anyhow::bail!("{} answers recorded for {} upload grants", rows.len(), order.len());
     }
     Ok(rows.into_iter().map(|(_, outcome, answer, inserted, used, quota)| Outcome { outcome, answer, inserted, used, quota }).collect())
-}
-
-/// The insert of an answer that lets its tenant put nothing (a grant's is
-/// `sandcell_grant_upload`'s, migration 0031). The no-op update makes a conflict return the
-/// standing row; `xmax = 0` holds only for a row this statement inserted (an updated row carries
-/// this transaction's id in `xmax`).
-async fn insert<'e>(db: impl sqlx::PgExecutor<'e>, grant: &UploadGrant) -> Result<Recorded> {
-    let doc = serde_json::to_value(grant).context("encoding an upload answer")?;
-    let (kept, inserted): (serde_json::Value, bool) = sqlx::query_as(
-        "INSERT INTO uploads (tenant, upload_id, grant_doc) VALUES ($1, $2, $3)
-         ON CONFLICT (tenant, upload_id) DO UPDATE SET tenant = uploads.tenant
-         RETURNING grant_doc, (xmax = 0)",
-    )
-    .bind(&grant.tenant)
-    .bind(&grant.upload_id)
-    .bind(doc)
-    .fetch_one(db)
-    .await
-    .context("recording an upload answer")?;
-    let grant = serde_json::from_value(kept).context("decoding a recorded upload answer")?;
-    Ok(Recorded { grant, inserted })
 }
 
 /// A grant whose objects are due for removal.

@@ -47,7 +47,7 @@ use crate::metrics::Metrics;
 use crate::quota_memory::{self, QuotaMemory};
 use crate::refusals::Refusals;
 use crate::tenant_gates::{self, Gate, TenantGates};
-use crate::uploads::{Grants, Prepared};
+use crate::uploads::{Grants, Prepared, UploadRefusals};
 use crate::{partitions, Config};
 use sandcell_core::store::ArtifactStore;
 use sandcell_core::uploads::Granted;
@@ -61,7 +61,8 @@ pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Met
     let refused = QuotaMemory::new(cfg.quota_memory);
     let refusals = Refusals::start(jobs.clone(), metrics.refusal_batch_size.clone());
     let grants = Grants::start(jobs.pool().clone(), cfg.tenant_defaults, metrics.upload_grant_batch_size.clone());
-    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals, grants };
+    let upload_refusals = UploadRefusals::start(jobs.pool().clone(), metrics.upload_refusal_batch_size.clone());
+    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals, grants, upload_refusals };
     loop {
         let result = consume(&shared, &broker_up, &shutdown).await;
         broker_up.store(false, Ordering::Relaxed);
@@ -98,6 +99,8 @@ struct Shared {
     refusals: Refusals,
     /// Records upload grants, many to a transaction ([`crate::uploads::Grants`]).
     grants: Grants,
+    /// Records upload refusals, many to a transaction ([`crate::uploads::UploadRefusals`]).
+    upload_refusals: UploadRefusals,
 }
 
 /// A partition being consumed: how to stop it, and its task (which ends once the partition's
@@ -331,8 +334,9 @@ fn spawn_in_lane(
 
 /// Answer an upload request ([`crate::uploads`]) and settle its delivery: acked once answered
 /// (or unattributable), returned to the queue when the database or the store failed. A grant
-/// goes to the grant writer; what it does not write (a refusal, a grant whose tenant's row was
-/// held or whose batch failed) is written on its own with a place at its tenant's `gate`.
+/// goes to the grant writer, a refusal (the grant writer's, or of an invalid request) to the
+/// upload refusal writer; a grant whose tenant's row was held, or what a failed batch held, is
+/// written on its own with a place at its tenant's `gate`.
 async fn handle_upload(shared: &Shared, gate: Gate, delivery: Delivery) {
     let (cfg, pool) = (&shared.cfg, shared.jobs.pool());
     let publisher = Publisher::of(&delivery, &cfg.trusted_publishers);
@@ -340,12 +344,12 @@ async fn handle_upload(shared: &Shared, gate: Gate, delivery: Delivery) {
     let answered = async {
         let ask = match crate::uploads::prepare(&shared.store, &delivery.data, publisher.name(), trusted, cfg.upload_terms()).await? {
             Prepared::Unattributable => return Ok(None),
-            Prepared::Refused(refused) => return record_upload_refusal(pool, gate, &refused).await.map(Some),
+            Prepared::Refused(refused) => return record_upload_refusal(shared, gate, refused).await.map(Some),
             Prepared::Grant(ask) => ask,
         };
         match shared.grants.grant(ask.clone()).await {
             Ok(Granted::Answered(recorded)) => return Ok(Some(recorded.grant)),
-            Ok(Granted::Refused(refused)) => return record_upload_refusal(pool, gate, &refused).await.map(Some),
+            Ok(Granted::Refused(refused)) => return record_upload_refusal(shared, gate, refused).await.map(Some),
             Ok(Granted::Busy) => tracing::debug!(upload_id = ask.grant.upload_id, "an upload grant's tenant was busy; it is recorded on its own"),
             Err(e) => tracing::warn!(upload_id = ask.grant.upload_id, error = format!("{e:#}"), "an upload grant's batch failed; it is recorded on its own"),
         }
@@ -369,12 +373,18 @@ async fn handle_upload(shared: &Shared, gate: Gate, delivery: Delivery) {
     settle_request(&delivery, &shared.metrics, "an upload request", outcome).await;
 }
 
-/// Record an upload request's refusal with a place at its tenant's `gate`: the answer that
-/// stands for its upload id. An outage of the database is waited out.
-async fn record_upload_refusal(pool: &sqlx::PgPool, gate: Gate, refused: &UploadGrant) -> Result<UploadGrant> {
+/// Record an upload request's refusal in a batch ([`crate::uploads::UploadRefusals`]), or, if
+/// its batch failed, on its own with a place at its tenant's `gate`: the answer that stands for
+/// its upload id. An outage of the database is waited out.
+async fn record_upload_refusal(shared: &Shared, gate: Gate, refused: UploadGrant) -> Result<UploadGrant> {
+    match shared.upload_refusals.record(refused.clone()).await {
+        Ok(recorded) => return Ok(recorded.grant),
+        Err(e) => tracing::warn!(upload_id = refused.upload_id, error = format!("{e:#}"), "an upload refusal's batch failed; it is recorded on its own"),
+    }
     let _place = gate.enter().await;
+    let pool = shared.jobs.pool();
     let recorded =
-        sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| sandcell_core::uploads::record(pool, refused)).await?;
+        sandcell_core::retry_classified("answering an upload request", 1, outage_or_transient, |_| sandcell_core::uploads::record(pool, &refused)).await?;
     Ok(recorded.grant)
 }
 

@@ -60,6 +60,9 @@ pub struct Metrics {
     /// `sandcell_intake_upload_grant_batch_size`: upload grants recorded by one statement of the
     /// grant writer ([`crate::uploads::Grants`]); its count is the writer's transactions.
     pub upload_grant_batch_size: Histogram,
+    /// `sandcell_intake_upload_refusal_batch_size`: upload refusals recorded by one transaction
+    /// of the intake's upload refusal writer.
+    pub upload_refusal_batch_size: Histogram,
 }
 
 impl Metrics {
@@ -122,16 +125,15 @@ impl Metrics {
             "Submissions refused with their tenant's quota refusal of a moment before, without a new look",
         )?;
         registry.register(Box::new(refused_from_memory.clone()))?;
-        let refusal_batch_size = Histogram::with_opts(
-            HistogramOpts::new("sandcell_intake_refusal_batch_size", "Refusals written by one transaction of the intake's refusal writer")
-                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
+        let refusal_batch_size =
+            batch_size_histogram(&registry, "sandcell_intake_refusal_batch_size", "Refusals written by one transaction of the intake's refusal writer")?;
+        let upload_grant_batch_size =
+            batch_size_histogram(&registry, "sandcell_intake_upload_grant_batch_size", "Upload grants recorded by one statement of the intake's grant writer")?;
+        let upload_refusal_batch_size = batch_size_histogram(
+            &registry,
+            "sandcell_intake_upload_refusal_batch_size",
+            "Upload refusals recorded by one transaction of the intake's upload refusal writer",
         )?;
-        registry.register(Box::new(refusal_batch_size.clone()))?;
-        let upload_grant_batch_size = Histogram::with_opts(
-            HistogramOpts::new("sandcell_intake_upload_grant_batch_size", "Upload grants recorded by one statement of the intake's grant writer")
-                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
-        )?;
-        registry.register(Box::new(upload_grant_batch_size.clone()))?;
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
@@ -169,6 +171,15 @@ impl Metrics {
             refused_from_memory,
             refusal_batch_size,
             upload_grant_batch_size,
+            upload_refusal_batch_size,
         })
     }
+}
+
+/// A histogram of the sizes of one [`crate::batches::Batcher`]'s batches (1 to 256, the most any
+/// of them writes at once), registered in `registry`.
+fn batch_size_histogram(registry: &Registry, name: &str, help: &str) -> prometheus::Result<Histogram> {
+    let sizes = Histogram::with_opts(HistogramOpts::new(name, help).buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]))?;
+    registry.register(Box::new(sizes.clone()))?;
+    Ok(sizes)
 }

@@ -148,6 +148,37 @@ impl Grants {
     }
 }
 
+/// The intake's writer of upload refusals (a request over its tenant's quota, or invalid: a
+/// bad path, another tenant's name): those waiting when it is free, up to [`MAX_GRANT_BATCH`],
+/// recorded in one transaction ([`sandcell_core::uploads::record_many`]).
+///
+/// Why: recorded one transaction each under the tenant's gate, a tenant's flood of 3,000
+/// requests past its stored-bytes quota held another tenant's job published behind it 2.1 s,
+/// against 0.3 s behind 3,000 granted ones. Apart from the grant writer, so that one tenant's
+/// refusals, which the grant writer hands back, never fill the batches every tenant's grants
+/// wait for. A refusal takes no tenant's row lock: its batches wait for no one's.
+#[derive(Clone)]
+pub struct UploadRefusals {
+    writer: Batcher<UploadGrant, sandcell_core::uploads::Recorded>,
+}
+
+impl UploadRefusals {
+    /// Start the writer on `pool`.
+    pub fn start(pool: PgPool, batch_size: Histogram) -> UploadRefusals {
+        let writer = Batcher::start("upload refusals", MAX_GRANT_BATCH, batch_size, move |refusals: Vec<UploadGrant>| {
+            let pool = pool.clone();
+            async move { crate::batches::once_more_if_deadlocked(|| sandcell_core::uploads::record_many(&pool, &refusals)).await }
+        });
+        UploadRefusals { writer }
+    }
+
+    /// Record `refused` with the batch it lands in: the answer that stands for its upload id, or
+    /// why the batch failed.
+    pub async fn record(&self, refused: UploadGrant) -> Result<sandcell_core::uploads::Recorded> {
+        self.writer.write(refused).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
