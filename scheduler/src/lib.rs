@@ -56,6 +56,13 @@ use sandcell_core::tenants::Quotas;
 use sandcell_protocol::{IntakeLimits, KeepAlivePolicy, LimitPolicy};
 use tokio_util::sync::CancellationToken;
 
+/// The scheduler's database connections unless `SANDCELL_SCHEDULER_DB_CONNECTIONS` says.
+pub const DEFAULT_DB_CONNECTIONS: u32 = 8;
+
+/// The fewest the scheduler runs with: one for each batch writer (refusals, upload grants,
+/// upload refusals), one for a sweep and one for the intake.
+pub const MIN_DB_CONNECTIONS: u32 = 5;
+
 /// Scheduler settings.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -67,6 +74,12 @@ pub struct Config {
     pub intake: IntakeLimits,
     /// `SANDCELL_SCHEDULER_METRICS_ADDR`, default `127.0.0.1:9464`.
     pub metrics_addr: SocketAddr,
+    /// `SANDCELL_SCHEDULER_DB_CONNECTIONS`, default [`DEFAULT_DB_CONNECTIONS`], at least
+    /// [`MIN_DB_CONNECTIONS`]: the scheduler's database connections. Every intake handler, the
+    /// three batch writers, the sweepers and the dispatcher share them; a tenant's gate
+    /// (`tenant_concurrency`) should stay at most half of them, so that one tenant whose row is
+    /// held cannot hold them all.
+    pub db_connections: u32,
     /// `SANDCELL_SWEEP_INTERVAL_S`, default 30.
     pub sweep_interval: Duration,
     /// `SANDCELL_INTAKE_PREFETCH`, default 32: submissions handled concurrently, per partition.
@@ -163,6 +176,7 @@ impl Config {
             policy,
             intake: config::intake_limits_from_env()?,
             metrics_addr: config::parse_or("SANDCELL_SCHEDULER_METRICS_ADDR", SocketAddr::from(([127, 0, 0, 1], 9464)))?,
+            db_connections: config::parse_or("SANDCELL_SCHEDULER_DB_CONNECTIONS", DEFAULT_DB_CONNECTIONS)?.clamp(MIN_DB_CONNECTIONS, 1024),
             sweep_interval: Duration::from_secs_f64(config::parse_or("SANDCELL_SWEEP_INTERVAL_S", 30.0f64)?.max(0.1)),
             prefetch: config::parse_or("SANDCELL_INTAKE_PREFETCH", 32u16)?.max(1),
             tenant_concurrency: config::parse_or("SANDCELL_INTAKE_TENANT_CONCURRENCY", tenant_gates::DEFAULT_TENANT_CONCURRENCY)?.max(1),
@@ -209,7 +223,15 @@ fn live_output_check(secs: f64) -> Result<Duration> {
 pub async fn run(cfg: Config) -> Result<()> {
     let metrics = metrics::Metrics::new().context("registering metrics")?;
     let db_url = cfg.services.database_url.clone();
-    let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, 8)).await;
+    if cfg.tenant_concurrency.saturating_mul(2) > cfg.db_connections as usize {
+        tracing::warn!(
+            tenant_concurrency = cfg.tenant_concurrency,
+            db_connections = cfg.db_connections,
+            "SANDCELL_INTAKE_TENANT_CONCURRENCY is more than half of SANDCELL_SCHEDULER_DB_CONNECTIONS: one tenant whose row is held can keep every other tenant's submissions waiting for a connection"
+        );
+    }
+    let connections = cfg.db_connections;
+    let pool = sandcell_core::retry_forever("postgres", |_| sandcell_core::jobs::connect(&db_url, connections)).await;
     match sandcell_core::tenants::lockdown_missing(&pool).await {
         Ok(missing) if !missing.is_empty() => tracing::error!(
             missing = missing.join(", "),
