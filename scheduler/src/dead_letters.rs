@@ -46,7 +46,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use sandcell_core::broker::{self, Death, Disposition};
-use sandcell_core::jobs::JobStore;
+use sandcell_core::jobs::{IntakeRejection, JobStore};
 use sandcell_core::sessions::SessionStore;
 use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, IntakeLimits, Reason};
 
@@ -236,7 +236,7 @@ async fn record(carried: &Carried, death: &Death, delivery: &Delivery, jobs: &Jo
             None => {
                 let message_id = delivery.properties.message_id().as_ref().map(|m| m.as_str());
                 let publisher = delivery.properties.user_id().as_ref().map(|u| u.as_str());
-                jobs.record_intake_rejection(message_id, publisher, &rej.reason, &delivery.data).await?;
+                jobs.record_intake_rejection(&IntakeRejection::new(message_id, publisher, &rej.reason, &delivery.data)).await?;
                 Ok("intake_rejection")
             }
         },

@@ -35,7 +35,7 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use sandcell_core::broker;
-use sandcell_core::jobs::{JobSessionRecord, JobStore, Recorded};
+use sandcell_core::jobs::{IntakeRejection, JobSessionRecord, JobStore, Recorded};
 use sandcell_protocol::session::new_session_id;
 use sandcell_protocol::{parse_submission, ErrorCode, ExecutionJob, JobSession, JobStatus, Reason, Rejection, Submission};
 use sha2::{Digest, Sha256};
@@ -45,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::quota_memory::{self, QuotaMemory};
-use crate::refusals::Refusals;
+use crate::refusals::{IntakeRejections, Refusals};
 use crate::tenant_gates::{self, Gate, TenantGates};
 use crate::uploads::{Grants, Prepared, UploadRefusals};
 use crate::{partitions, Config};
@@ -62,7 +62,9 @@ pub async fn run(cfg: Config, jobs: JobStore, store: ArtifactStore, metrics: Met
     let refusals = Refusals::start(jobs.clone(), metrics.refusal_batch_size.clone());
     let grants = Grants::start(jobs.pool().clone(), cfg.tenant_defaults, metrics.upload_grant_batch_size.clone());
     let upload_refusals = UploadRefusals::start(jobs.pool().clone(), metrics.upload_refusal_batch_size.clone());
-    let shared = Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals, grants, upload_refusals };
+    let unattributable = IntakeRejections::start(jobs.clone(), metrics.unattributable_batch_size.clone());
+    let shared =
+        Shared { cfg, jobs, store, metrics, lanes: Arc::new(Mutex::new(Lanes::default())), gates, refused, refusals, grants, upload_refusals, unattributable };
     loop {
         let result = consume(&shared, &broker_up, &shutdown).await;
         broker_up.store(false, Ordering::Relaxed);
@@ -101,6 +103,9 @@ struct Shared {
     grants: Grants,
     /// Records upload refusals, many to a transaction ([`crate::uploads::UploadRefusals`]).
     upload_refusals: UploadRefusals,
+    /// Records the messages that name no job, many to a transaction
+    /// ([`crate::refusals::IntakeRejections`]).
+    unattributable: IntakeRejections,
 }
 
 /// A partition being consumed: how to stop it, and its task (which ends once the partition's
@@ -508,6 +513,7 @@ async fn handle_delivery(
                 tracing::warn!(error = format!("{e:#}"), tenant = %u.tenant, job_id = %u.job_id, "a refusal could not be written in its batch; judging the submission")
             })
             .ok(),
+        None if !delivery.redelivered => dead_letter_unjudged(shared, &delivery, &verdict).await,
         None => None,
     };
     if disposition.is_none() {
@@ -614,6 +620,31 @@ async fn refuse_unjudged(shared: &Shared, u: &Unjudged) -> Result<Disposition> {
     }
     refused(&shared.metrics, &u.tenant, &u.job_id, &u.reason, written);
     Ok(Disposition::Ack)
+}
+
+/// Dead-letter a message that names no job (its rejection has no tenant and job id to record
+/// it under), recorded for operators in a batch ([`crate::refusals::IntakeRejections`]) without
+/// a place at its publisher's gate: its disposition, or `None` if it names a job or its batch
+/// failed (then it is judged, and recorded on its own).
+async fn dead_letter_unjudged(shared: &Shared, delivery: &Delivery, verdict: &Result<Submission, Rejection>) -> Option<Disposition> {
+    let from = Publisher::of(delivery, &shared.cfg.trusted_publishers);
+    let rejection = judge(verdict, &from).err().filter(|r| r.recoverable_key().is_none())?;
+    let message_id = delivery.properties.message_id().as_ref().map(|m| m.as_str());
+    let record = IntakeRejection::new(message_id, from.name(), &rejection.reason, &delivery.data);
+    match shared.unattributable.record(record).await {
+        Ok(()) => Some(dead_lettered(&shared.metrics, &rejection, message_id, from.name(), delivery.data.len())),
+        Err(e) => {
+            tracing::warn!(error = format!("{e:#}"), message_id, "a message naming no job could not be recorded in its batch; judging it");
+            None
+        }
+    }
+}
+
+/// Log and count a message that names no job, recorded: it is dead-lettered.
+fn dead_lettered(metrics: &Metrics, rej: &Rejection, message_id: Option<&str>, publisher: Option<&str>, body_bytes: usize) -> Disposition {
+    tracing::warn!(message_id, publisher, code = %rej.reason.code, message = %rej.reason.message, body_bytes, "unattributable submission dead-lettered");
+    metrics.submissions.with_label_values(&["dead_lettered"]).inc();
+    Disposition::DeadLetter
 }
 
 /// How the intake tries a message again: an outage of the database for as long as it lasts,
@@ -875,10 +906,8 @@ async fn reject(jobs: &JobStore, metrics: &Metrics, rej: &Rejection, message_id:
         refused(metrics, tenant, job_id, &rej.reason, written);
         return Ok(Disposition::Ack);
     }
-    jobs.record_intake_rejection(message_id, publisher, &rej.reason, body).await?;
-    tracing::warn!(message_id, publisher, code = %rej.reason.code, message = %rej.reason.message, body_bytes = body.len(), "unattributable submission dead-lettered");
-    metrics.submissions.with_label_values(&["dead_lettered"]).inc();
-    Ok(Disposition::DeadLetter)
+    jobs.record_intake_rejection(&IntakeRejection::new(message_id, publisher, &rej.reason, body)).await?;
+    Ok(dead_lettered(metrics, rej, message_id, publisher, body.len()))
 }
 
 #[cfg(test)]

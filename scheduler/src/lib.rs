@@ -60,8 +60,8 @@ use tokio_util::sync::CancellationToken;
 pub const DEFAULT_DB_CONNECTIONS: u32 = 8;
 
 /// The fewest the scheduler runs with: one for each batch writer (refusals, upload grants,
-/// upload refusals), one for a sweep and one for the intake.
-pub const MIN_DB_CONNECTIONS: u32 = 5;
+/// upload refusals, messages naming no job), one for a sweep and one for the intake.
+pub const MIN_DB_CONNECTIONS: u32 = 6;
 
 /// Scheduler settings.
 #[derive(Debug, Clone)]
@@ -76,7 +76,7 @@ pub struct Config {
     pub metrics_addr: SocketAddr,
     /// `SANDCELL_SCHEDULER_DB_CONNECTIONS`, default [`DEFAULT_DB_CONNECTIONS`], at least
     /// [`MIN_DB_CONNECTIONS`]: the scheduler's database connections. Every intake handler, the
-    /// three batch writers, the sweepers and the dispatcher share them; a tenant's gate
+    /// four batch writers, the sweepers and the dispatcher share them; a tenant's gate
     /// (`tenant_concurrency`) should stay at most half of them, so that one tenant whose row is
     /// held cannot hold them all.
     pub db_connections: u32,

@@ -63,6 +63,10 @@ pub struct Metrics {
     /// `sandcell_intake_upload_refusal_batch_size`: upload refusals recorded by one transaction
     /// of the intake's upload refusal writer.
     pub upload_refusal_batch_size: Histogram,
+    /// `sandcell_intake_unattributable_batch_size`: messages naming no job recorded in
+    /// `intake_rejections` by one transaction of the intake's writer of them
+    /// ([`crate::refusals::IntakeRejections`]).
+    pub unattributable_batch_size: Histogram,
 }
 
 impl Metrics {
@@ -134,6 +138,11 @@ impl Metrics {
             "sandcell_intake_upload_refusal_batch_size",
             "Upload refusals recorded by one transaction of the intake's upload refusal writer",
         )?;
+        let unattributable_batch_size = batch_size_histogram(
+            &registry,
+            "sandcell_intake_unattributable_batch_size",
+            "Messages naming no job recorded in intake_rejections by one transaction of the intake's writer of them",
+        )?;
         // Every series a label can take is exposed from the start, at 0 (an alert's rate() over a
         // series that does not exist yet stays silent).
         for outcome in ["accepted", "held", "parked", "duplicate", "rejected", "dead_lettered", "not_published_to_intake"] {
@@ -172,6 +181,7 @@ impl Metrics {
             refusal_batch_size,
             upload_grant_batch_size,
             upload_refusal_batch_size,
+            unattributable_batch_size,
         })
     }
 }

@@ -228,6 +228,36 @@ pub struct Claim {
 /// all the same).
 pub const KEPT_INTAKE_REJECTIONS: i64 = 1000;
 
+/// A message the intake could not attribute to a job (not JSON, no usable ids, no `user_id`),
+/// as `intake_rejections` keeps it for operators: why, who published it as the broker vouches,
+/// and its first 512 bytes, never the whole body.
+#[derive(Debug, Clone)]
+pub struct IntakeRejection {
+    /// The message's `message_id` property, if it had one.
+    pub message_id: Option<String>,
+    /// The broker user that published it, when the broker vouched for one.
+    pub publisher: Option<String>,
+    /// Why the intake could not take it.
+    pub reason: Reason,
+    /// The body's length.
+    pub body_bytes: usize,
+    /// The body's first 512 bytes, as text (what is not UTF-8 replaced).
+    pub body_prefix: String,
+}
+
+impl IntakeRejection {
+    /// The record of `body`, refused for `reason`.
+    pub fn new(message_id: Option<&str>, publisher: Option<&str>, reason: &Reason, body: &[u8]) -> IntakeRejection {
+        IntakeRejection {
+            message_id: message_id.map(str::to_owned),
+            publisher: publisher.map(str::to_owned),
+            reason: reason.clone(),
+            body_bytes: body.len(),
+            body_prefix: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
+        }
+    }
+}
+
 /// Handle on the job tables.
 #[derive(Clone)]
 pub struct JobStore {
@@ -450,34 +480,66 @@ impl JobStore {
         Ok(refusals.iter().map(|(t, j, _)| written.contains(&(t.as_str(), j.as_str())) && answered.insert((t.as_str(), j.as_str()))).collect())
     }
 
-    /// Record a message that named no usable job id, keeping the newest
-    /// [`KEPT_INTAKE_REJECTIONS`] of its publisher's (older ones are deleted in the same
-    /// statement). `publisher` is the broker user that published it, when the broker vouched
-    /// for one; messages without one are kept as one group.
-    pub async fn record_intake_rejection(&self, message_id: Option<&str>, publisher: Option<&str>, reason: &Reason, body: &[u8]) -> Result<()> {
-        let prefix = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
-        // The delete sees the table as it was before this insert: it keeps the newest
-        // KEPT_INTAKE_REJECTIONS - 1 of the others (migration 0020 indexes the walk).
+    /// Record a message that named no usable job id ([`JobStore::record_intake_rejections`]
+    /// of one).
+    pub async fn record_intake_rejection(&self, rejection: &IntakeRejection) -> Result<()> {
+        self.record_intake_rejections(std::slice::from_ref(rejection)).await
+    }
+
+    /// Record messages that named no usable job id, in one transaction, keeping the newest
+    /// [`KEPT_INTAKE_REJECTIONS`] of each publisher's (older ones are deleted in the same
+    /// transaction). Messages without a publisher the broker vouched for are kept as one group.
+    ///
+    /// Why in batches: recorded one statement each, 4 at a time through the publisher's gate,
+    /// a tenant's flood of messages the intake cannot read held the submissions of other tenants
+    /// queued behind it in the intake's partitions (`scheduler::refusals::IntakeRejections`).
+    pub async fn record_intake_rejections(&self, rejections: &[IntakeRejection]) -> Result<()> {
+        if rejections.is_empty() {
+            return Ok(());
+        }
+        let n = rejections.len();
+        let (mut message_ids, mut codes, mut messages, mut sizes, mut prefixes, mut publishers) =
+            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for r in rejections {
+            message_ids.push(r.message_id.as_deref().map(|m| storable::text(m).into_owned()));
+            codes.push(r.reason.code.as_str());
+            messages.push(storable::text(&r.reason.message).into_owned());
+            sizes.push(i32::try_from(r.body_bytes).unwrap_or(i32::MAX));
+            prefixes.push(storable::text(&r.body_prefix).into_owned());
+            publishers.push(r.publisher.as_deref().map(|p| storable::text(p).into_owned()));
+        }
+        // Each publisher's group once, in one order: two batches trim their groups in turn.
+        let groups: std::collections::BTreeSet<String> = publishers.iter().map(|p| p.clone().unwrap_or_default()).collect();
+        let groups: Vec<String> = groups.into_iter().collect();
+        let mut tx = self.pool.begin().await.context("beginning a batch of intake rejections")?;
         sqlx::query(
-            "WITH recorded AS (
-                 INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix, publisher) VALUES ($1, $2, $3, $4, $5, $6)
-                 RETURNING id
-             )
-             DELETE FROM intake_rejections
-             WHERE COALESCE(publisher, '') = COALESCE($6, '')
-               AND id <= (SELECT id FROM intake_rejections WHERE COALESCE(publisher, '') = COALESCE($6, '')
-                          ORDER BY id DESC OFFSET $7 - 1 LIMIT 1)",
+            "INSERT INTO intake_rejections (message_id, code, message, body_bytes, body_prefix, publisher)
+             SELECT m, c, t, b, p, u FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::text[], $6::text[])
+                 WITH ORDINALITY AS r(m, c, t, b, p, u, n) ORDER BY n",
         )
-        .bind(message_id.map(storable::text))
-        .bind(reason.code.as_str())
-        .bind(storable::text(&reason.message))
-        .bind(i32::try_from(body.len()).unwrap_or(i32::MAX))
-        .bind(storable::text(&prefix))
-        .bind(publisher.map(storable::text))
-        .bind(KEPT_INTAKE_REJECTIONS)
-        .execute(&self.pool)
+        .bind(&message_ids)
+        .bind(&codes)
+        .bind(&messages)
+        .bind(&sizes)
+        .bind(&prefixes)
+        .bind(&publishers)
+        .execute(&mut *tx)
         .await
-        .context("recording intake rejection")?;
+        .context("recording intake rejections")?;
+        // Each group's newest KEPT_INTAKE_REJECTIONS stay, these among them (migration 0020
+        // indexes the walk).
+        sqlx::query(
+            "DELETE FROM intake_rejections r USING (
+                 SELECT g, (SELECT id FROM intake_rejections WHERE COALESCE(publisher, '') = g ORDER BY id DESC OFFSET $2 LIMIT 1) AS cutoff
+                 FROM unnest($1::text[]) AS g) k
+             WHERE COALESCE(r.publisher, '') = k.g AND r.id <= k.cutoff",
+        )
+        .bind(&groups)
+        .bind(KEPT_INTAKE_REJECTIONS)
+        .execute(&mut *tx)
+        .await
+        .context("forgetting old intake rejections")?;
+        tx.commit().await.context("committing intake rejections")?;
         Ok(())
     }
 
