@@ -173,6 +173,48 @@ async fn a_tenants_flood_of_unreadable_messages_is_recorded_every_one_in_batches
     assert!(dead >= FLOOD as f64, "{dead} dead-lettered of the flood's {FLOOD}");
 }
 
+/// A batch of intake rejections of several publishers (one with none) keeps each publisher's
+/// newest `KEPT_INTAKE_REJECTIONS` and no fewer: the batch's own rows count among them, and
+/// trimming one publisher's group touches no other's.
+#[tokio::test]
+async fn a_batch_of_intake_rejections_keeps_each_publishers_newest_and_only_those() {
+    use sandcell_core::jobs::{IntakeRejection, JobStore, KEPT_INTAKE_REJECTIONS};
+    let db = service_db().await;
+    let store = JobStore::new(db.clone());
+    let (busy, quiet) = (unique("busy"), unique("quiet"));
+    let kept = KEPT_INTAKE_REJECTIONS as usize;
+    let reason = sandcell_protocol::Reason::new(ErrorCode::MalformedJson, "not JSON");
+    let of = |publisher: Option<&str>, id: String| IntakeRejection::new(Some(&id), publisher, &reason, id.as_bytes());
+    let first: Vec<IntakeRejection> = (0..kept - 10).map(|i| of(Some(&busy), format!("{busy}-{i}"))).collect();
+    store.record_intake_rejections(&first).await.expect("the first batch");
+    // 40 more of `busy`: its 30 oldest go; `quiet` and the group without a publisher lose none.
+    let mut second: Vec<IntakeRejection> = (kept - 10..kept + 30).map(|i| of(Some(&busy), format!("{busy}-{i}"))).collect();
+    second.push(of(Some(&quiet), format!("{quiet}-0")));
+    second.push(of(None, format!("{quiet}-anonymous")));
+    store.record_intake_rejections(&second).await.expect("the second batch");
+    let ids = |publisher: String| {
+        let db = db.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT message_id FROM intake_rejections WHERE publisher = $1 ORDER BY id")
+                .bind(publisher)
+                .fetch_all(&db)
+                .await
+                .expect("reading intake rejections")
+        }
+    };
+    let busy_ids = ids(busy.clone()).await;
+    assert_eq!(busy_ids.len(), kept, "the busy publisher keeps its newest {kept}");
+    assert_eq!(busy_ids.first().map(String::as_str), Some(format!("{busy}-30").as_str()), "its oldest 30 went");
+    assert_eq!(busy_ids.last().map(String::as_str), Some(format!("{busy}-{}", kept + 29).as_str()));
+    assert_eq!(ids(quiet.clone()).await, vec![format!("{quiet}-0")]);
+    let anonymous: i64 = sqlx::query_scalar("SELECT count(*) FROM intake_rejections WHERE publisher IS NULL AND message_id = $1")
+        .bind(format!("{quiet}-anonymous"))
+        .fetch_one(&db)
+        .await
+        .expect("counting");
+    assert_eq!(anonymous, 1, "a message without a publisher is kept in its own group");
+}
+
 /// A tenant's flood of upload requests is granted through the intake's grant writer, many to a
 /// transaction (`scheduler::uploads::Grants`): before, one transaction each under the tenant's
 /// lock, 3,000 granted requests held another tenant's job published behind them up 3.9-6.5 s;
