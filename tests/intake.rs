@@ -1177,7 +1177,7 @@ async fn upload_refusals_recorded_in_one_batch_keep_each_first_answer_and_come_b
         refusal(&other, "up-a", "another tenant's"),
         refusal(&t, "up-c", "the same id again in the batch"),
     ];
-    let recorded = sandcell_core::uploads::record_many(&db, &batch).await.expect("a batch of refusals");
+    let recorded = sandcell_core::uploads::record_many(&db, &batch, false).await.expect("a batch of refusals");
     let got: Vec<(&str, &str, &str, bool)> = recorded
         .iter()
         .map(|r| (r.grant.tenant.as_str(), r.grant.upload_id.as_str(), r.grant.reason.as_ref().map_or("", |r| r.message.as_str()), r.inserted))
@@ -1196,7 +1196,7 @@ async fn upload_refusals_recorded_in_one_batch_keep_each_first_answer_and_come_b
         let read = sandcell_core::reads::upload_grant(&db, tenant, id).await.expect("reading the answer");
         assert_eq!(read.and_then(|g| g.reason).map(|r| r.message), Some(message.to_string()), "{tenant}/{id}");
     }
-    assert!(sandcell_core::uploads::record_many(&db, &[]).await.expect("an empty batch").is_empty());
+    assert!(sandcell_core::uploads::record_many(&db, &[], false).await.expect("an empty batch").is_empty());
 }
 
 /// An upload grant is recorded only within its tenant's stored-bytes quota, under the tenant's

@@ -799,6 +799,80 @@ async fn a_tenants_upload_answers_count_against_its_result_bytes_quota() {
     assert_eq!(counted, rows, "the count of kept bytes drifted from the rows after the deletions");
 }
 
+/// Upload refusals written in one batch (`uploads::record_many`) were all stamped with their
+/// transaction's start, and the newest `KEPT_REFUSALS_OVER_QUOTA` that a tenant over its
+/// result-bytes quota keeps are counted by that stamp: a batch across the cutoff kept all of its
+/// rows, up to 255 more than that (here 210 more). Each row is now stamped with the moment of its
+/// insert: exactly the newest are kept, the oldest forgotten, whatever the batches.
+#[tokio::test]
+async fn upload_refusals_written_in_one_batch_past_the_result_bytes_quota_keep_exactly_the_newest() {
+    use sandcell_protocol::upload::UploadGrant;
+    let kept = usize::try_from(sandcell_core::tenants::KEPT_REFUSALS_OVER_QUOTA).unwrap();
+    let t = TestTenant::create(Some(Quotas { max_result_bytes: 1, ..Quotas::default() })).await;
+    let db = service_db().await;
+    let refusal = |i: usize| {
+        UploadGrant::rejected(&t.name, &format!("up-{i:05}"), sandcell_protocol::Reason::new(ErrorCode::QuotaExceeded, "over the result bytes quota"))
+    };
+    let under: Vec<_> = (0..kept - 10).map(refusal).collect();
+    let across: Vec<_> = (kept - 10..kept + 200).map(refusal).collect();
+    for batch in [under, across] {
+        let recorded = sandcell_core::uploads::record_many(&db, &batch, false).await.expect("a batch of refusals");
+        assert!(recorded.iter().all(|r| r.inserted), "every refusal of the batch is new");
+    }
+    let ids: Vec<String> = sqlx::query_scalar("SELECT upload_id FROM uploads WHERE tenant = $1 AND grant_doc->>'status' = 'rejected' ORDER BY upload_id")
+        .bind(&t.name)
+        .fetch_all(&db)
+        .await
+        .unwrap();
+    assert_eq!(ids.len(), kept, "refused upload answers kept of {} over the quota", kept + 200);
+    assert_eq!(ids.first().map(String::as_str), Some("up-00200"), "the oldest are the ones forgotten");
+    assert_eq!(ids.last().map(String::as_str), Some(format!("up-{:05}", kept + 199).as_str()));
+    let (counted, rows) = kept_bytes(&db, &t.name).await;
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows after the deletions");
+}
+
+/// A batch of upload refusals serves every tenant, and each refusal it inserts updates a shard
+/// of its tenant's kept bytes (`tenant_job_counts`), which another transaction may hold: it
+/// waits at most `BATCH_LOCK_TIMEOUT_MS` for it and fails, writing nothing, for the intake to
+/// record each of its refusals on its own; one recorded on its own waits its turn.
+#[tokio::test]
+async fn a_batch_of_upload_refusals_waits_at_most_its_lock_timeout_for_a_held_count_and_writes_nothing() {
+    use sandcell_protocol::upload::UploadGrant;
+    let t = TestTenant::create(None).await;
+    let db = service_db().await;
+    // Every shard's row of the tenant's counts, held by another transaction.
+    sqlx::query("INSERT INTO tenant_job_counts (tenant, shard) SELECT $1, s FROM generate_series(0, 15) s ON CONFLICT DO NOTHING")
+        .bind(&t.name)
+        .execute(&db)
+        .await
+        .unwrap();
+    let mut holder = db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tenant_job_counts WHERE tenant = $1 FOR UPDATE").bind(&t.name).execute(&mut *holder).await.unwrap();
+    let refusal = |id: &str| UploadGrant::rejected(&t.name, id, sandcell_protocol::Reason::new(ErrorCode::InvalidValue, "a bad path"));
+    let started = std::time::Instant::now();
+    let batch = tokio::time::timeout(Duration::from_secs(10), sandcell_core::uploads::record_many(&db, &[refusal("up-1"), refusal("up-2")], false))
+        .await
+        .expect("the batch waited for the held count past its lock timeout");
+    let waited = started.elapsed();
+    let e = batch.expect_err("a batch recorded while its tenant's counts were held");
+    assert!(format!("{e:#}").contains("lock timeout"), "{e:#}");
+    assert!(waited >= Duration::from_millis(u64::from(sandcell_core::uploads::BATCH_LOCK_TIMEOUT_MS)), "failed after {waited:?}, before its lock timeout");
+    let written: i64 = sqlx::query_scalar("SELECT count(*) FROM uploads WHERE tenant = $1").bind(&t.name).fetch_one(&db).await.unwrap();
+    assert_eq!(written, 0, "a failed batch wrote some of its refusals");
+    // On its own, a refusal waits for the count and is recorded once it is free.
+    let alone = tokio::spawn({
+        let (db, r) = (db.clone(), refusal("up-1"));
+        async move { sandcell_core::uploads::record(&db, &r).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!alone.is_finished(), "a refusal recorded on its own did not wait for its tenant's counts");
+    holder.rollback().await.unwrap();
+    let recorded = alone.await.unwrap().expect("the refusal recorded once the counts were free");
+    assert!(recorded.inserted);
+    let (counted, rows) = kept_bytes(&db, &t.name).await;
+    assert_eq!(counted, rows, "the count of kept bytes drifted from the rows");
+}
+
 /// Before, the intake handled every message it had prefetched at once (32 a partition, 8
 /// partitions), and each handler held one of the scheduler's 8 database connections while it
 /// waited for its tenant's row lock. A tenant whose lock was busy (here held by the test, as a

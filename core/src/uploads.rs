@@ -25,7 +25,7 @@ pub struct Recorded {
 /// upload_id)` has one: the same request asked again keeps its first answer, which is
 /// returned, with whether this call recorded it.
 pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
-    record_many(pool, std::slice::from_ref(grant)).await?.pop().context("an upload answer recorded without its answer")
+    record_many(pool, std::slice::from_ref(grant), true).await?.pop().context("an upload answer recorded without its answer")
 }
 
 /// [`record`] for each of `answers`, in one transaction: one insert statement for all of them,
@@ -37,7 +37,18 @@ pub async fn record(pool: &PgPool, grant: &UploadGrant) -> Result<Recorded> {
 /// requests past its quota or invalid was answered one commit after another while other
 /// tenants' requests waited behind it in the intake's partitions
 /// (`scheduler::uploads::UploadRefusals` batches them).
-pub async fn record_many(pool: &PgPool, answers: &[UploadGrant]) -> Result<Vec<Recorded>> {
+///
+/// Each row's `created_at` is the moment it is inserted (`clock_timestamp()`), not the
+/// transaction's start: the newest refusals kept past the quota are counted by it, and a batch
+/// of 256 sharing one moment kept up to 255 more than [`KEPT_REFUSALS_OVER_QUOTA`]. Rows are
+/// inserted in (tenant, upload id) order, which breaks ties of one microsecond.
+///
+/// A refusal takes no tenant's row lock, but each inserted or forgotten row updates a shard of
+/// its tenant's kept bytes (`tenant_job_counts`, migration 0027), which another transaction may
+/// hold. With `wait_for_locks` false (a batch, which serves every tenant), the transaction waits
+/// at most [`BATCH_LOCK_TIMEOUT_MS`] for any lock and fails past it, for its caller to record
+/// each answer on its own.
+pub async fn record_many(pool: &PgPool, answers: &[UploadGrant], wait_for_locks: bool) -> Result<Vec<Recorded>> {
     // Each (tenant, upload id) once, in a fixed order: one statement cannot insert a row twice,
     // and two batches that meet take the unique index's entries in the same order.
     let mut first: std::collections::BTreeMap<(&str, &str), usize> = std::collections::BTreeMap::new();
@@ -51,11 +62,14 @@ pub async fn record_many(pool: &PgPool, answers: &[UploadGrant]) -> Result<Vec<R
         docs.push(serde_json::to_value(&answers[i]).context("encoding an upload answer")?);
     }
     let mut tx = pool.begin().await.context("beginning a batch of upload answers")?;
+    if !wait_for_locks {
+        bound_lock_waits(&mut tx).await?;
+    }
     // The no-op update makes a conflict return the standing row; `xmax = 0` holds only for a
     // row this statement inserted (an updated row carries this transaction's id in `xmax`).
     let rows = sqlx::query(
-        "INSERT INTO uploads (tenant, upload_id, grant_doc)
-         SELECT t, u, d FROM unnest($1::text[], $2::text[], $3::jsonb[]) WITH ORDINALITY AS a(t, u, d, n) ORDER BY n
+        "INSERT INTO uploads (tenant, upload_id, grant_doc, created_at)
+         SELECT t, u, d, clock_timestamp() FROM unnest($1::text[], $2::text[], $3::jsonb[]) WITH ORDINALITY AS a(t, u, d, n) ORDER BY n
          ON CONFLICT (tenant, upload_id) DO UPDATE SET tenant = uploads.tenant
          RETURNING tenant, upload_id, grant_doc, (xmax = 0) AS inserted",
     )
@@ -92,8 +106,9 @@ pub async fn record_many(pool: &PgPool, answers: &[UploadGrant]) -> Result<Vec<R
 }
 
 /// After recording a refusal of `tenant`, if it is over its `max_result_bytes`, delete its refused
-/// answers past the newest [`KEPT_REFUSALS_OVER_QUOTA`]: the newest are read without a lock
-/// (`uploads_refused`, migration 0027) for the cutoff; only older answers are locked, and those
+/// answers past the newest [`KEPT_REFUSALS_OVER_QUOTA`] (by `created_at`, then upload id: rows
+/// of one batch inserted in the same microsecond are in upload-id order, [`record_many`]'s): the
+/// newest are read without a lock (`uploads_refused`, migration 0027) for the cutoff; only older answers are locked, and those
 /// another recording is deleting are skipped, not waited for.
 async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, tenant: &str) -> Result<()> {
     let forgotten = sqlx::query(
@@ -101,9 +116,9 @@ async fn forget_refusals_past_quota(tx: &mut sqlx::Transaction<'_, sqlx::Postgre
              SELECT r.tenant, r.upload_id FROM uploads r
               WHERE sandcell_over_result_bytes($1)
                 AND r.tenant = $1 AND r.grant_doc->>'status' = 'rejected'
-                AND r.created_at < (SELECT k.created_at FROM uploads k
+                AND (r.created_at, r.upload_id) < (SELECT k.created_at, k.upload_id FROM uploads k
                                      WHERE k.tenant = $1 AND k.grant_doc->>'status' = 'rejected'
-                                     ORDER BY k.created_at DESC OFFSET $2 - 1 LIMIT 1)
+                                     ORDER BY k.created_at DESC, k.upload_id DESC OFFSET $2 - 1 LIMIT 1)
               FOR UPDATE SKIP LOCKED) old
           WHERE u.tenant = old.tenant AND u.upload_id = old.upload_id",
     )
@@ -148,6 +163,15 @@ pub enum Granted {
 /// tenants it has taken: it must not wait long for anything.
 pub const BATCH_LOCK_TIMEOUT_MS: u32 = 200;
 
+/// Make `tx` wait at most [`BATCH_LOCK_TIMEOUT_MS`] for any lock (`SET LOCAL lock_timeout`).
+async fn bound_lock_waits(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> Result<()> {
+    sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL lock_timeout = '{BATCH_LOCK_TIMEOUT_MS}ms'")))
+        .execute(&mut **tx)
+        .await
+        .context("bounding a batch's lock waits")?;
+    Ok(())
+}
+
 /// Record a `ready` grant that lets its tenant put `bytes` in the store, kept until
 /// `objects_expire_at`, waiting for its tenant's row: [`grant_many`] of one, its refusal
 /// recorded ([`record`]).
@@ -163,9 +187,9 @@ pub async fn grant(pool: &PgPool, grant: &UploadGrant, bytes: u64, objects_expir
 /// Judge `asks`: each is recorded if its tenant's stored-bytes quota has room for its bytes
 /// (under the tenant's row lock, so grants and job commits at the same moment cannot together
 /// overshoot it) and its tenant keeps less than its `max_result_bytes`; otherwise it is refused,
-/// `quota_exceeded` with the figures, and the refusal is the caller's to record (the batch
-/// writer's handlers write theirs each with a place at its tenant's gate, not in the writer every
-/// tenant shares). As [`record`], a first answer stands. A tenant with no row (named by a trusted
+/// `quota_exceeded` with the figures, and the refusal is the caller's to record (the intake
+/// hands it to a writer of refusals, `scheduler::uploads::UploadRefusals`, so that one tenant's
+/// refusals never fill the batches every tenant's grants wait for). As [`record`], a first answer stands. A tenant with no row (named by a trusted
 /// publisher) is registered with `defaults`, as by its first job. Answers in the order of `asks`.
 ///
 /// The grants are one statement and one commit, `sandcell_grant_uploads` (migration 0031): the
@@ -251,10 +275,7 @@ async fn grant_in_one_statement(pool: &PgPool, asks: &[GrantAsk], order: &[usize
         statement.fetch_all(pool).await.context("recording upload grants")?
     } else {
         let mut tx = pool.begin().await.context("beginning a batch of upload grants")?;
-        sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL lock_timeout = '{BATCH_LOCK_TIMEOUT_MS}ms'")))
-            .execute(&mut *tx)
-            .await
-            .context("bounding a batch's lock waits")?;
+        bound_lock_waits(&mut tx).await?;
         let rows = statement.fetch_all(&mut *tx).await.context("recording upload grants")?;
         tx.commit().await.context("committing a batch of upload grants")?;
         rows

@@ -272,7 +272,8 @@ async fn take(shared: &Shared, publisher: &Channel, delivery: Delivery, in_fligh
     let named = || matches!(from, Publisher::Trusted(_)).then(|| tenant_gates::named_tenant(&delivery.data)).flatten();
     if crate::uploads::is_upload_request(delivery.properties.kind().as_ref().map(|k| k.as_str())) {
         // No place at the gate for a grant: the grant writer holds one connection whatever the
-        // flood. Its handler takes a place to write on its own (a refusal, a failed batch).
+        // flood, the refusal writer one more. Its handler takes a place only to write on its own
+        // (a busy tenant, a failed batch).
         let gate = shared.gates.gate(from.attributed(named().as_deref()));
         spawn_in_lane(None, None, shared, in_flight, async move { handle_upload(&s, gate, delivery).await });
         return;

@@ -156,7 +156,9 @@ impl Grants {
 /// requests past its stored-bytes quota held another tenant's job published behind it 2.1 s,
 /// against 0.3 s behind 3,000 granted ones. Apart from the grant writer, so that one tenant's
 /// refusals, which the grant writer hands back, never fill the batches every tenant's grants
-/// wait for. A refusal takes no tenant's row lock: its batches wait for no one's.
+/// wait for. A refusal takes no tenant's row lock; its batch waits at most
+/// [`sandcell_core::uploads::BATCH_LOCK_TIMEOUT_MS`] for any other (a shard of a tenant's kept
+/// bytes another transaction holds), and past it fails, for each to be recorded on its own.
 #[derive(Clone)]
 pub struct UploadRefusals {
     writer: Batcher<UploadGrant, sandcell_core::uploads::Recorded>,
@@ -167,7 +169,7 @@ impl UploadRefusals {
     pub fn start(pool: PgPool, batch_size: Histogram) -> UploadRefusals {
         let writer = Batcher::start("upload refusals", MAX_GRANT_BATCH, batch_size, move |refusals: Vec<UploadGrant>| {
             let pool = pool.clone();
-            async move { crate::batches::once_more_if_deadlocked(|| sandcell_core::uploads::record_many(&pool, &refusals)).await }
+            async move { crate::batches::once_more_if_deadlocked(|| sandcell_core::uploads::record_many(&pool, &refusals, false)).await }
         });
         UploadRefusals { writer }
     }
