@@ -414,6 +414,47 @@ async fn a_final_notification_carries_the_committed_record_unless_it_does_not_fi
     assert_eq!(with_file.session.as_ref().map(|s| s.id.as_str()), Some(session.as_str()));
 }
 
+/// A client's waits share one listener per tenant. Each wait connected a listener of its own
+/// before, even for a job that had finished: ten waits in flight held ten database connections
+/// of the tenant's role besides the client's pool (and paid ten logins). Now they are served by
+/// one: each wait, two of them for the same job among them, gets its own job's result, and a
+/// wait that timed out leaves no watch behind.
+#[tokio::test]
+async fn a_clients_waits_share_one_listener_per_tenant_and_a_wait_given_up_leaves_nothing_behind() {
+    let t = TestTenant::create(None).await;
+    let c = t.client().await;
+    let db = service_db().await;
+    let role: String = sqlx::query_scalar("SELECT db_role FROM tenants WHERE tenant = $1").bind(&t.name).fetch_one(&db).await.unwrap();
+    let subs: Vec<_> = (0..10).map(|i| python(&t.name, &format!("import time; time.sleep(1.5); print({i} * 7)"))).collect();
+    for sub in &subs {
+        c.submit(sub).await.expect("submitting");
+    }
+    let mut waited: Vec<&sandcell_protocol::Submission> = subs.iter().collect();
+    waited.push(&subs[0]);
+    let waits = futures::future::join_all(waited.iter().map(|s| c.wait(&t.name, &s.job_id, Duration::from_secs(120))));
+    let backends = async {
+        let mut most = 0i64;
+        for _ in 0..20 {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE usename = $1").bind(&role).fetch_one(&db).await.unwrap();
+            most = most.max(n);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        most
+    };
+    let (results, most) = tokio::join!(waits, backends);
+    for (sub, r) in waited.iter().zip(results) {
+        let r = r.unwrap_or_else(|e| panic!("waiting for {}: {e}", sub.job_id));
+        assert_eq!(r.job_id, sub.job_id);
+        let i: usize = subs.iter().position(|s| s.job_id == sub.job_id).unwrap();
+        assert_eq!((r.status, r.execution.stdout.as_str()), (JobStatus::Succeeded, format!("{}\n", i * 7).as_str()), "{r:?}");
+    }
+    assert!(most <= 5, "{most} connections of the tenant's role served 11 waits (the client's pool holds at most 4)");
+    assert_eq!(c.shared_watches().await, (1, 0), "one listener, and nothing watched once every wait returned");
+    let gone = c.wait(&t.name, &unique("never-submitted"), Duration::from_millis(1500)).await;
+    assert!(matches!(gone, Err(sandcell_client::ClientError::Timeout(..))), "{gone:?}");
+    assert_eq!(c.shared_watches().await, (1, 0), "a wait that timed out left its watch behind");
+}
+
 /// What a tenant may put through its upload grants counts against its stored-bytes quota, with
 /// its artifacts, until its time is over; then the sweeper removes the objects and the room is
 /// the tenant's again. (Neither counted nor removed, uploads let one tenant fill the object

@@ -55,7 +55,16 @@ pub struct Client {
     database_url: String,
     /// The broker user, sent as `user_id` on every submission.
     user: Option<String>,
+    /// The listeners [`Client::wait`] shares, by tenant, connected on a first wait for that
+    /// tenant: a listener of its own per call cost every wait a database connection (a login, a
+    /// backend process) even for a job that had finished. At most [`MAX_SHARED_WATCHERS`].
+    watchers: tokio::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Watcher>>>,
 }
+
+/// The most tenants whose listeners a [`Client`] keeps for [`Client::wait`] (a trusted backend
+/// waits for many): past it, one no wait is using is closed for the new one, and if every one
+/// is in use the new one serves its wait only.
+pub const MAX_SHARED_WATCHERS: usize = 8;
 
 impl Client {
     /// Connect to the broker and the database.
@@ -65,7 +74,7 @@ impl Client {
         let conn = broker::connect(amqp_url, "sandcell-client").await?;
         let publisher = broker::publisher_channel(&conn).await?;
         let pool = sandcell_core::pool::options(4).connect(database_url).await.with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
-        Ok(Client { conn, publisher, db: pool, database_url: database_url.to_string(), user: broker::url_user(amqp_url) })
+        Ok(Client { conn, publisher, db: pool, database_url: database_url.to_string(), user: broker::url_user(amqp_url), watchers: Default::default() })
     }
 
     /// Connect using `SANDCELL_AMQP_URL` and `SANDCELL_DATABASE_URL`.
@@ -160,12 +169,21 @@ impl Client {
     }
 
     /// Wait until the job reaches a terminal status and return its result.
+    ///
+    /// Woken by the job's final notification on the tenant's channel, through a listener this
+    /// client shares between its waits for that tenant ([`Watcher`]), and re-reading the row
+    /// every second regardless (a notification sent while the listener reconnected is lost).
+    /// The final notification carries the result when it fits: then there is nothing to read.
     pub async fn wait(&self, tenant: &str, job_id: &str, timeout: Duration) -> Result<JobResult, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut listener = PgListener::connect(&self.database_url).await.context("connecting listener")?;
-        let mut listening = false;
         let mut last = "not recorded yet".to_string();
+        let mut watcher: Option<std::sync::Arc<Watcher>> = None;
         loop {
+            if watcher.as_ref().is_some_and(|w| !w.is_listening()) {
+                watcher = None;
+            }
+            // Watched before the read: a final notification sent after it is not missed.
+            let notified = watcher.as_ref().map(|w| w.watch_until_dropped(tenant, job_id));
             if let Some(r) = self.result(tenant, job_id).await? {
                 if r.status.is_terminal() {
                     return Ok(r);
@@ -176,35 +194,55 @@ impl Client {
             if now >= deadline {
                 return Err(ClientError::Timeout(timeout, last));
             }
-            if !listening {
-                if let Some(channel) = self.channel_of(tenant, (deadline - now).min(Duration::from_secs(1))).await? {
-                    listener.listen(&channel).await.context("LISTEN on the tenant's channel")?;
-                    listening = true;
-                    continue; // re-read: the job may have finished before LISTEN
-                }
-            }
-            // Wake on a notification for this job, or re-read after a second regardless. Its
-            // final notification carries the result when it fits: then there is nothing to read.
             let wake = (deadline - now).min(Duration::from_secs(1));
-            let mut carried = None;
-            let _ = tokio::time::timeout(wake, async {
-                while let Ok(n) = listener.recv().await {
-                    match JobNotification::parse(n.payload()) {
-                        Ok(Some(n)) if n.tenant == tenant && n.job_id == job_id => {
-                            carried = n.result;
-                            break;
-                        }
-                        Ok(_) => {}
-                        // Whose it was cannot be told: re-read the row.
-                        Err(_) => break,
-                    }
+            let Some(mut notified) = notified else {
+                // Not listening yet: a tenant registered meanwhile is listened for, and the row
+                // read again (the job may have finished before the listener was there).
+                watcher = self.shared_watcher(tenant, wake).await?;
+                continue;
+            };
+            if let Ok(Ok(n)) = tokio::time::timeout(wake, &mut notified.rx).await {
+                if let Some(r) = n.result.filter(|r| r.status.is_terminal()) {
+                    return Ok(r);
                 }
-            })
-            .await;
-            if let Some(r) = carried.filter(|r| r.status.is_terminal()) {
-                return Ok(r);
             }
         }
+    }
+
+    /// How many listeners [`Client::wait`] shares, and how many jobs they watch (for tests of
+    /// what waits leave behind).
+    #[doc(hidden)]
+    pub async fn shared_watches(&self) -> (usize, usize) {
+        let watchers = self.watchers.lock().await;
+        (watchers.len(), watchers.values().map(|w| w.watched()).sum())
+    }
+
+    /// The listener [`Client::wait`] shares for `tenant`, connecting one if there is none
+    /// listening, once the tenant is registered (waiting up to `registered_within` for it);
+    /// `None` if it is not.
+    async fn shared_watcher(&self, tenant: &str, registered_within: Duration) -> Result<Option<std::sync::Arc<Watcher>>, ClientError> {
+        if let Some(w) = self.watchers.lock().await.get(tenant).filter(|w| w.is_listening()) {
+            return Ok(Some(w.clone()));
+        }
+        let Some(channel) = self.channel_of(tenant, registered_within).await? else { return Ok(None) };
+        let mut watchers = self.watchers.lock().await;
+        if let Some(w) = watchers.get(tenant).filter(|w| w.is_listening()) {
+            return Ok(Some(w.clone())); // another wait connected it meanwhile
+        }
+        let w = std::sync::Arc::new(Watcher::listen(&self.database_url, &channel).await?);
+        watchers.retain(|_, w| w.is_listening());
+        if watchers.len() >= MAX_SHARED_WATCHERS {
+            // Close one no wait is using (its only holder is this map), if there is one.
+            let idle = watchers.iter().find(|(_, w)| std::sync::Arc::strong_count(w) == 1).map(|(t, _)| t.clone());
+            match idle {
+                Some(t) => {
+                    watchers.remove(&t);
+                }
+                None => return Ok(Some(w)),
+            }
+        }
+        watchers.insert(tenant.to_string(), w.clone());
+        Ok(Some(w))
     }
 
     /// Subscribe to the live output of `tenant`'s job `job_id` — or, with `job_id` `None`, of
@@ -278,13 +316,15 @@ impl LiveOutput {
 }
 
 /// Jobs being waited for, by `(tenant, job_id)`, with where to send their final notification.
-type Waiting = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), tokio::sync::oneshot::Sender<JobNotification>>>>;
+/// Several may wait for one job (two [`Client::wait`] calls): each is told.
+type Waiting = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), Vec<tokio::sync::oneshot::Sender<JobNotification>>>>>;
 
 /// Waits for many jobs over one `LISTEN` connection: register a job with [`Watcher::watch`]
 /// *before* submitting it, then await the returned receiver; it resolves with the job's final
 /// notification, which carries the result record when it fit ([`JobNotification::result`];
-/// read it with [`Client::result`] otherwise). For pipelining agents and benchmarks, where
-/// [`Client::wait`]'s connection per job would cost more than the job.
+/// read it with [`Client::result`] otherwise). For pipelining agents and benchmarks, which
+/// register their jobs before they submit them; [`Client::wait`] shares one of its own per
+/// tenant.
 pub struct Watcher {
     waiting: Waiting,
     task: tokio::task::JoinHandle<()>,
@@ -295,8 +335,13 @@ impl Watcher {
     pub async fn connect(client: &Client, tenant: &str) -> Result<Self, ClientError> {
         let channel =
             client.channel_of(tenant, Duration::ZERO).await?.ok_or_else(|| anyhow::anyhow!("tenant {tenant:?} is not registered (no notification channel)"))?;
-        let mut listener = PgListener::connect(&client.database_url).await.context("connecting listener")?;
-        listener.listen(&channel).await.context("LISTEN on the tenant's channel")?;
+        Watcher::listen(&client.database_url, &channel).await
+    }
+
+    /// Connect a listener to `database_url` and `LISTEN` on `channel`.
+    async fn listen(database_url: &str, channel: &str) -> Result<Self, ClientError> {
+        let mut listener = PgListener::connect(database_url).await.context("connecting listener")?;
+        listener.listen(channel).await.context("LISTEN on the tenant's channel")?;
         let waiting: Waiting = Default::default();
         let map = waiting.clone();
         let task = tokio::spawn(async move {
@@ -309,21 +354,63 @@ impl Watcher {
                         continue;
                     }
                 };
-                if let Some(tx) = map.lock().ok().and_then(|mut m| m.remove(&(n.tenant.clone(), n.job_id.clone()))) {
-                    let _ = tx.send(n);
+                for tx in map.lock().ok().and_then(|mut m| m.remove(&(n.tenant.clone(), n.job_id.clone()))).unwrap_or_default() {
+                    let _ = tx.send(n.clone());
                 }
             }
+            // The listener could not reconnect: whoever waits re-reads the row on its own.
+            tracing::warn!("the listener on the tenant's channel ended");
         });
         Ok(Watcher { waiting, task })
     }
 
     /// Be told when `(tenant, job_id)` reaches a terminal status (its final notification).
+    /// Until then the watch is kept, whether or not its receiver is: for a job that may never
+    /// end, [`Client::wait`] is the way.
     pub fn watch(&self, tenant: &str, job_id: &str) -> tokio::sync::oneshot::Receiver<JobNotification> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if let Ok(mut m) = self.waiting.lock() {
-            m.insert((tenant.to_string(), job_id.to_string()), tx);
+            m.entry((tenant.to_string(), job_id.to_string())).or_default().push(tx);
         }
         rx
+    }
+
+    /// [`Watcher::watch`], forgotten when the returned watch is dropped.
+    fn watch_until_dropped(&self, tenant: &str, job_id: &str) -> Watch {
+        Watch { rx: self.watch(tenant, job_id), key: (tenant.to_string(), job_id.to_string()), waiting: self.waiting.clone() }
+    }
+
+    /// Whether the listener still runs (it ends when it cannot reconnect).
+    pub fn is_listening(&self) -> bool {
+        !self.task.is_finished()
+    }
+
+    /// How many jobs are being watched (for tests of what a wait leaves behind).
+    #[doc(hidden)]
+    pub fn watched(&self) -> usize {
+        self.waiting.lock().map(|m| m.len()).unwrap_or(0)
+    }
+}
+
+/// A watch that is forgotten when dropped ([`Watcher::watch_until_dropped`]): a wait that
+/// timed out or was given up leaves nothing in the watcher it shares.
+struct Watch {
+    rx: tokio::sync::oneshot::Receiver<JobNotification>,
+    key: (String, String),
+    waiting: Waiting,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok(mut m) = self.waiting.lock() {
+            if let Some(senders) = m.get_mut(&self.key) {
+                senders.retain(|tx| !tx.is_closed());
+                if senders.is_empty() {
+                    m.remove(&self.key);
+                }
+            }
+        }
     }
 }
 
