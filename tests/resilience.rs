@@ -474,8 +474,14 @@ async fn a_submission_waits_out_a_database_outage_longer_than_the_broker_would_k
 
 /// Wait for `sub`'s result with `injected` in place and remove the injection: the job was
 /// ended `rejected` with `too_many_attempts` by the scheduler's dead-letter recorder, saying
-/// its message was dead-lettered, and never ran. Returns how often the injected failure fired.
-async fn ends_too_many_attempts_unrun(c: &sandcell_client::Client, pool: &sqlx::PgPool, sub: &sandcell_protocol::Submission, injected: InjectedFailure) -> i64 {
+/// its message was dead-lettered, and never ran. Returns how often the injected failure fired,
+/// and the reason's message.
+async fn ends_too_many_attempts_unrun(
+    c: &sandcell_client::Client,
+    pool: &sqlx::PgPool,
+    sub: &sandcell_protocol::Submission,
+    injected: InjectedFailure,
+) -> (i64, String) {
     let r = c.wait(&sub.tenant, &sub.job_id, DEAD_LETTER_WAIT).await;
     let fired = injected.fired(pool).await;
     injected.remove(pool).await;
@@ -484,7 +490,7 @@ async fn ends_too_many_attempts_unrun(c: &sandcell_client::Client, pool: &sqlx::
     assert_eq!((r.status, reason.code), (JobStatus::Rejected, sandcell_protocol::ErrorCode::TooManyAttempts), "{r:?}");
     assert!(reason.message.contains("dead-lettered"), "{r:?}");
     assert_eq!((r.attempts, r.execution.stdout.as_str()), (0, ""), "{r:?}");
-    fired
+    (fired, reason.message.clone())
 }
 
 /// Time for a message failing every delivery to be dead-lettered (6 deliveries; a submission's
@@ -504,7 +510,7 @@ async fn a_submission_that_keeps_failing_to_be_recorded_ends_too_many_attempts_o
     let sub = python(&tenant(), "print(6 * 7)");
     let injected = InjectedFailure::every_record(&pool, &sub.job_id, SERIALIZATION_FAILURE).await;
     c.submit(&sub).await.unwrap();
-    let fired = ends_too_many_attempts_unrun(&c, &pool, &sub, injected).await;
+    let (fired, _) = ends_too_many_attempts_unrun(&c, &pool, &sub, injected).await;
     let deliveries = sandcell_core::broker::DELIVERY_LIMIT + 1;
     assert!(fired >= 6 * deliveries, "the record failed {fired} times: fewer than 6 tries for each of {deliveries} deliveries");
 }
@@ -564,12 +570,20 @@ async fn an_opening_job_that_keeps_failing_to_be_claimed_ends_too_many_attempts_
     let returned_for_room = || async { worker_metric("sandcell_worker_opening_jobs_returned_total").await.unwrap_or(0.0) as i64 };
     let returned_before = returned_for_room().await;
     c.submit(&opening).await.unwrap();
-    let fired = ends_too_many_attempts_unrun(&c, &pool, &opening, injected).await;
+    let (fired, why) = ends_too_many_attempts_unrun(&c, &pool, &opening, injected).await;
     let returned = returned_for_room().await - returned_before;
-    let deliveries = sandcell_core::broker::DELIVERY_LIMIT + 1;
+    // The broker's delivery limit ended it (not the worker, dead-lettering it itself).
+    let limit = sandcell_core::broker::DELIVERY_LIMIT;
+    let queue = sandcell_core::broker::NEW_SESSIONS_QUEUE;
+    assert!(why.contains(&format!("returned to {queue} more than {limit} times")), "{why}");
+    // Each delivery the worker handled was claimed once or returned for room. Not every one of
+    // the broker's deliveries reaches the worker's handler: one in flight to a consumer the
+    // worker is replacing (its room changed) is returned by the broker itself, and counts
+    // (seen 2 runs in 8 on a loaded machine: 5 claims, no return for room).
+    let deliveries = limit + 1;
     assert!(
-        fired >= 1 && fired + returned >= deliveries,
-        "the claim failed {fired} times and the job was returned for room {returned} times: fewer than the {deliveries} deliveries before a dead letter"
+        fired >= 1 && fired + returned <= deliveries,
+        "the claim failed {fired} times and the job was returned for room {returned} times, for at most {deliveries} deliveries"
     );
     let session: Option<String> = sqlx::query_scalar("SELECT state FROM sessions WHERE tenant = $1 AND created_by_job = $2")
         .bind(&t)
