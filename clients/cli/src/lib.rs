@@ -221,13 +221,15 @@ impl Client {
     /// listening, once the tenant is registered (waiting up to `registered_within` for it);
     /// `None` if it is not.
     async fn shared_watcher(&self, tenant: &str, registered_within: Duration) -> Result<Option<std::sync::Arc<Watcher>>, ClientError> {
-        if let Some(w) = self.watchers.lock().await.get(tenant).filter(|w| w.is_listening()) {
-            return Ok(Some(w.clone()));
+        // The tenant's listener in `watchers`, if it still listens.
+        let listening = |watchers: &std::collections::HashMap<String, std::sync::Arc<Watcher>>| watchers.get(tenant).filter(|w| w.is_listening()).cloned();
+        if let Some(w) = listening(&*self.watchers.lock().await) {
+            return Ok(Some(w));
         }
         let Some(channel) = self.channel_of(tenant, registered_within).await? else { return Ok(None) };
         let mut watchers = self.watchers.lock().await;
-        if let Some(w) = watchers.get(tenant).filter(|w| w.is_listening()) {
-            return Ok(Some(w.clone())); // another wait connected it meanwhile
+        if let Some(w) = listening(&watchers) {
+            return Ok(Some(w)); // another wait connected it meanwhile
         }
         let w = std::sync::Arc::new(Watcher::listen(&self.database_url, &channel).await?);
         watchers.retain(|_, w| w.is_listening());
