@@ -59,6 +59,9 @@ pub struct Client {
     /// tenant: a listener of its own per call cost every wait a database connection (a login, a
     /// backend process) even for a job that had finished. At most [`MAX_SHARED_WATCHERS`].
     watchers: tokio::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Watcher>>>,
+    /// A lock per tenant whose listener is being connected, held through the login (the map's
+    /// lock is not): one login per tenant at a time, and none of them in another tenant's way.
+    connecting: tokio::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// The most tenants whose listeners a [`Client`] keeps for [`Client::wait`] (a trusted backend
@@ -74,7 +77,15 @@ impl Client {
         let conn = broker::connect(amqp_url, "sandcell-client").await?;
         let publisher = broker::publisher_channel(&conn).await?;
         let pool = sandcell_core::pool::options(4).connect(database_url).await.with_context(|| format!("connecting to {}", broker::redact(database_url)))?;
-        Ok(Client { conn, publisher, db: pool, database_url: database_url.to_string(), user: broker::url_user(amqp_url), watchers: Default::default() })
+        Ok(Client {
+            conn,
+            publisher,
+            db: pool,
+            database_url: database_url.to_string(),
+            user: broker::url_user(amqp_url),
+            watchers: Default::default(),
+            connecting: Default::default(),
+        })
     }
 
     /// Connect using `SANDCELL_AMQP_URL` and `SANDCELL_DATABASE_URL`.
@@ -197,8 +208,9 @@ impl Client {
             let wake = (deadline - now).min(Duration::from_secs(1));
             let Some(mut notified) = notified else {
                 // Not listening yet: a tenant registered meanwhile is listened for, and the row
-                // read again (the job may have finished before the listener was there).
-                watcher = self.shared_watcher(tenant, wake).await?;
+                // read again (the job may have finished before the listener was there). Within
+                // the wait's deadline: a login the database is slow to accept does not outlast it.
+                watcher = tokio::time::timeout_at(deadline, self.shared_watcher(tenant, wake)).await.unwrap_or(Ok(None))?;
                 continue;
             };
             if let Ok(Ok(n)) = tokio::time::timeout(wake, &mut notified.rx).await {
@@ -227,11 +239,29 @@ impl Client {
             return Ok(Some(w));
         }
         let Some(channel) = self.channel_of(tenant, registered_within).await? else { return Ok(None) };
-        let mut watchers = self.watchers.lock().await;
-        if let Some(w) = listening(&watchers) {
-            return Ok(Some(w)); // another wait connected it meanwhile
+        // One login at a time per tenant, under the tenant's own lock, not the map's: other
+        // tenants' waits do not wait for this login (nor for a database slow to accept one),
+        // and the first waits of one tenant do not each connect a listener.
+        let connecting = self.connecting.lock().await.entry(tenant.to_string()).or_default().clone();
+        let connected = {
+            let _one_login = connecting.lock().await;
+            let meanwhile = listening(&*self.watchers.lock().await); // the map's lock ends here
+            match meanwhile {
+                Some(w) => Ok(Some(w)), // another wait connected it meanwhile
+                None => self.connect_watcher(tenant, &channel).await,
+            }
+        };
+        let mut locks = self.connecting.lock().await;
+        if locks.get(tenant).is_some_and(|l| std::sync::Arc::ptr_eq(l, &connecting)) {
+            locks.remove(tenant);
         }
-        let w = std::sync::Arc::new(Watcher::listen(&self.database_url, &channel).await?);
+        connected
+    }
+
+    /// Connect a listener on `channel` for `tenant`'s waits and keep it among those shared.
+    async fn connect_watcher(&self, tenant: &str, channel: &str) -> Result<Option<std::sync::Arc<Watcher>>, ClientError> {
+        let w = std::sync::Arc::new(Watcher::listen(&self.database_url, channel).await?);
+        let mut watchers = self.watchers.lock().await;
         watchers.retain(|_, w| w.is_listening());
         if watchers.len() >= MAX_SHARED_WATCHERS {
             // Close one no wait is using (its only holder is this map), if there is one.
