@@ -16,6 +16,21 @@ pub fn var_or(name: &str, default: &str) -> String {
     }
 }
 
+/// Read `name`, a setting that an empty value turns off: `default` when unset, `None` when set
+/// but empty (unlike [`var_or`], for which empty means the default).
+pub fn var_or_off(name: &str, default: &str) -> Option<String> {
+    or_off(std::env::var(name).ok(), default)
+}
+
+/// [`var_or_off`]'s rule on a variable's value (`None`: unset).
+fn or_off(value: Option<String>, default: &str) -> Option<String> {
+    match value {
+        None => Some(default.to_string()),
+        Some(v) if v.is_empty() => None,
+        Some(v) => Some(v),
+    }
+}
+
 /// Read a required variable.
 pub fn var_required(name: &str) -> Result<String> {
     match std::env::var(name) {
@@ -136,4 +151,16 @@ pub fn keep_alive_policy_from_env() -> Result<sandcell_protocol::KeepAlivePolicy
         default_s: parse_or("SANDCELL_SESSION_KEEP_ALIVE_S", d.default_s)?,
         max_s: parse_or("SANDCELL_SESSION_MAX_KEEP_ALIVE_S", d.max_s)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::or_off;
+
+    #[test]
+    fn a_setting_set_empty_is_off_and_one_unset_is_its_default() {
+        assert_eq!(or_off(None, "/d"), Some("/d".to_string()));
+        assert_eq!(or_off(Some(String::new()), "/d"), None);
+        assert_eq!(or_off(Some("/x".into()), "/d"), Some("/x".to_string()));
+    }
 }

@@ -120,7 +120,7 @@ impl Config {
                 interrupt_grace: Duration::from_millis(config::parse_or("SANDCELL_INTERRUPT_GRACE_MS", 3_000u64)?),
                 max_frame: sandbox::frames::MAX_FRAME_BYTES,
                 cgroup_root: config::var_or("SANDCELL_CGROUP_ROOT", "/sys/fs/cgroup").into(),
-                channel_dir: Some(config::var_or("SANDCELL_CHANNEL_DIR", "/var/lib/sandcell/channels")).filter(|d| !d.is_empty()).map(Into::into),
+                channel_dir: config::var_or_off("SANDCELL_CHANNEL_DIR", "/var/lib/sandcell/channels").map(Into::into),
                 channels: None,
             },
             max_attempts: config::parse_or("SANDCELL_MAX_ATTEMPTS", 3i32)?.max(1),
