@@ -5,8 +5,9 @@
 //!            │                                 session it names ended before it ran)
 //! submit ──▶ queued ──▶ running ──▶ succeeded | failed | timed_out | oom_killed
 //!              │           │                   | infrastructure_error
-//!              │           └──▶ running        (redelivered after a worker died)
-//!              └──▶ cancelled | infrastructure_error
+//!              │           ├──▶ running        (redelivered after a worker died)
+//!              │           └──▶ cancelled      (cancelled while it ran)
+//!              └──▶ cancelled | infrastructure_error | rejected
 //! ```
 //!
 //! Terminal statuses never change again; the database layer only applies transitions that
