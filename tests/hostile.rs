@@ -719,3 +719,32 @@ open(d + '/' + 'f' * 150, 'w').write('x')
     assert_eq!(skipped, vec![(954, "invalid_path")], "{:?}", r.execution.skipped_files);
     assert!(r.execution.limits_hit.is_empty() || r.execution.limits_hit.contains(&sandcell_protocol::LimitHit::Artifacts), "{r:?}");
 }
+
+/// A job naming one upload under many paths gets no more fetched for it than its workspace
+/// holds (`limits.workspace_mb`, 256 MiB here): 14 copies of a 20 MB upload are refused
+/// `upload_failed` before anything runs, saying why, and the worker — which before held every
+/// copy in memory, several times over — runs the tenant's next job, whose two copies fit.
+#[tokio::test]
+async fn a_job_naming_one_upload_under_more_paths_than_its_workspace_holds_is_refused_before_it_runs() {
+    let c = client().await;
+    let t = tenant();
+    let store = sandcell_core::store::ArtifactStore::new(&sandcell_core::config::Services::from_env().unwrap().s3);
+    let big: Vec<u8> = (0..20_000_000u32).map(|i| (i % 251) as u8).collect();
+    let key = store.upload_input(&t, "twenty.bin", big).await.unwrap();
+    let named = |n: usize| -> Vec<sandcell_protocol::InputFile> {
+        (0..n).map(|i| sandcell_protocol::InputFile { path: format!("copy{i}.bin"), content_b64: None, s3_key: Some(key.clone()) }).collect()
+    };
+    let mut greedy = python(&t, "print('ran')");
+    greedy.files = named(14);
+    let r = run(&c, &greedy).await;
+    assert_eq!(r.status, JobStatus::Rejected, "{r:?}");
+    assert_eq!(r.reason.as_ref().map(|e| e.code), Some(ErrorCode::UploadFailed), "{r:?}");
+    let why = r.reason.as_ref().map(|e| e.message.clone()).unwrap_or_default();
+    assert!(why.contains("limits.workspace_mb") && why.contains("copy13.bin"), "{why}");
+    assert!(r.execution.stdout.is_empty(), "{r:?}");
+    let mut fits = python(&t, "import os\nprint(sorted(os.path.getsize(f'copy{i}.bin') for i in range(2)))");
+    fits.files = named(2);
+    let r = run(&c, &fits).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert_eq!(r.execution.stdout, "[20000000, 20000000]\n", "{r:?}");
+}

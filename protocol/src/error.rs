@@ -186,7 +186,7 @@ impl ErrorCode {
             ErrorCode::SessionClosed => "The session was closed by a job with `session.close`.",
             ErrorCode::SessionLost => "The session's sandbox could not be started or restarted, or no worker could take it over after its worker went away; its state is gone.",
             ErrorCode::KernelRestarted => "The session's kernel died (`os._exit`, OOM) or ignored an interrupt and was replaced: variables and files are gone, the session still works.",
-            ErrorCode::UploadFailed => "An input file's `s3_key` object does not exist or is larger than `SANDCELL_MAX_UPLOAD_FILE_BYTES`.",
+            ErrorCode::UploadFailed => "An input file's `s3_key` object does not exist, is larger than `SANDCELL_MAX_UPLOAD_FILE_BYTES`, or does not fit in what the job's other input files leave of its workspace (`limits.workspace_mb`).",
             ErrorCode::SandboxUnavailable => "The worker could not create or start the sandbox container (infrastructure).",
             ErrorCode::DriverProtocol => "The sandbox ended or spoke out of protocol before reporting a result (infrastructure, or code that killed its own interpreter).",
             ErrorCode::InputFileRejected => "The sandbox refused to write an input file into the workspace.",

@@ -187,7 +187,15 @@ fn with_restored(restored: Vec<InputFile>, own: Vec<InputFile>) -> Vec<InputFile
 
 /// Replace every `s3_key` input file by its content. A missing or oversize object is the
 /// client's error (`upload_failed`); a store failure is ours (`storage_failed`).
+///
+/// What is fetched is bounded by the job's workspace (`limits.workspace_mb`, capped by this
+/// worker's policy) as well as file by file (`SANDCELL_MAX_UPLOAD_FILE_BYTES`): the files could
+/// not fit there anyway, and without it one job naming one upload under 32 paths made this
+/// worker hold 32 copies of it (in memory, several times over) before any sandbox refused them.
 pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Vec<InputFile>, Reason> {
+    let workspace = ctx.cfg.policy.cap(&job.limits).workspace_mb.saturating_mul(1 << 20);
+    let inline: u64 = job.files.iter().filter_map(|f| f.content_b64.as_ref()).map(|b| (b.len() as u64 / 4) * 3).sum();
+    let mut left = workspace.saturating_sub(inline);
     let mut files = Vec::with_capacity(job.files.len());
     for f in &job.files {
         let Some(key) = &f.s3_key else {
@@ -198,9 +206,21 @@ pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<V
         if !is_valid_upload_key(&job.tenant, key) {
             return Err(Reason::new(ErrorCode::InvalidFilePath, format!("input file {:?}: s3_key is not under the tenant's upload prefix", f.path)));
         }
-        match ctx.store.get_limited(key, ctx.cfg.max_upload_bytes).await {
-            Ok(Fetched::Found(bytes)) => files.push(InputFile::inline(f.path.clone(), &bytes)),
+        match ctx.store.get_limited(key, ctx.cfg.max_upload_bytes.min(left)).await {
+            Ok(Fetched::Found(bytes)) => {
+                left = left.saturating_sub(bytes.len() as u64);
+                files.push(InputFile::inline(f.path.clone(), &bytes));
+            }
             Ok(Fetched::Missing) => return Err(Reason::new(ErrorCode::UploadFailed, format!("input file {:?}: no object {key:?}", f.path))),
+            Ok(Fetched::TooLarge(size)) if size <= ctx.cfg.max_upload_bytes => {
+                return Err(Reason::new(
+                    ErrorCode::UploadFailed,
+                    format!(
+                        "input file {:?}: object {key:?} ({size} bytes) does not fit in what is left of the workspace's {} bytes (limits.workspace_mb) after the job's other input files",
+                        f.path, workspace
+                    ),
+                ))
+            }
             Ok(Fetched::TooLarge(size)) => {
                 return Err(Reason::new(
                     ErrorCode::UploadFailed,
