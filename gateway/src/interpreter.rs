@@ -166,9 +166,40 @@ fn ndjson(line: &Value) -> Bytes {
     Bytes::from(b)
 }
 
-/// Fill in images the events left out (over 1 MiB), from the result's artifacts.
+/// The most image bytes (before base64) one run's closing lines carry, fetched from the store:
+/// images past it are left out, like one the store could not give. A run's closing lines are
+/// built whole before the tenant's unread-bytes budget (`body.rs`) applies to them, so without
+/// this bound a tenant's sandboxes finishing together with 100 MiB of figures each (a job's
+/// artifact limit) made the gateway hold ~370 MiB a run, ~7 GB for 20 sandboxes.
+const MAX_RUN_IMAGE_BYTES: u64 = 16 << 20;
+
+/// The images to fetch, in order, while their recorded sizes fit in `budget` together; an
+/// image with no artifact of that path is skipped (there is nothing to fetch). Also returns how
+/// many were left out for the budget.
+fn within_image_budget(r: &JobResult, images: Vec<(usize, String, String)>, budget: u64) -> (Vec<(usize, String, String)>, usize) {
+    let mut left = budget;
+    let mut over = 0;
+    let mut kept = Vec::with_capacity(images.len());
+    for image in images {
+        let Some(size) = r.artifacts.iter().find(|a| a.path == image.2).map(|a| u64::try_from(a.size_bytes).unwrap_or(u64::MAX)) else { continue };
+        if size > left {
+            over += 1;
+            continue;
+        }
+        left -= size;
+        kept.push(image);
+    }
+    (kept, over)
+}
+
+/// Fill in images the events left out (over 1 MiB), from the result's artifacts, up to
+/// [`MAX_RUN_IMAGE_BYTES`] a run.
 async fn fetch_images(gw: &Gateway, r: &JobResult, lines: &mut [Value], images: Vec<(usize, String, String)>) {
     let b64 = base64::engine::general_purpose::STANDARD;
+    let (images, over) = within_image_budget(r, images, MAX_RUN_IMAGE_BYTES);
+    if over > 0 {
+        tracing::warn!(job_id = r.job_id, left_out = over, budget = MAX_RUN_IMAGE_BYTES, "images of a result over the run's image budget; left out");
+    }
     for (i, mime, path) in images {
         let Some(key) = MIME_KEYS.iter().find(|(m, _)| *m == mime).map(|(_, k)| *k) else { continue };
         match crate::files::artifact_bytes(gw, r, &path).await {
@@ -341,6 +372,33 @@ pub async fn restart_context(State(gw): State<Arc<Gateway>>, caller: SandboxCall
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runs_images_are_fetched_only_while_their_sizes_fit_its_budget() {
+        let mut r = record("", JobStatus::Succeeded, None);
+        for (path, size) in [("_display/0.png", 6i64), ("_display/1.png", 5), ("_display/2.png", 3)] {
+            r.artifacts.push(sandcell_protocol::Artifact {
+                path: path.into(),
+                kind: sandcell_protocol::ArtifactKind::Display,
+                size_bytes: size,
+                content_type: "image/png".into(),
+                sha256: String::new(),
+                s3_key: format!("t/j/{path}"),
+                expires_at: chrono::Utc::now(),
+                state: sandcell_protocol::ArtifactState::Available,
+                download_url: None,
+            });
+        }
+        let images =
+            |paths: &[&str]| -> Vec<(usize, String, String)> { paths.iter().enumerate().map(|(i, p)| (i, "image/png".to_string(), p.to_string())).collect() };
+        let paths = |kept: &[(usize, String, String)]| kept.iter().map(|k| k.2.clone()).collect::<Vec<_>>();
+        // 6 + 5 fit in 12; the third (3 more) does not; one of no artifact is not counted.
+        let (kept, over) = within_image_budget(&r, images(&["_display/0.png", "_display/1.png", "_display/2.png", "_display/9.png"]), 12);
+        assert_eq!((paths(&kept), over), (vec!["_display/0.png".to_string(), "_display/1.png".to_string()], 1));
+        // A smaller image after one that did not fit still does.
+        let (kept, over) = within_image_budget(&r, images(&["_display/0.png", "_display/1.png", "_display/2.png"]), 9);
+        assert_eq!((paths(&kept), over), (vec!["_display/0.png".to_string(), "_display/2.png".to_string()], 1));
+    }
 
     #[test]
     fn a_mime_bundle_becomes_e2b_result_keys_and_unknown_types_go_to_extra() {
