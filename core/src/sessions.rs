@@ -17,6 +17,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use sandcell_protocol::submission::decoded_len;
 use sandcell_protocol::{storable, ErrorCode, MoveCause, Reason, Session, SessionState};
 use sqlx::postgres::PgPool;
 use sqlx::Row;
@@ -497,11 +498,11 @@ impl SessionStore {
                     continue;
                 }
                 let f = match f {
-                    WorkspaceFile::Inline { path, content_b64 } if inline_bytes.saturating_add(content_b64.len() as u64 / 4 * 3) > inline_budget => {
+                    WorkspaceFile::Inline { path, content_b64 } if inline_bytes.saturating_add(decoded_len(&content_b64)) > inline_budget => {
                         WorkspaceFile::Over { path }
                     }
                     WorkspaceFile::Inline { path, content_b64 } => {
-                        inline_bytes += content_b64.len() as u64 / 4 * 3;
+                        inline_bytes += decoded_len(&content_b64);
                         WorkspaceFile::Inline { path, content_b64 }
                     }
                     other => other,

@@ -55,6 +55,19 @@ impl InputFile {
     pub fn inline(path: impl Into<String>, bytes: &[u8]) -> Self {
         InputFile { path: path.into(), content_b64: Some(base64::engine::general_purpose::STANDARD.encode(bytes)), s3_key: None }
     }
+
+    /// At most how many bytes its inline content decodes to ([`decoded_len`]; 0 for a file by
+    /// `s3_key`).
+    pub fn inline_len(&self) -> u64 {
+        self.content_b64.as_deref().map_or(0, decoded_len)
+    }
+}
+
+/// At most how many bytes standard base64 text decodes to (its padding not taken off), read
+/// from its length alone: every bound on inline content is checked with it before anything is
+/// decoded.
+pub fn decoded_len(b64: &str) -> u64 {
+    b64.len() as u64 / 4 * 3
 }
 
 /// Most entries in `get_files`.
@@ -449,8 +462,8 @@ fn validate_files(tenant: &str, files: &[InputFile], limits: &IntakeLimits) -> R
             }
         };
         // Estimate first so that a huge payload is refused without decoding it.
-        let estimated = content_b64.len() / 4 * 3;
-        if estimated > limits.max_inline_file_bytes + 3 {
+        let estimated = usize::try_from(decoded_len(content_b64)).unwrap_or(usize::MAX);
+        if estimated > limits.max_inline_file_bytes.saturating_add(3) {
             return Err(Reason::new(ErrorCode::OversizeFile, too_big(&format!("input file {:?}", f.path), estimated, limits.max_inline_file_bytes, "")));
         }
         let decoded = base64::engine::general_purpose::STANDARD

@@ -164,7 +164,7 @@ pub async fn discard_snapshot(ctx: &WorkerContext, key: &str) {
 
 /// Whether `files` and `extra` more bytes fit in a workspace of `workspace_mb`.
 pub fn fits(files: &[InputFile], extra: usize, workspace_mb: u64) -> bool {
-    let files: u64 = files.iter().map(|f| f.content_b64.as_ref().map_or(0, |b| b.len() as u64 / 4 * 3)).sum();
+    let files: u64 = files.iter().map(InputFile::inline_len).sum();
     files.saturating_add(extra as u64) <= workspace_mb.saturating_mul(1 << 20)
 }
 
@@ -191,7 +191,7 @@ pub async fn restore_workspace(ctx: &WorkerContext, job: &ExecutionJob) -> Resul
         match f {
             WorkspaceFile::Over { path } => missing.push(path),
             WorkspaceFile::Inline { path, content_b64 } => {
-                let size = (content_b64.len() as u64 / 4) * 3;
+                let size = sandcell_protocol::submission::decoded_len(&content_b64);
                 if size > left {
                     missing.push(path);
                     continue;

@@ -194,7 +194,7 @@ fn with_restored(restored: Vec<InputFile>, own: Vec<InputFile>) -> Vec<InputFile
 /// worker hold 32 copies of it (in memory, several times over) before any sandbox refused them.
 pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Vec<InputFile>, Reason> {
     let workspace = ctx.cfg.policy.cap(&job.limits).workspace_mb.saturating_mul(1 << 20);
-    let inline: u64 = job.files.iter().filter_map(|f| f.content_b64.as_ref()).map(|b| (b.len() as u64 / 4) * 3).sum();
+    let inline: u64 = job.files.iter().map(InputFile::inline_len).sum();
     let mut left = workspace.saturating_sub(inline);
     let mut files = Vec::with_capacity(job.files.len());
     for f in &job.files {
