@@ -748,3 +748,52 @@ async fn a_job_naming_one_upload_under_more_paths_than_its_workspace_holds_is_re
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     assert_eq!(r.execution.stdout, "[20000000, 20000000]\n", "{r:?}");
 }
+
+/// Before, a worker's queue, shared by all its sessions, was delivered at most 256 unacked jobs
+/// at a time (`SANDCELL_SESSION_PREFETCH`), and one session could take them all: a tenant's
+/// session running a slow cell with 300 jobs queued behind it held every other session on the
+/// worker, another tenant's included, and its own cancel of the slow cell, until that cell
+/// ended (here 280 s). Now a session holds at most its window of unacked messages (7 by
+/// default); its later jobs are acked as they arrive and read back from Postgres in turn, in
+/// order.
+#[tokio::test]
+async fn one_sessions_backlog_does_not_hold_another_tenants_session_on_the_same_worker() {
+    let c = client().await;
+    let (t, other) = (tenant(), tenant());
+    let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;
+    let theirs = run(&c, &open_session(&other, "m = 0", Some(600))).await;
+    let (sid, other_sid) = (session_id(&opened), session_id(&theirs));
+    assert_eq!(opened.worker_id, theirs.worker_id, "both sessions on the one worker of this stack");
+    let acked_before = worker_metric("sandcell_worker_session_jobs_acked_on_arrival_total").await.unwrap_or(0.0);
+    let mut slow = in_session(&t, &sid, "import time\ntime.sleep(280)");
+    slow.timeout_ms = Some(290_000);
+    c.submit(&slow).await.expect("submit");
+    const BACKLOG: usize = 300;
+    let backlog: Vec<_> = (0..BACKLOG).map(|_| in_session(&t, &sid, "n += 1\nn")).collect();
+    for s in &backlog {
+        c.submit(s).await.expect("submit");
+    }
+    // The worker has taken the whole backlog: all but the window's worth acked on arrival.
+    let taken = eventually(Duration::from_secs(60), || async {
+        let acked = worker_metric("sandcell_worker_session_jobs_acked_on_arrival_total").await.unwrap_or(0.0) - acked_before;
+        (acked >= (BACKLOG - 7) as f64).then_some(acked)
+    })
+    .await;
+    assert!(taken.is_some(), "the worker did not take the session's backlog past its window");
+    // The other tenant's session is served while the slow cell still runs.
+    let theirs = in_session(&other, &other_sid, "m += 1\nm");
+    c.submit(&theirs).await.expect("submit");
+    let served = c.wait(&other, &theirs.job_id, Duration::from_secs(60)).await;
+    let served = served.expect("the other tenant's session job waited behind this tenant's backlog");
+    assert_eq!((served.status, value(&served)), (JobStatus::Succeeded, Some("1".to_string())), "{served:?}");
+    let still = c.result(&t, &slow.job_id).await.expect("reading the slow cell");
+    assert!(still.as_ref().is_none_or(|r| r.status == JobStatus::Running), "the slow cell ended early: {still:?}");
+    // The tenant's own cancel reaches its slow cell, and the backlog then runs, in order.
+    c.cancel(&t, &slow.job_id, &sid).await.expect("cancelling the slow cell");
+    let cancelled = c.wait(&t, &slow.job_id, JOB_WAIT).await.expect("the slow cell's result");
+    assert_eq!(cancelled.status, JobStatus::Cancelled, "{cancelled:?}");
+    for (i, s) in backlog.iter().enumerate() {
+        let r = c.wait(&s.tenant, &s.job_id, JOB_WAIT).await.expect("result");
+        assert_eq!((r.status, value(&r)), (JobStatus::Succeeded, Some((i + 1).to_string())), "job {i}: {:?}", r.reason);
+    }
+}

@@ -138,9 +138,39 @@ impl Config {
         })
     }
 
+    /// How many of one session's jobs this worker holds on unacked messages of its queue (the
+    /// session's window): `SANDCELL_SESSION_PREFETCH / (SANDCELL_WORKER_MAX_SESSIONS + 1)`, at
+    /// least 1 (7 by default). The sessions held then take at most `max_sessions × window` of
+    /// the prefetch, so a job of any other session is delivered at once; a session's later jobs
+    /// are acked on arrival and read back from Postgres in turn (`registry::WindowPlace`).
+    pub fn session_window(&self) -> usize {
+        session_window(self.session_prefetch, self.max_sessions)
+    }
+
     /// The network and proxy of `tenant`'s sandboxes: `None` (no network at all) unless the
     /// operator granted the tenant egress.
     pub fn egress_for(&self, tenant: &str) -> Option<sandbox::container::Egress> {
         sandbox::container::Egress::granted(&self.egress_tenants, self.egress_network.as_deref(), self.egress_proxy.as_deref(), tenant)
+    }
+}
+
+/// [`Config::session_window`] of a prefetch and a number of sessions.
+fn session_window(prefetch: u16, max_sessions: u16) -> usize {
+    (usize::from(prefetch) / (usize::from(max_sessions) + 1)).max(1)
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::session_window;
+
+    #[test]
+    fn the_sessions_windows_together_leave_room_in_the_prefetch_for_another_sessions_job() {
+        assert_eq!(session_window(256, 32), 7, "the defaults");
+        for (prefetch, sessions) in [(256u16, 32u16), (256, 1), (1000, 7), (64, 63), (65535, 1000)] {
+            let window = session_window(prefetch, sessions);
+            assert!(window >= 1);
+            assert!(usize::from(sessions) * window < usize::from(prefetch), "{sessions} sessions × {window} fill a prefetch of {prefetch}");
+        }
+        assert_eq!(session_window(8, 32), 1, "a prefetch below the sessions still lets each session a job");
     }
 }

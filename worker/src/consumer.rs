@@ -14,6 +14,9 @@
 //! - `sandcell.worker.<id>` (this worker's own): jobs of sessions it holds, handed to the
 //!   session's task in delivery order; a job for a session it does not hold is refused with
 //!   the session's reason, unless the session moved to another worker (the job follows it).
+//!   A session holds at most its window of this queue's unacked messages
+//!   ([`crate::registry::WindowPlace`]); its jobs past it are acked as they arrive and read
+//!   back from Postgres in turn, so that one session's backlog never holds the others' jobs.
 //!   A job that takes a moving session over arrives like an opening job, on `sandcell.sessions.new`.
 //!
 //! Every delivery enters the [`Ledger`](crate::ledger::Ledger), and every handler ends by
@@ -50,7 +53,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::context::WorkerContext;
 use crate::ledger::{self, Disposition, Ticket};
-use crate::registry::Work;
+use crate::registry::{WindowPlace, Work};
 use crate::run::{self, OneOff};
 
 /// How long a worker at its session capacity holds an opening job before returning it.
@@ -232,13 +235,33 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
                     continue;
                 }
                 if let Some((job, ticket)) = admit(ctx, delivery).await {
+                    let work = within_window(ctx, Work::new(job, ticket, None), &republish, &own_queue).await;
                     // Handed to the session synchronously, so delivery order is mailbox order.
-                    route_to_session(ctx, Work::new(job, ticket, None)).await;
+                    route_to_session(ctx, work).await;
                 }
             }
         }
     }
     Ok(())
+}
+
+/// Give a job of this worker's queue its place in its session's window of unacked messages
+/// (`registry::WindowPlace`), held by its ticket; past the window, its message is acked now
+/// and the job waits as read back from Postgres (`republish`, `queue`: as for the jobs read
+/// back on a connection), its inputs left there.
+async fn within_window(ctx: &WorkerContext, mut work: Work, republish: &lapin::Channel, queue: &str) -> Work {
+    match ctx.registry.window_place(&work.job) {
+        WindowPlace::Taken(place) => work.ticket.hold(place),
+        WindowPlace::Full => {
+            let recovered = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), jobs: ctx.jobs.clone() };
+            if work.ticket.release(recovered).await {
+                work.leave_inputs_in_postgres();
+                ctx.metrics.acked_on_arrival.inc();
+            }
+        }
+        WindowPlace::NotHeld => {}
+    }
+    work
 }
 
 /// Hand this worker's sessions the jobs routed to it that have not run, read from Postgres, before

@@ -18,7 +18,9 @@
 //!   session jobs travel in transient messages, so after a reconnect the worker reads the jobs
 //!   routed to it; one already held here is not entered twice (nor read again), a copy the
 //!   queue still delivers takes its place (absorbed), and one whose handler fails is read again
-//!   from Postgres and published, persistent, to this worker's queue while it is still `queued`.
+//!   from Postgres and published, persistent, to this worker's queue while it is still `queued`;
+//! - **a session holds at most its window of unacked messages** ([`Ticket::release`]): a job
+//!   past it is acked on arrival and held from then on as read back from Postgres.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -210,6 +212,30 @@ impl Ticket {
     /// Keep `permit` until this ticket is settled (or dropped).
     pub fn hold(&mut self, permit: tokio::sync::OwnedSemaphorePermit) {
         self.hold = Some(permit);
+    }
+
+    /// Ack this job's message now and hold the job as read back from Postgres from here on
+    /// (`recovered`), as its session holds its window of unacked messages
+    /// (`registry::WindowPlace`): Postgres keeps the job as routed while it is `queued`, and
+    /// should this worker die, its next life reads it back. Whether the message was acked (a
+    /// job held otherwise, read back already, is left as it is). Should the ack fail (the
+    /// channel closed), a redelivery of the message takes its place back.
+    pub async fn release(&self, recovered: Recovered) -> bool {
+        let Some(key) = &self.key else { return false };
+        let message = {
+            let Ok(mut held) = self.ledger.held.lock() else { return false };
+            match held.get_mut(key) {
+                Some(current @ Source::Message(_)) => Some(std::mem::replace(current, Source::Recovered(recovered))),
+                _ => None,
+            }
+        };
+        match message {
+            Some(Source::Message(delivery)) => {
+                apply(&delivery, Disposition::Ack, &self.ledger.metrics).await;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Settle the job's current delivery: the one place a job's message is acked, requeued or

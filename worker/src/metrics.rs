@@ -76,6 +76,10 @@ pub struct Metrics {
     /// `sandcell_worker_inputs_left_in_postgres_total`: session jobs that waited without their
     /// inputs in memory (`SANDCELL_WORKER_HELD_INPUT_BYTES` was held) and read them back.
     pub inputs_left_in_postgres: IntCounter,
+    /// `sandcell_worker_session_jobs_acked_on_arrival_total`: session jobs acked as they arrived,
+    /// their session holding its window of unacked messages (`registry::WindowPlace`), and
+    /// read back from Postgres in turn.
+    pub acked_on_arrival: IntCounter,
     /// `sandcell_worker_sessions_adopted_total{cause}`: sessions this worker took over from a
     /// worker that died or restarted (`worker_lost`) or drained (`drained`).
     pub sessions_adopted: IntCounterVec,
@@ -152,6 +156,11 @@ impl Metrics {
             "Session jobs that waited with their inputs left in Postgres (the held-input budget was full)",
         )?;
         registry.register(Box::new(inputs_left_in_postgres.clone()))?;
+        let acked_on_arrival = IntCounter::new(
+            "sandcell_worker_session_jobs_acked_on_arrival_total",
+            "Session jobs acked as they arrived (their session held its window of unacked messages) and read back from Postgres in turn",
+        )?;
+        registry.register(Box::new(acked_on_arrival.clone()))?;
         let sessions_adopted =
             IntCounterVec::new(Opts::new("sandcell_worker_sessions_adopted_total", "Sessions taken over from another worker, by why they moved"), &["cause"])?;
         registry.register(Box::new(sessions_adopted.clone()))?;
@@ -180,6 +189,7 @@ impl Metrics {
             sessions_adopted,
             opening_returned,
             inputs_left_in_postgres,
+            acked_on_arrival,
             events_published,
             events_dropped,
             oneoff_sandboxes,

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use sandcell_core::jobs::Claim;
 use sandcell_protocol::ExecutionJob;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::ledger::Ticket;
 
@@ -34,6 +34,37 @@ impl Work {
     pub fn new(job: ExecutionJob, ticket: Ticket, claim: Option<Claim>) -> Self {
         Work { job, ticket, claim, inputs: Inputs::InHand }
     }
+
+    /// Drop the job's code and inline files' contents: they are read back from Postgres when
+    /// its turn comes.
+    pub fn leave_inputs_in_postgres(&mut self) {
+        self.job.code = String::new();
+        for f in &mut self.job.files {
+            f.content_b64 = None;
+        }
+        self.inputs = Inputs::InPostgres;
+    }
+}
+
+/// A session job's place in its session's window: the jobs of one session this worker holds on
+/// unacked messages of its queue ([`crate::config::Config::session_window`]).
+///
+/// Why: a worker's queue is shared by all its sessions, and the broker delivers it in order,
+/// at most `SANDCELL_SESSION_PREFETCH` (256) unacked at a time. One tenant's session running a
+/// slow cell, fed 300 jobs, took the whole prefetch with them: every other session on the
+/// worker, other tenants' included, waited for that slow cell before its next job was even
+/// delivered, and so did the tenant's own cancel of it. Now a session holds at most its window
+/// on messages; its later jobs are acked as they arrive and wait as if read back after a
+/// reconnect (Postgres keeps every session job as routed, `jobs.routed`), their inputs left
+/// there. The sessions held take at most `max_sessions × window` of the prefetch, so a job of
+/// any other session is delivered at once.
+pub enum WindowPlace {
+    /// Taken: the job's ticket holds it until the job is settled.
+    Taken(OwnedSemaphorePermit),
+    /// The session holds its window's worth: the job's message is acked on arrival.
+    Full,
+    /// Not a session this worker holds for that tenant: the job is refused, or follows it.
+    NotHeld,
 }
 
 /// Where a job's code and inline input files are while it waits in a session's mailbox.
@@ -94,6 +125,8 @@ pub enum Mail {
 struct Entry {
     tenant: String,
     mailbox: mpsc::UnboundedSender<Mail>,
+    /// The session's places on unacked messages ([`WindowPlace`]).
+    window: Arc<Semaphore>,
     /// The session's jobs cancelled last (at most [`CANCELS_KEPT`]): its running job, and each
     /// job as it starts, reads them (see [`crate::kernel::Kernel::run`]).
     cancel: watch::Sender<Vec<String>>,
@@ -106,15 +139,31 @@ pub struct Registry {
     /// Bytes of inputs held by jobs in mailboxes, and the most they may be.
     held_inputs: Arc<AtomicU64>,
     input_budget: u64,
+    /// Places of each session's window ([`WindowPlace`]).
+    window: usize,
     /// `sandcell_worker_inputs_left_in_postgres_total`.
     left_in_postgres: prometheus::IntCounter,
 }
 
 impl Registry {
     /// An empty registry whose mailboxes hold at most `input_budget` bytes of jobs' inputs,
-    /// counting in `left_in_postgres` the jobs whose inputs did not fit.
-    pub fn new(input_budget: u64, left_in_postgres: prometheus::IntCounter) -> Self {
-        Registry { map: Arc::default(), held_inputs: Arc::default(), input_budget, left_in_postgres }
+    /// counting in `left_in_postgres` the jobs whose inputs did not fit, and whose sessions
+    /// each hold at most `window` jobs on unacked messages.
+    pub fn new(input_budget: u64, window: usize, left_in_postgres: prometheus::IntCounter) -> Self {
+        Registry { map: Arc::default(), held_inputs: Arc::default(), input_budget, window: window.max(1), left_in_postgres }
+    }
+
+    /// A place in the window of the session `job` names ([`WindowPlace`]).
+    pub fn window_place(&self, job: &ExecutionJob) -> WindowPlace {
+        let Some(session) = job.session.as_ref() else { return WindowPlace::NotHeld };
+        let Ok(map) = self.map.lock() else { return WindowPlace::NotHeld };
+        match map.get(&session.id) {
+            Some(e) if e.tenant == job.tenant => match e.window.clone().try_acquire_owned() {
+                Ok(place) => WindowPlace::Taken(place),
+                Err(_) => WindowPlace::Full,
+            },
+            _ => WindowPlace::NotHeld,
+        }
     }
 
     /// Hand `work` to the session it names, its inputs held or left in Postgres ([`Inputs`]).
@@ -131,10 +180,7 @@ impl Registry {
                         None => {
                             tracing::info!(tenant = %work.job.tenant, job_id = %work.job.job_id, bytes, "inputs of a waiting job left in Postgres: the worker holds its budget");
                             self.left_in_postgres.inc();
-                            work.job.code = String::new();
-                            for f in &mut work.job.files {
-                                f.content_b64 = None;
-                            }
+                            work.leave_inputs_in_postgres();
                             Inputs::InPostgres
                         }
                     };
@@ -172,7 +218,8 @@ impl Registry {
 
     pub fn insert(&self, id: &str, tenant: &str, mailbox: mpsc::UnboundedSender<Mail>, cancel: watch::Sender<Vec<String>>) {
         if let Ok(mut m) = self.map.lock() {
-            m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox, cancel });
+            let window = Arc::new(Semaphore::new(self.window));
+            m.insert(id.to_string(), Entry { tenant: tenant.to_string(), mailbox, window, cancel });
         }
     }
 

@@ -91,6 +91,7 @@ pub async fn run(mut cfg: Config) -> Result<()> {
     tokio::spawn(publisher.run());
     let (drain, draining) = tokio::sync::watch::channel(false);
     let (held_input_bytes, left_in_postgres) = (cfg.held_input_bytes, metrics.inputs_left_in_postgres.clone());
+    let session_window = cfg.session_window();
     let ctx = context::WorkerContext {
         draining,
         events,
@@ -107,7 +108,7 @@ pub async fn run(mut cfg: Config) -> Result<()> {
         metrics,
         pool: warm.clone(),
         bound: bound.clone(),
-        registry: crate::registry::Registry::new(held_input_bytes, left_in_postgres),
+        registry: crate::registry::Registry::new(held_input_bytes, session_window, left_in_postgres),
     };
     let worker_id = ctx.cfg.worker_id.clone();
     let (ledger, grace, registry) = (ctx.ledger.clone(), ctx.cfg.drain_grace, ctx.registry.clone());
