@@ -754,8 +754,8 @@ async fn a_job_naming_one_upload_under_more_paths_than_its_workspace_holds_is_re
 /// session running a slow cell with 300 jobs queued behind it held every other session on the
 /// worker, another tenant's included, and its own cancel of the slow cell, until that cell
 /// ended (here 280 s). Now a session holds at most its window of unacked messages (7 by
-/// default); its later jobs are acked as they arrive and read back from Postgres in turn, in
-/// order.
+/// default); its later jobs are acked as they arrive, held as read back from Postgres, and run
+/// in order.
 #[tokio::test]
 async fn one_sessions_backlog_does_not_hold_another_tenants_session_on_the_same_worker() {
     let c = client().await;

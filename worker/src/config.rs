@@ -142,7 +142,7 @@ impl Config {
     /// session's window): `SANDCELL_SESSION_PREFETCH / (SANDCELL_WORKER_MAX_SESSIONS + 1)`, at
     /// least 1 (7 by default). The sessions held then take at most `max_sessions × window` of
     /// the prefetch, so a job of any other session is delivered at once; a session's later jobs
-    /// are acked on arrival and read back from Postgres in turn (`registry::WindowPlace`).
+    /// are acked on arrival and held as read back from Postgres (`registry::WindowPlace`).
     pub fn session_window(&self) -> usize {
         session_window(self.session_prefetch, self.max_sessions)
     }

@@ -15,8 +15,8 @@
 //!   session's task in delivery order; a job for a session it does not hold is refused with
 //!   the session's reason, unless the session moved to another worker (the job follows it).
 //!   A session holds at most its window of this queue's unacked messages
-//!   ([`crate::registry::WindowPlace`]); its jobs past it are acked as they arrive and read
-//!   back from Postgres in turn, so that one session's backlog never holds the others' jobs.
+//!   ([`crate::registry::WindowPlace`]); its jobs past it are acked as they arrive and held as
+//!   read back from Postgres, so that one session's backlog never holds the others' jobs.
 //!   A job that takes a moving session over arrives like an opening job, on `sandcell.sessions.new`.
 //!
 //! Every delivery enters the [`Ledger`](crate::ledger::Ledger), and every handler ends by
@@ -248,14 +248,13 @@ async fn consume(ctx: &WorkerContext, broker_up: &AtomicBool) -> Result<()> {
 /// Give a job of this worker's queue its place in its session's window of unacked messages
 /// (`registry::WindowPlace`), held by its ticket; past the window, its message is acked now
 /// and the job waits as read back from Postgres (`republish`, `queue`: as for the jobs read
-/// back on a connection), its inputs left there.
+/// back on a connection), its inputs within the mailboxes' budget like any waiting job's.
 async fn within_window(ctx: &WorkerContext, mut work: Work, republish: &lapin::Channel, queue: &str) -> Work {
     match ctx.registry.window_place(&work.job) {
         WindowPlace::Taken(place) => work.ticket.hold(place),
         WindowPlace::Full => {
             let recovered = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), jobs: ctx.jobs.clone() };
             if work.ticket.release(recovered).await {
-                work.leave_inputs_in_postgres();
                 ctx.metrics.acked_on_arrival.inc();
             }
         }

@@ -17,7 +17,8 @@
 //! - **a session job read back from Postgres is held like a delivery** ([`Ledger::enter_recovered`]):
 //!   session jobs travel in transient messages, so after a reconnect the worker reads the jobs
 //!   routed to it; one already held here is not entered twice (nor read again), a copy the
-//!   queue still delivers takes its place (absorbed), and one whose handler fails is read again
+//!   queue still delivers is acked at once (absorbed: the job stays held as read back, so a
+//!   session's copies never stand in its window), and one whose handler fails is read again
 //!   from Postgres and published, persistent, to this worker's queue while it is still `queued`;
 //! - **a session holds at most its window of unacked messages** ([`Ticket::release`]): a job
 //!   past it is acked on arrival and held from then on as read back from Postgres.
@@ -143,6 +144,11 @@ impl Ledger {
                 return Some(Ticket { key: None, ledger: self.clone(), arrival, returns, hold: None });
             };
             match held.get_mut(&key) {
+                // Held as read back from Postgres (after a reconnect, or past its session's
+                // window): it stays so, and this copy is retired below. Taking its place, the
+                // copy would stand unacked outside any window, and a session's copies could
+                // fill the prefetch again.
+                Some(Source::Recovered(_)) => Some(Source::Message(delivery)),
                 Some(current) => Some(std::mem::replace(current, Source::Message(delivery))),
                 None => {
                     held.insert(key.clone(), Source::Message(delivery));
@@ -156,7 +162,8 @@ impl Ledger {
                 tracing::info!(tenant = %key.0, job_id = %key.1, "a copy of a job in flight here arrived; it will be settled with the running one");
                 self.metrics.redeliveries_absorbed.inc();
                 // A message: on a closed channel this fails harmlessly; on a live one it retires
-                // the copy. A job read back from Postgres has nothing to retire.
+                // the copy (the new one, when the job is held as read back). A job read back
+                // from Postgres has nothing to retire.
                 if let Source::Message(old) = old {
                     apply(&old, Disposition::Ack, &self.metrics).await;
                 }
@@ -216,10 +223,11 @@ impl Ticket {
 
     /// Ack this job's message now and hold the job as read back from Postgres from here on
     /// (`recovered`), as its session holds its window of unacked messages
-    /// (`registry::WindowPlace`): Postgres keeps the job as routed while it is `queued`, and
-    /// should this worker die, its next life reads it back. Whether the message was acked (a
-    /// job held otherwise, read back already, is left as it is). Should the ack fail (the
-    /// channel closed), a redelivery of the message takes its place back.
+    /// (`registry::WindowPlace`): Postgres keeps the job as routed while it is `queued` (should
+    /// this worker die or drain, it is parked with its session's other jobs and follows the
+    /// session to its next owner, `SessionStore::orphan_worker`). Whether the message was acked
+    /// (a job held otherwise, read back already, is left as it is). Should the ack fail (the
+    /// channel closed), a redelivery of the message is acked on arrival (`Ledger::enter`).
     pub async fn release(&self, recovered: Recovered) -> bool {
         let Some(key) = &self.key else { return false };
         let message = {
@@ -230,10 +238,7 @@ impl Ticket {
             }
         };
         match message {
-            Some(Source::Message(delivery)) => {
-                apply(&delivery, Disposition::Ack, &self.ledger.metrics).await;
-                true
-            }
+            Some(Source::Message(delivery)) => apply(&delivery, Disposition::Ack, &self.ledger.metrics).await,
             _ => false,
         }
     }
@@ -267,7 +272,9 @@ impl Drop for Ticket {
 impl Source {
     async fn settle(self, key: &Key, disposition: Disposition, metrics: &Metrics) {
         match self {
-            Source::Message(delivery) => apply(&delivery, disposition, metrics).await,
+            Source::Message(delivery) => {
+                apply(&delivery, disposition, metrics).await;
+            }
             Source::Recovered(_) if disposition == Disposition::Ack => {}
             // As the broker would do with its message: a job whose handler failed goes back to
             // this worker's queue (now persistent), one that can never run to the dead letters.
@@ -339,8 +346,10 @@ pub async fn settle_undecodable(delivery: &Delivery, metrics: &Metrics) {
     apply(delivery, Disposition::DeadLetter, metrics).await;
 }
 
-async fn apply(delivery: &Delivery, disposition: Disposition, metrics: &Metrics) {
-    if let Err(e) = sandcell_core::broker::settle(delivery, disposition).await {
+/// Settle `delivery`; whether the broker took it.
+async fn apply(delivery: &Delivery, disposition: Disposition, metrics: &Metrics) -> bool {
+    let settled = sandcell_core::broker::settle(delivery, disposition).await;
+    if let Err(e) = &settled {
         // The channel closed (a broker restart): the broker redelivers the message if it kept it
         // (not a session job's transient one), and the redelivery finds the job finished (ack) or
         // in flight here (absorbed).
@@ -352,4 +361,5 @@ async fn apply(delivery: &Delivery, disposition: Disposition, metrics: &Metrics)
             "settling a job's message failed; the broker redelivers it if it kept it (a session job's transient message is gone after a broker restart)"
         );
     }
+    settled.is_ok()
 }

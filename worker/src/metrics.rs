@@ -78,7 +78,7 @@ pub struct Metrics {
     pub inputs_left_in_postgres: IntCounter,
     /// `sandcell_worker_session_jobs_acked_on_arrival_total`: session jobs acked as they arrived,
     /// their session holding its window of unacked messages (`registry::WindowPlace`), and
-    /// read back from Postgres in turn.
+    /// held from then on as read back from Postgres.
     pub acked_on_arrival: IntCounter,
     /// `sandcell_worker_sessions_adopted_total{cause}`: sessions this worker took over from a
     /// worker that died or restarted (`worker_lost`) or drained (`drained`).
@@ -158,7 +158,7 @@ impl Metrics {
         registry.register(Box::new(inputs_left_in_postgres.clone()))?;
         let acked_on_arrival = IntCounter::new(
             "sandcell_worker_session_jobs_acked_on_arrival_total",
-            "Session jobs acked as they arrived (their session held its window of unacked messages) and read back from Postgres in turn",
+            "Session jobs acked as they arrived (their session held its window of unacked messages), held from then on as read back from Postgres",
         )?;
         registry.register(Box::new(acked_on_arrival.clone()))?;
         let sessions_adopted =

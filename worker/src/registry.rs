@@ -35,13 +35,11 @@ impl Work {
         Work { job, ticket, claim, inputs: Inputs::InHand }
     }
 
-    /// Drop the job's code and inline files' contents: they are read back from Postgres when
-    /// its turn comes.
+    /// Keep only the job's stub (its ids, session, language and limits): the rest — code,
+    /// files, `get_files`, environment, context — is read back from Postgres, the whole job as
+    /// routed, when its turn comes (`SessionTask::step`).
     pub fn leave_inputs_in_postgres(&mut self) {
-        self.job.code = String::new();
-        for f in &mut self.job.files {
-            f.content_b64 = None;
-        }
+        keep_stub(&mut self.job);
         self.inputs = Inputs::InPostgres;
     }
 }
@@ -55,9 +53,11 @@ impl Work {
 /// worker, other tenants' included, waited for that slow cell before its next job was even
 /// delivered, and so did the tenant's own cancel of it. Now a session holds at most its window
 /// on messages; its later jobs are acked as they arrive and wait as if read back after a
-/// reconnect (Postgres keeps every session job as routed, `jobs.routed`), their inputs left
-/// there. The sessions held take at most `max_sessions × window` of the prefetch, so a job of
-/// any other session is delivered at once.
+/// reconnect (Postgres keeps every session job as routed, `jobs.routed`), their inputs in the
+/// mailbox within the budget like any waiting job's ([`Inputs`]). The sessions held take at
+/// most `max_sessions × window` of the prefetch, so a job of any other session is delivered at
+/// once. What a worker holds of its waiting jobs is then bounded by the budget, plus a stub of
+/// each (well under 1 KiB) for as many as its sessions' tenants may queue (`max_queued_jobs`).
 pub enum WindowPlace {
     /// Taken: the job's ticket holds it until the job is settled.
     Taken(OwnedSemaphorePermit),
@@ -67,7 +67,8 @@ pub enum WindowPlace {
     NotHeld,
 }
 
-/// Where a job's code and inline input files are while it waits in a session's mailbox.
+/// Where a job's inputs (code, inline files, environment, …) are while it waits in a session's
+/// mailbox.
 ///
 /// Why: a worker takes up to `SANDCELL_SESSION_PREFETCH` (256) session jobs from its queue, each
 /// up to 16 MiB, and its sessions' mailboxes held them all: one tenant's session running a slow
@@ -99,10 +100,24 @@ impl Drop for HeldBytes {
     }
 }
 
-/// The bytes of a job's code and inline input files (base64, as held).
+/// The bytes a waiting job holds beyond its stub: its code, its input files (base64 as held,
+/// paths and keys), the files it asks for, its environment and its context. A job carries up to
+/// 16 MiB of code and files but also 64 KiB of environment and 64 KiB of paths asked for; with a
+/// session's backlog past its window in the mailbox, those counted too.
 fn input_bytes(job: &ExecutionJob) -> u64 {
-    let files: usize = job.files.iter().filter_map(|f| f.content_b64.as_ref()).map(String::len).sum();
-    (job.code.len() + files) as u64
+    let files: usize = job.files.iter().map(|f| f.path.len() + f.content_b64.as_ref().map_or(0, String::len) + f.s3_key.as_ref().map_or(0, String::len)).sum();
+    let asked: usize = job.get_files.iter().map(String::len).sum();
+    let env: usize = job.env.iter().map(|(k, v)| k.len() + v.len()).sum();
+    (job.code.len() + files + asked + env + job.context.as_ref().map_or(0, String::len)) as u64
+}
+
+/// Reduce `job` to its stub ([`Work::leave_inputs_in_postgres`]): nothing [`input_bytes`] counts.
+fn keep_stub(job: &mut ExecutionJob) {
+    job.code = String::new();
+    job.files = Vec::new();
+    job.get_files = Vec::new();
+    job.env = Default::default();
+    job.context = None;
 }
 
 /// Reserve `bytes` of `budget` in `total`, unless they do not fit (then nothing is reserved).
@@ -251,6 +266,30 @@ impl Registry {
 #[cfg(test)]
 mod held_input_tests {
     use super::*;
+
+    #[test]
+    fn a_waiting_jobs_environment_and_paths_count_against_the_budget_and_its_stub_holds_none() {
+        let mut job = ExecutionJob {
+            tenant: "acme".into(),
+            job_id: "j1".into(),
+            language: sandcell_protocol::Language::Python,
+            code: "x".repeat(10),
+            files: vec![
+                sandcell_protocol::InputFile::inline("a.csv", b"abc"),
+                sandcell_protocol::InputFile { path: "b".into(), content_b64: None, s3_key: Some("acme/_uploads/k".into()) },
+            ],
+            limits: sandcell_protocol::LimitPolicy::default().default,
+            session: None,
+            get_files: vec!["out.png".into()],
+            list_files: true,
+            env: [("K".to_string(), "v".repeat(65_000))].into(),
+            context: Some("ctx".into()),
+        };
+        assert_eq!(input_bytes(&job), 10 + (5 + 4) + (1 + 15) + 7 + (1 + 65_000) + 3);
+        keep_stub(&mut job);
+        assert_eq!(input_bytes(&job), 0, "{job:?}");
+        assert_eq!((job.tenant.as_str(), job.job_id.as_str(), job.list_files), ("acme", "j1", true), "the stub keeps the job's ids and flags");
+    }
 
     #[test]
     fn inputs_are_held_while_they_fit_the_budget_and_given_back_when_dropped() {
