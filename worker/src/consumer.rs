@@ -253,8 +253,7 @@ async fn within_window(ctx: &WorkerContext, mut work: Work, republish: &lapin::C
     match ctx.registry.window_place(&work.job) {
         WindowPlace::Taken(place) => work.ticket.hold(place),
         WindowPlace::Full => {
-            let recovered = crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), jobs: ctx.jobs.clone() };
-            if work.ticket.release(recovered).await {
+            if work.ticket.release(crate::ledger::Recovered::new(republish, queue, &ctx.jobs)).await {
                 ctx.metrics.acked_on_arrival.inc();
             }
         }
@@ -278,7 +277,7 @@ async fn recover_routed_jobs(ctx: &WorkerContext, republish: &lapin::Channel, qu
     })
     .await?;
     let mut recovered = 0u64;
-    let source = || crate::ledger::Recovered { channel: republish.clone(), queue: queue.to_string(), jobs: ctx.jobs.clone() };
+    let source = || crate::ledger::Recovered::new(republish, queue, &ctx.jobs);
     for (tenant, job_id) in routed {
         if ctx.ledger.hold_as_recovered(&tenant, &job_id, source()) {
             continue; // held here already, with its inputs (or its place in the budget)

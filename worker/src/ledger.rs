@@ -107,6 +107,13 @@ pub struct Recovered {
     pub jobs: JobStore,
 }
 
+impl Recovered {
+    /// A job read back (or acked on arrival) on the connection of `channel`, for `queue`.
+    pub fn new(channel: &lapin::Channel, queue: &str, jobs: &JobStore) -> Self {
+        Recovered { channel: channel.clone(), queue: queue.to_string(), jobs: jobs.clone() }
+    }
+}
+
 /// A job's place in the ledger: whoever holds it must settle it.
 pub struct Ticket {
     key: Option<Key>,

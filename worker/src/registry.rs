@@ -34,14 +34,6 @@ impl Work {
     pub fn new(job: ExecutionJob, ticket: Ticket, claim: Option<Claim>) -> Self {
         Work { job, ticket, claim, inputs: Inputs::InHand }
     }
-
-    /// Keep only the job's stub (its ids, session, language and limits): the rest — code,
-    /// files, `get_files`, environment, context — is read back from Postgres, the whole job as
-    /// routed, when its turn comes (`SessionTask::step`).
-    pub fn leave_inputs_in_postgres(&mut self) {
-        keep_stub(&mut self.job);
-        self.inputs = Inputs::InPostgres;
-    }
 }
 
 /// A session job's place in its session's window: the jobs of one session this worker holds on
@@ -111,7 +103,9 @@ fn input_bytes(job: &ExecutionJob) -> u64 {
     (job.code.len() + files + asked + env + job.context.as_ref().map_or(0, String::len)) as u64
 }
 
-/// Reduce `job` to its stub ([`Work::leave_inputs_in_postgres`]): nothing [`input_bytes`] counts.
+/// Reduce `job` to its stub (its ids, session, language, flags and limits): nothing
+/// [`input_bytes`] counts. The rest — code, files, `get_files`, environment, context — is read
+/// back from Postgres, the whole job as routed, when its turn comes (`SessionTask::step`).
 fn keep_stub(job: &mut ExecutionJob) {
     job.code = String::new();
     job.files = Vec::new();
@@ -195,7 +189,7 @@ impl Registry {
                         None => {
                             tracing::info!(tenant = %work.job.tenant, job_id = %work.job.job_id, bytes, "inputs of a waiting job left in Postgres: the worker holds its budget");
                             self.left_in_postgres.inc();
-                            work.leave_inputs_in_postgres();
+                            keep_stub(&mut work.job);
                             Inputs::InPostgres
                         }
                     };
