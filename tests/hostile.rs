@@ -749,6 +749,98 @@ async fn a_job_naming_one_upload_under_more_paths_than_its_workspace_holds_is_re
     assert_eq!(r.execution.stdout, "[20000000, 20000000]\n", "{r:?}");
 }
 
+/// A job's uploads are fetched before its cell and wait with it for a slot, in each session the
+/// worker holds. Before, each job's fetch was bounded only by its workspace: one tenant's
+/// sessions, each given a job naming a 30 MB upload under 3 paths while the worker's slots were
+/// busy, made it hold all of them at once (~115 MiB as base64 a job: ten sessions, over 1 GiB;
+/// in a pod, a memory limit kills the worker with every other tenant's sessions). Now what the
+/// worker's jobs fetch is held within `SANDCELL_WORKER_FETCH_BYTES` (512 MiB): the jobs past it
+/// wait to be fetched, and each still gets its files intact.
+#[tokio::test]
+async fn a_tenants_sessions_fetching_large_uploads_at_once_do_not_grow_the_worker_past_its_fetch_budget() {
+    let _memory = MEMORY.lock().await;
+    let c = client().await;
+    let t = tenant();
+    let store = sandcell_core::store::ArtifactStore::new(&sandcell_core::config::Services::from_env().unwrap().s3);
+    let big: Vec<u8> = (0..30_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    let digest = format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&big));
+    let key = store.upload_input(&t, "thirty.bin", big).await.unwrap();
+    // Four sessions hold the slots (the stack's worker has 4) with a slow cell; ten others each
+    // get a job naming the upload three times, which then waits for a slot.
+    const HOLDERS: usize = 4;
+    const FETCHERS: usize = 10;
+    let opening: Vec<_> = (0..HOLDERS + FETCHERS).map(|_| open_session(&t, "n = 0", Some(600))).collect();
+    for s in &opening {
+        c.submit(s).await.expect("submit");
+    }
+    let mut sessions = Vec::new();
+    for s in &opening {
+        let r = c.wait(&t, &s.job_id, JOB_WAIT).await.expect("a session opened");
+        assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+        sessions.push(session_id(&r));
+    }
+    let holders: Vec<_> = sessions[..HOLDERS]
+        .iter()
+        .map(|sid| {
+            let mut s = in_session(&t, sid, "import time\ntime.sleep(280)");
+            s.timeout_ms = Some(290_000);
+            s
+        })
+        .collect();
+    for s in &holders {
+        c.submit(s).await.expect("submit");
+    }
+    let busy = async {
+        while worker_metric("sandcell_worker_busy_slots").await.unwrap_or(0.0) < HOLDERS as f64 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), busy).await.expect("the slow cells hold every slot");
+    let by = Bystander::start(&c).await;
+    let waits_before = worker_metric("sandcell_worker_fetch_budget_waits_total").await.unwrap_or(0.0);
+    let rss_before = worker_rss_kb().expect("the worker's memory");
+    let code = "import hashlib\nprint(sorted({hashlib.sha256(open(f'c{i}.bin', 'rb').read()).hexdigest() for i in range(3)}))";
+    let fetchers: Vec<_> = sessions[HOLDERS..]
+        .iter()
+        .map(|sid| {
+            let mut s = in_session(&t, sid, code);
+            s.files = (0..3).map(|i| sandcell_protocol::InputFile { path: format!("c{i}.bin"), content_b64: None, s3_key: Some(key.clone()) }).collect();
+            s
+        })
+        .collect();
+    for s in &fetchers {
+        c.submit(s).await.expect("submit");
+    }
+    // Long enough for every job to be fetched without the budget (~1 GB from the local store).
+    let mut peak = rss_before;
+    let sampled = std::time::Instant::now();
+    while sampled.elapsed() < Duration::from_secs(25) {
+        peak = peak.max(worker_rss_kb().unwrap_or(0));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let waits = worker_metric("sandcell_worker_fetch_budget_waits_total").await.unwrap_or(0.0) - waits_before;
+    for (s, sid) in holders.iter().zip(&sessions) {
+        c.cancel(&t, &s.job_id, sid).await.expect("cancelling a slow cell");
+    }
+    for s in &holders {
+        let r = c.wait(&t, &s.job_id, JOB_WAIT).await.expect("a slow cell's result");
+        assert_eq!(r.status, JobStatus::Cancelled, "{r:?}");
+    }
+    for s in &fetchers {
+        let r = c.wait(&t, &s.job_id, JOB_WAIT).await.expect("result");
+        assert_eq!((r.status, r.execution.stdout.clone()), (JobStatus::Succeeded, format!("['{digest}']\n")), "{:?}", r.reason);
+    }
+    let grown_mb = peak.saturating_sub(rss_before) / 1024;
+    eprintln!("worker RSS {rss_before} kB before, {peak} kB at most while {FETCHERS} jobs of 3 × 30 MB uploads waited for a slot; {waits} waited for the fetch budget");
+    assert!(waits >= 1.0, "no job waited for the fetch budget: it was not applied");
+    // Ten jobs of 114 MiB as base64: before, the worker grew by over 1 GiB.
+    assert!(grown_mb < 750, "the worker grew by {grown_mb} MiB while the jobs waited");
+    by.assert_unharmed(&c).await;
+    for sid in &sessions {
+        c.submit(&close_session(&t, sid)).await.expect("closing a session");
+    }
+}
+
 /// Before, a worker's queue, shared by all its sessions, was delivered at most 256 unacked jobs
 /// at a time (`SANDCELL_SESSION_PREFETCH`), and one session could take them all: a tenant's
 /// session running a slow cell with 300 jobs queued behind it held every other session on the

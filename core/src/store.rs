@@ -133,7 +133,8 @@ impl ArtifactStore {
         if body.len() as u64 > max_bytes {
             return Ok(Fetched::TooLarge(body.len() as u64));
         }
-        Ok(Fetched::Found(body.to_vec()))
+        // Without a copy where the body came as one chunk.
+        Ok(Fetched::Found(Vec::from(body)))
     }
 
     /// Delete an object (deleting a missing object is not an error in S3).
@@ -144,9 +145,14 @@ impl ArtifactStore {
 
     /// Whether an object exists.
     pub async fn exists(&self, key: &str) -> Result<bool> {
+        Ok(self.size_of(key).await?.is_some())
+    }
+
+    /// An object's size, without reading it; `None` when there is no such object.
+    pub async fn size_of(&self, key: &str) -> Result<Option<u64>> {
         match self.client.head_object().bucket(&self.bucket).key(key).send().await {
-            Ok(_) => Ok(true),
-            Err(e) if e.as_service_error().is_some_and(|s| s.is_not_found()) => Ok(false),
+            Ok(head) => Ok(Some(u64::try_from(head.content_length().unwrap_or(0)).unwrap_or(0))),
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_not_found()) => Ok(None),
             Err(e) => Err(e).with_context(|| format!("checking {key}")),
         }
     }

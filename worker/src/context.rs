@@ -46,6 +46,8 @@ pub struct WorkerContext {
     pub ledger: Ledger,
     /// Cells running at once (`SANDCELL_WORKER_SLOTS`).
     pub slots: Arc<Semaphore>,
+    /// What the uploads fetched for jobs may hold at once (`SANDCELL_WORKER_FETCH_BYTES`).
+    pub fetch_budget: crate::inputs::FetchBudget,
     /// When a cell last ran: what no job waits for waits for a lull.
     pub activity: Activity,
     /// Sessions held at once (`SANDCELL_WORKER_MAX_SESSIONS`).

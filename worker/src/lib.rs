@@ -3,8 +3,9 @@
 //! commits each result and its artifacts.
 //!
 //! The data path through this crate: [`consumer`] (the shared and the worker's own queue) →
-//! [`run`] (`run::job`, the one function every job goes through: inputs, claim, a kernel under a
-//! slot, the cell, commit), with the kernel's [`run::Host`]: a one-off kernel, or
+//! [`run`] (`run::job`, the one function every job goes through: [`inputs`] — uploads fetched
+//! within the job's workspace and the worker's fetch budget —, claim, a kernel under a slot,
+//! the cell, commit), with the kernel's [`run::Host`]: a one-off kernel, or
 //! [`session`] (one task per held session, found through [`registry`]) → [`kernel`] (cells under a wall clock, interrupts)
 //! → [`outcome`] (driver events into an outcome, then the result's `Execution` document; what
 //! each event adds is also published live by [`events`]) →
@@ -24,6 +25,7 @@ mod config;
 mod consumer;
 mod context;
 mod events;
+mod inputs;
 mod kernel;
 mod ledger;
 mod metrics;

@@ -80,6 +80,9 @@ pub struct Metrics {
     /// their session holding its window of unacked messages (`registry::WindowPlace`), and
     /// held from then on as read back from Postgres.
     pub acked_on_arrival: IntCounter,
+    /// `sandcell_worker_fetch_budget_waits_total`: jobs whose uploads waited for the worker's
+    /// fetch budget (`SANDCELL_WORKER_FETCH_BYTES`) before they were fetched.
+    pub fetch_budget_waits: IntCounter,
     /// `sandcell_worker_sessions_adopted_total{cause}`: sessions this worker took over from a
     /// worker that died or restarted (`worker_lost`) or drained (`drained`).
     pub sessions_adopted: IntCounterVec,
@@ -161,6 +164,11 @@ impl Metrics {
             "Session jobs acked as they arrived (their session held its window of unacked messages), held from then on as read back from Postgres",
         )?;
         registry.register(Box::new(acked_on_arrival.clone()))?;
+        let fetch_budget_waits = IntCounter::new(
+            "sandcell_worker_fetch_budget_waits_total",
+            "Jobs whose uploads waited for the worker's fetch budget (SANDCELL_WORKER_FETCH_BYTES) before they were fetched",
+        )?;
+        registry.register(Box::new(fetch_budget_waits.clone()))?;
         let sessions_adopted =
             IntCounterVec::new(Opts::new("sandcell_worker_sessions_adopted_total", "Sessions taken over from another worker, by why they moved"), &["cause"])?;
         registry.register(Box::new(sessions_adopted.clone()))?;
@@ -190,6 +198,7 @@ impl Metrics {
             opening_returned,
             inputs_left_in_postgres,
             acked_on_arrival,
+            fetch_budget_waits,
             events_published,
             events_dropped,
             oneoff_sandboxes,

@@ -17,12 +17,11 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use sandcell_core::jobs::{Arrival, Claim, Finished};
-use sandcell_core::store::Fetched;
-use sandcell_protocol::submission::is_valid_upload_key;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, Reason};
 
 use crate::bound::Bound;
 use crate::context::{Slot, WorkerContext};
+use crate::inputs::{FetchBudget, Resolved};
 use crate::kernel::{CellRun, Kernel, OnTimeout, Priority, StartPriority, Stop};
 use crate::ledger::Disposition;
 use crate::outcome::{Extras, Outcome};
@@ -55,8 +54,14 @@ pub trait Host {
         None
     }
     /// Files to write into the workspace before the job's own: a moved session's workspace,
-    /// put back from the store for the job that took it over.
-    fn restored(&mut self) -> Vec<InputFile> {
+    /// put back from the store for the job that took it over. They are what a job's uploads
+    /// are fetched beside ([`crate::inputs::resolve`]), and kept for the next job should this one be
+    /// refused.
+    fn restored(&self) -> &[InputFile] {
+        &[]
+    }
+    /// The files of [`Host::restored`], handed to the job that runs.
+    fn take_restored(&mut self) -> Vec<InputFile> {
         Vec::new()
     }
 }
@@ -144,8 +149,11 @@ const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival, claimed: Option<Claim>, host: &mut H) -> Result<Disposition> {
     // Taken first, so that it is released on every path, the job's refusal included.
     let held = host.held_slot();
-    let Some((files, claim)) = prepare(ctx, job, arrival, claimed).await? else { return Ok(Disposition::Ack) };
-    let files = with_restored(host.restored(), files);
+    // A job holding its slot does not wait for the fetch budget (`inputs::FetchBudget`).
+    let budget = held.is_none().then_some(&ctx.fetch_budget);
+    let Some((inputs, claim)) = prepare(ctx, job, arrival, claimed, host.restored(), budget).await? else { return Ok(Disposition::Ack) };
+    let files = with_restored(host.take_restored(), inputs.files);
+    let fetched = inputs.held;
     let session_id = job.session.as_ref().map(|s| s.id.as_str());
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
@@ -162,6 +170,8 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arri
             Err(e) => CellRun { outcome: Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), alive: false },
         }
     };
+    // The files are in the sandbox now: their memory and their part of the budget go back.
+    drop((files, fetched));
     let (outcome, extras) = host.after(ctx, job, cell).await;
     let status = commit(ctx, job, &limits, outcome, extras).await?;
     live.end(status);
@@ -185,59 +195,19 @@ fn with_restored(restored: Vec<InputFile>, own: Vec<InputFile>) -> Vec<InputFile
     all
 }
 
-/// Replace every `s3_key` input file by its content. A missing or oversize object is the
-/// client's error (`upload_failed`); a store failure is ours (`storage_failed`).
-///
-/// What is fetched is bounded by the job's workspace (`limits.workspace_mb`, capped by this
-/// worker's policy) as well as file by file (`SANDCELL_MAX_UPLOAD_FILE_BYTES`): the files could
-/// not fit there anyway, and without it one job naming one upload under 32 paths made this
-/// worker hold 32 copies of it (in memory, several times over) before any sandbox refused them.
-pub async fn resolve_inputs(ctx: &WorkerContext, job: &ExecutionJob) -> Result<Vec<InputFile>, Reason> {
-    let workspace = ctx.cfg.policy.cap(&job.limits).workspace_mb.saturating_mul(1 << 20);
-    let inline: u64 = job.files.iter().map(InputFile::inline_len).sum();
-    let mut left = workspace.saturating_sub(inline);
-    let mut files = Vec::with_capacity(job.files.len());
-    for f in &job.files {
-        let Some(key) = &f.s3_key else {
-            files.push(f.clone());
-            continue;
-        };
-        // The scheduler checked the key; a worker trusts no message blindly.
-        if !is_valid_upload_key(&job.tenant, key) {
-            return Err(Reason::new(ErrorCode::InvalidFilePath, format!("input file {:?}: s3_key is not under the tenant's upload prefix", f.path)));
-        }
-        match ctx.store.get_limited(key, ctx.cfg.max_upload_bytes.min(left)).await {
-            Ok(Fetched::Found(bytes)) => {
-                left = left.saturating_sub(bytes.len() as u64);
-                files.push(InputFile::inline(f.path.clone(), &bytes));
-            }
-            Ok(Fetched::Missing) => return Err(Reason::new(ErrorCode::UploadFailed, format!("input file {:?}: no object {key:?}", f.path))),
-            Ok(Fetched::TooLarge(size)) if size <= ctx.cfg.max_upload_bytes => {
-                return Err(Reason::new(
-                    ErrorCode::UploadFailed,
-                    format!(
-                        "input file {:?}: object {key:?} ({size} bytes) does not fit in what is left of the workspace's {} bytes (limits.workspace_mb) after the job's other input files",
-                        f.path, workspace
-                    ),
-                ))
-            }
-            Ok(Fetched::TooLarge(size)) => {
-                return Err(Reason::new(
-                    ErrorCode::UploadFailed,
-                    format!("input file {:?}: object {key:?} is {size} bytes; the limit is {}", f.path, ctx.cfg.max_upload_bytes),
-                ))
-            }
-            Err(e) => return Err(Reason::new(ErrorCode::StorageFailed, format!("input file {:?}: {e:#}", f.path))),
-        }
-    }
-    Ok(files)
-}
-
-/// Inputs first, then the claim (unless `claimed` already): the files to run with and the
-/// claim, or `None` when the job must not run — it was refused (missing upload) or is not
-/// claimable — and its message is to be acked.
-pub async fn prepare(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival, claimed: Option<Claim>) -> Result<Option<(Vec<InputFile>, Claim)>> {
-    let files = match resolve_inputs(ctx, job).await {
+/// Inputs first (`restored`, `budget`: as for [`crate::inputs::resolve`]), then the claim
+/// (unless `claimed` already): the files to run with and the claim, or `None` when the job must
+/// not run — it was refused (missing upload) or is not claimable — and its message is to be
+/// acked.
+pub async fn prepare(
+    ctx: &WorkerContext,
+    job: &ExecutionJob,
+    arrival: Arrival,
+    claimed: Option<Claim>,
+    restored: &[InputFile],
+    budget: Option<&FetchBudget>,
+) -> Result<Option<(Resolved, Claim)>> {
+    let files = match crate::inputs::resolve(ctx, job, restored, budget).await {
         Ok(f) => f,
         Err(reason) => {
             refuse(ctx, job, &reason).await?;

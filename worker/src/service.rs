@@ -97,6 +97,7 @@ pub async fn run(mut cfg: Config) -> Result<()> {
         events,
         ledger: ledger::Ledger::new(metrics.clone()),
         slots: Arc::new(Semaphore::new(usize::from(cfg.slots))),
+        fetch_budget: crate::inputs::FetchBudget::new(cfg.fetch_bytes, metrics.fetch_budget_waits.clone()),
         activity,
         session_capacity: Arc::new(Semaphore::new(usize::from(cfg.max_sessions))),
         cfg: Arc::new(cfg),

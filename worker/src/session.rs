@@ -225,7 +225,11 @@ impl run::Host for SessionTask {
         self.opening_slot.take()
     }
 
-    fn restored(&mut self) -> Vec<InputFile> {
+    fn restored(&self) -> &[InputFile] {
+        &self.restore
+    }
+
+    fn take_restored(&mut self) -> Vec<InputFile> {
         std::mem::take(&mut self.restore)
     }
 
