@@ -13,6 +13,10 @@ use sqlx::Row;
 /// read as another's (tests of a binary run at once).
 static MEMORY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Held by the tests that keep every slot of the worker busy, or wait for another tenant's job
+/// within a deadline, so that one's slow cells do not hold up the other's.
+static SLOTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A job of another tenant, started before the hostile one and still running while it ends.
 struct Bystander {
     tenant: String,
@@ -754,11 +758,12 @@ async fn a_job_naming_one_upload_under_more_paths_than_its_workspace_holds_is_re
 /// sessions, each given a job naming a 30 MB upload under 3 paths while the worker's slots were
 /// busy, made it hold all of them at once (~115 MiB as base64 a job: ten sessions, over 1 GiB;
 /// in a pod, a memory limit kills the worker with every other tenant's sessions). Now what the
-/// worker's jobs fetch is held within `SANDCELL_WORKER_FETCH_BYTES` (512 MiB): the jobs past it
+/// worker's jobs fetch is held within `SANDCELL_WORKER_FETCH_BYTES` (256 MiB): the jobs past it
 /// wait to be fetched, and each still gets its files intact.
 #[tokio::test]
 async fn a_tenants_sessions_fetching_large_uploads_at_once_do_not_grow_the_worker_past_its_fetch_budget() {
     let _memory = MEMORY.lock().await;
+    let _slots = SLOTS.lock().await;
     let c = client().await;
     let t = tenant();
     let store = sandcell_core::store::ArtifactStore::new(&sandcell_core::config::Services::from_env().unwrap().s3);
@@ -833,8 +838,9 @@ async fn a_tenants_sessions_fetching_large_uploads_at_once_do_not_grow_the_worke
     let grown_mb = peak.saturating_sub(rss_before) / 1024;
     eprintln!("worker RSS {rss_before} kB before, {peak} kB at most while {FETCHERS} jobs of 3 × 30 MB uploads waited for a slot; {waits} waited for the fetch budget");
     assert!(waits >= 1.0, "no job waited for the fetch budget: it was not applied");
-    // Ten jobs of 114 MiB as base64: before, the worker grew by over 1 GiB.
-    assert!(grown_mb < 750, "the worker grew by {grown_mb} MiB while the jobs waited");
+    // Ten jobs of 114 MiB as base64: before, the worker grew by over 1 GiB; within the budget,
+    // two are held at once.
+    assert!(grown_mb < 500, "the worker grew by {grown_mb} MiB while the jobs waited");
     by.assert_unharmed(&c).await;
     for sid in &sessions {
         c.submit(&close_session(&t, sid)).await.expect("closing a session");
@@ -850,6 +856,7 @@ async fn a_tenants_sessions_fetching_large_uploads_at_once_do_not_grow_the_worke
 /// in order.
 #[tokio::test]
 async fn one_sessions_backlog_does_not_hold_another_tenants_session_on_the_same_worker() {
+    let _slots = SLOTS.lock().await;
     let c = client().await;
     let (t, other) = (tenant(), tenant());
     let opened = run(&c, &open_session(&t, "n = 0", Some(600))).await;

@@ -29,14 +29,22 @@ pub struct ArtifactStore {
     bucket: String,
 }
 
-/// The outcome of [`ArtifactStore::get_limited`].
+/// The outcome of [`ArtifactStore::get_limited`] (the object's bytes) and
+/// [`ArtifactStore::get_base64_limited`] (its base64 text).
 #[derive(Debug)]
-pub enum Fetched {
-    /// The object's bytes.
-    Found(Vec<u8>),
+pub enum Fetched<T = Vec<u8>> {
+    /// The object's content.
+    Found(T),
     /// No such object.
     Missing,
     /// The object is larger than allowed (its size).
+    TooLarge(u64),
+}
+
+/// An object opened for reading, within a size.
+enum Opened {
+    Body(ByteStream, u64),
+    Missing,
     TooLarge(u64),
 }
 
@@ -118,23 +126,57 @@ impl ArtifactStore {
         Ok(req.uri().to_string())
     }
 
-    /// Read an object of at most `max_bytes` (input files uploaded by reference).
-    pub async fn get_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched> {
+    /// Open an object of at most `max_bytes`: its body, not yet read.
+    async fn open_limited(&self, key: &str, max_bytes: u64) -> Result<Opened> {
         let resp = match self.client.get_object().bucket(&self.bucket).key(key).send().await {
             Ok(r) => r,
-            Err(e) if e.as_service_error().is_some_and(|s| s.is_no_such_key()) => return Ok(Fetched::Missing),
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_no_such_key()) => return Ok(Opened::Missing),
             Err(e) => return Err(e).with_context(|| format!("fetching {key}")),
         };
         let size = u64::try_from(resp.content_length().unwrap_or(0)).unwrap_or(0);
         if size > max_bytes {
-            return Ok(Fetched::TooLarge(size));
+            return Ok(Opened::TooLarge(size));
         }
-        let body = resp.body.collect().await.with_context(|| format!("reading {key}"))?.into_bytes();
+        Ok(Opened::Body(resp.body, size))
+    }
+
+    /// Read an object of at most `max_bytes` (a session's snapshot).
+    pub async fn get_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched> {
+        let body = match self.open_limited(key, max_bytes).await? {
+            Opened::Body(body, _) => body,
+            Opened::Missing => return Ok(Fetched::Missing),
+            Opened::TooLarge(size) => return Ok(Fetched::TooLarge(size)),
+        };
+        let body = body.collect().await.with_context(|| format!("reading {key}"))?.into_bytes();
         if body.len() as u64 > max_bytes {
             return Ok(Fetched::TooLarge(body.len() as u64));
         }
         // Without a copy where the body came as one chunk.
         Ok(Fetched::Found(Vec::from(body)))
+    }
+
+    /// Read an object of at most `max_bytes` as standard base64 text (input files: a sandbox
+    /// gets them so), encoded as its body arrives: what is held is the text and one chunk,
+    /// never the object's bytes whole beside it (a 100 MB upload took 333 MB at once when read
+    /// whole, then encoded; 133 MB so).
+    pub async fn get_base64_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched<String>> {
+        use std::io::Write as _;
+        let (mut body, size) = match self.open_limited(key, max_bytes).await? {
+            Opened::Body(body, size) => (body, size),
+            Opened::Missing => return Ok(Fetched::Missing),
+            Opened::TooLarge(size) => return Ok(Fetched::TooLarge(size)),
+        };
+        let capacity = usize::try_from(size.div_ceil(3).saturating_mul(4)).unwrap_or(usize::MAX);
+        let mut text = base64::write::EncoderStringWriter::from_consumer(String::with_capacity(capacity), &base64::engine::general_purpose::STANDARD);
+        let mut read = 0u64;
+        while let Some(chunk) = body.try_next().await.with_context(|| format!("reading {key}"))? {
+            read += chunk.len() as u64;
+            if read > max_bytes {
+                return Ok(Fetched::TooLarge(read));
+            }
+            text.write_all(&chunk).with_context(|| format!("encoding {key}"))?;
+        }
+        Ok(Fetched::Found(text.into_inner()))
     }
 
     /// Delete an object (deleting a missing object is not an error in S3).

@@ -31,7 +31,7 @@ pub struct Config {
     /// jobs waiting in this worker's session mailboxes, all together; a waiting job beyond it
     /// leaves them in Postgres until its turn (`registry::Inputs`).
     pub held_input_bytes: u64,
-    /// `SANDCELL_WORKER_FETCH_BYTES`, default 512 MiB: what the uploads (`s3_key` input files)
+    /// `SANDCELL_WORKER_FETCH_BYTES`, default 256 MiB: what the uploads (`s3_key` input files)
     /// fetched for this worker's jobs may hold of its memory, all together
     /// (`inputs::FetchBudget`).
     pub fetch_bytes: u64,
@@ -113,7 +113,7 @@ impl Config {
             max_sessions: config::parse_or("SANDCELL_WORKER_MAX_SESSIONS", 32u16)?.max(1),
             session_prefetch: config::parse_or("SANDCELL_SESSION_PREFETCH", 256u16)?.max(1),
             held_input_bytes: config::parse_or("SANDCELL_WORKER_HELD_INPUT_BYTES", 64u64 << 20)?,
-            fetch_bytes: config::parse_or("SANDCELL_WORKER_FETCH_BYTES", 512u64 << 20)?,
+            fetch_bytes: config::parse_or("SANDCELL_WORKER_FETCH_BYTES", 256u64 << 20)?,
             warm_pool: config::parse_or("SANDCELL_WARM_POOL", 2usize)?,
             warm_pool_prepared: config::parse_or("SANDCELL_WARM_POOL_PREPARED", reuse.max_jobs > 1)?,
             reuse,

@@ -23,15 +23,22 @@ use crate::context::WorkerContext;
 /// uploads may take before fetching them (at most the whole budget), waits while that does not
 /// fit, and keeps only what it fetched until its files are written into its sandbox.
 ///
-/// A job that already holds its slot (a new session's opening job, [`crate::run::Host::held_slot`])
-/// fetches without the budget: a job waiting for a slot may hold the budget, so a job holding a
-/// slot must not wait for it. There are at most `SANDCELL_WORKER_SLOTS` of those at once.
+/// A job waiting for a slot may hold the budget, so no job holding a slot waits for it: a new
+/// session's opening job, which holds the slot its container started under
+/// ([`crate::run::Host::held_slot`]), gives it back first when it has uploads ([`has_uploads`]).
+/// A job whose uploads take more than the whole budget waits for all of it, and the jobs behind
+/// it wait for it (first come, first served; it is given back as the job's files are sent).
 #[derive(Clone)]
 pub struct FetchBudget {
     kib: Arc<Semaphore>,
     total: u32,
     /// `sandcell_worker_fetch_budget_waits_total`.
     waits: prometheus::IntCounter,
+}
+
+/// Whether `job` names uploads (`s3_key` files): it is fetched within the [`FetchBudget`].
+pub fn has_uploads(job: &ExecutionJob) -> bool {
+    job.files.iter().any(|f| f.s3_key.is_some())
 }
 
 /// Bytes in KiB, rounded up.
@@ -66,8 +73,8 @@ impl FetchBudget {
     }
 }
 
-/// A job's input files, with its part of the fetch budget: given back when dropped (once they
-/// are written into the sandbox).
+/// A job's input files, with its part of the fetch budget: given back when dropped, as soon as
+/// they are sent to the sandbox (`Kernel::run`), not at the end of the cell.
 pub struct Resolved {
     /// The files, every upload replaced by its content.
     pub files: Vec<InputFile>,
@@ -75,12 +82,17 @@ pub struct Resolved {
     pub held: Option<OwnedSemaphorePermit>,
 }
 
-/// What a job's uploads of these `sizes` make this worker hold while they are fetched: each
-/// as the base64 it is kept in, and the largest's bytes twice over while it is read (the body's
-/// chunks, then the object).
-fn held_while_fetched(sizes: &[u64]) -> u64 {
-    let b64 = sizes.iter().fold(0u64, |sum, size| sum.saturating_add(size.div_ceil(3).saturating_mul(4)));
-    b64.saturating_add(sizes.iter().max().copied().unwrap_or(0).saturating_mul(2))
+impl Resolved {
+    /// Files the budget does not count (none fetched for a job, or a moved session's own).
+    pub fn unbudgeted(files: Vec<InputFile>) -> Self {
+        Resolved { files, held: None }
+    }
+}
+
+/// What a job's uploads of these `sizes` make this worker hold: each as the base64 it is kept
+/// in (encoded as it arrives, `ArtifactStore::get_base64_limited`).
+fn held_as_base64(sizes: &[u64]) -> u64 {
+    sizes.iter().fold(0u64, |sum, size| sum.saturating_add(size.div_ceil(3).saturating_mul(4)))
 }
 
 /// What a job's uploads (`s3_key` files) may take of a `workspace` of that many bytes: what its
@@ -102,14 +114,14 @@ fn workspace_left(workspace: u64, own: &[InputFile], restored: &[InputFile]) -> 
 /// worker hold 32 copies of it (in memory, several times over) before any sandbox refused them.
 /// `restored`: files already held for the workspace (a moved session's,
 /// [`crate::run::Host::restored`]), which take their part of it unless the job's own files
-/// replace them. `budget`: the worker's fetch budget, waited for unless the job holds its slot
-/// ([`FetchBudget`]).
+/// replace them. What is fetched is held within the worker's [`FetchBudget`] (the caller holds
+/// no slot).
 ///
 /// The objects' sizes are read first (no body), so a job that cannot run is refused before it
 /// waits, and the job reserves of the budget what its objects take; each is then fetched no
 /// larger than it was found (an upload's presigned PUT is for one length; should an object
 /// change between, it is refused).
-pub async fn resolve(ctx: &WorkerContext, job: &ExecutionJob, restored: &[InputFile], budget: Option<&FetchBudget>) -> Result<Resolved, Reason> {
+pub async fn resolve(ctx: &WorkerContext, job: &ExecutionJob, restored: &[InputFile]) -> Result<Resolved, Reason> {
     let workspace = ctx.cfg.policy.cap(&job.limits).workspace_mb.saturating_mul(1 << 20);
     let mut left = workspace_left(workspace, &job.files, restored);
     // Each file's object size, aligned with the files (`None`: an inline file).
@@ -147,10 +159,7 @@ pub async fn resolve(ctx: &WorkerContext, job: &ExecutionJob, restored: &[InputF
         sizes.push(Some(size));
     }
     let objects: Vec<u64> = sizes.iter().flatten().copied().collect();
-    let mut held = match budget {
-        Some(budget) if !objects.is_empty() => budget.take(held_while_fetched(&objects)).await,
-        _ => None,
-    };
+    let mut held = if objects.is_empty() { None } else { ctx.fetch_budget.take(held_as_base64(&objects)).await };
     let mut fetched_b64 = 0u64;
     let mut files = Vec::with_capacity(job.files.len());
     for (f, size) in job.files.iter().zip(sizes) {
@@ -158,11 +167,10 @@ pub async fn resolve(ctx: &WorkerContext, job: &ExecutionJob, restored: &[InputF
             files.push(f.clone());
             continue;
         };
-        match ctx.store.get_limited(key, size).await {
-            Ok(Fetched::Found(bytes)) => {
-                let file = InputFile::inline(f.path.clone(), &bytes);
-                fetched_b64 += file.content_b64.as_ref().map_or(0, |b| b.len() as u64);
-                files.push(file);
+        match ctx.store.get_base64_limited(key, size).await {
+            Ok(Fetched::Found(text)) => {
+                fetched_b64 += text.len() as u64;
+                files.push(InputFile { path: f.path.clone(), content_b64: Some(text), s3_key: None });
             }
             Ok(Fetched::Missing) => return Err(missing(&f.path, key)),
             Ok(Fetched::TooLarge(now)) => {
@@ -174,7 +182,8 @@ pub async fn resolve(ctx: &WorkerContext, job: &ExecutionJob, restored: &[InputF
             Err(e) => return Err(Reason::new(ErrorCode::StorageFailed, format!("input file {:?}: {e:#}", f.path))),
         }
     }
-    // Only what the fetched files hold now stays taken; the rest of the reservation goes back.
+    // Only what the fetched files hold stays taken (an object may have shrunk since its size
+    // was read); the rest goes back.
     if let Some(permit) = held.as_mut() {
         keep_only(permit, fetched_b64);
     }
@@ -215,11 +224,15 @@ mod tests {
     }
 
     #[test]
-    fn a_jobs_reservation_covers_its_uploads_as_base64_and_its_largest_being_read() {
-        // 100 and 30 bytes: 136 + 40 as base64 (whole groups of 4), and 100 read twice over.
-        assert_eq!(held_while_fetched(&[100, 30]), 136 + 40 + 200);
-        assert_eq!(held_while_fetched(&[]), 0);
-        assert_eq!(held_while_fetched(&[u64::MAX, 1]), u64::MAX, "never wraps");
+    fn a_jobs_reservation_is_its_uploads_as_base64() {
+        // 100 and 30 bytes: 136 + 40 as base64 (whole groups of 4, padded).
+        assert_eq!(held_as_base64(&[100, 30]), 136 + 40);
+        assert_eq!(
+            held_as_base64(&[100, 30]),
+            (InputFile::inline("a", &[0; 100]).content_b64.unwrap().len() + InputFile::inline("b", &[0; 30]).content_b64.unwrap().len()) as u64
+        );
+        assert_eq!(held_as_base64(&[]), 0);
+        assert_eq!(held_as_base64(&[u64::MAX, 1]), u64::MAX, "never wraps");
     }
 
     #[tokio::test(start_paused = true)]

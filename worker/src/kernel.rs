@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use bollard::Docker;
-use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobStatus, LimitHit, Reason, Usage};
+use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, JobStatus, LimitHit, Reason, Usage};
 use tokio::sync::watch;
 
 use crate::events::LiveJob;
+use crate::inputs::Resolved;
 use crate::outcome::{apply, Outcome, Step};
 use crate::sandbox::cgroup::{Cgroup, CpuWeight};
 use crate::sandbox::container::SandboxSpec;
@@ -248,10 +249,10 @@ impl Kernel {
         self.sandbox.is_gone()
     }
 
-    /// Run `job`'s code (with `files` already resolved to inline content) under `limits`;
-    /// `fresh`: in a process forked for it, leaving nothing behind (a one-off job). What each
-    /// driver event adds to the outcome is published on `live` as it arrives.
-    pub async fn run(&mut self, job: &ExecutionJob, files: &[InputFile], limits: &ExecutionLimits, stop: Stop, fresh: bool, live: &mut LiveJob) -> CellRun {
+    /// Run `job`'s code (with `inputs` already resolved to inline content, dropped once sent)
+    /// under `limits`; `fresh`: in a process forked for it, leaving nothing behind (a one-off
+    /// job). What each driver event adds to the outcome is published on `live` as it arrives.
+    pub async fn run(&mut self, job: &ExecutionJob, inputs: Resolved, limits: &ExecutionLimits, stop: Stop, fresh: bool, live: &mut LiveJob) -> CellRun {
         let Stop { on_timeout, cancel } = stop;
         let mut out = Outcome::new(limits);
         if cancel.as_ref().is_some_and(|rx| rx.borrow().contains(&job.job_id)) {
@@ -260,12 +261,15 @@ impl Kernel {
             out.reason = None;
             return CellRun { outcome: out, alive: true };
         }
-        let request = ExecuteRequest::new(job, files, limits, fresh);
+        let request = ExecuteRequest::new(job, &inputs.files, limits, fresh);
         let meter = self.cgroup.start();
         let sent = match serde_json::to_vec(&request) {
             Ok(payload) => self.sandbox.send(&payload).await,
             Err(e) => Err(e.into()),
         };
+        // The files are the sandbox's now: their memory and their part of the fetch budget go
+        // back before the cell runs.
+        drop(inputs);
         if let Err(e) = sent {
             self.sandbox.kill().await;
             let outcome = out.infra(ErrorCode::DriverProtocol, format!("sending the job to the sandbox: {e:#}"));

@@ -19,6 +19,7 @@ use sandcell_core::store::Fetched;
 use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, JobSession, JobStatus, Language};
 
 use crate::context::WorkerContext;
+use crate::inputs::Resolved;
 use crate::kernel::{Kernel, OnTimeout, Stop};
 
 /// Where the cells put the pickled variables, in the workspace.
@@ -94,7 +95,9 @@ fn printed_names(stdout: &str) -> Result<Vec<String>> {
 pub async fn snapshot(ctx: &WorkerContext, kernel: &mut Kernel, tenant: &str, session_id: &str, limits: &ExecutionLimits) -> Result<Snapshot> {
     let cell = own_cell(tenant, session_id, limits, SNAPSHOT_CODE, vec![SNAPSHOT_PATH.to_string()]);
     let mut live = ctx.events.muted(&cell);
-    let run = kernel.run(&cell, &[], limits, Stop::at_deadline(OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)), false, &mut live).await;
+    let run = kernel
+        .run(&cell, Resolved::unbudgeted(Vec::new()), limits, Stop::at_deadline(OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)), false, &mut live)
+        .await;
     let out = run.outcome;
     anyhow::ensure!(
         out.status == JobStatus::Succeeded,
@@ -138,8 +141,9 @@ pub async fn restore(
     let session_id = job.session.as_ref().map(|s| s.id.as_str()).unwrap_or_default();
     let cell = own_cell(&job.tenant, session_id, &limits, RESTORE_CODE, Vec::new());
     let mut live = ctx.events.muted(&cell);
-    let run = kernel.run(&cell, &files, &limits, Stop::at_deadline(OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)), false, &mut live).await;
-    drop(files);
+    let run = kernel
+        .run(&cell, Resolved::unbudgeted(files), &limits, Stop::at_deadline(OnTimeout::Interrupt(ctx.cfg.kernel.interrupt_grace)), false, &mut live)
+        .await;
     let out = run.outcome;
     let files_written = out.reason.as_ref().is_none_or(|r| r.code != ErrorCode::InputFileRejected);
     if out.status != JobStatus::Succeeded {
@@ -200,10 +204,10 @@ pub async fn restore_workspace(ctx: &WorkerContext, job: &ExecutionJob) -> Resul
                 files.push(InputFile { path, content_b64: Some(content_b64), s3_key: None });
             }
             WorkspaceFile::Stored { path, available: false, .. } => missing.push(path),
-            WorkspaceFile::Stored { path, s3_key, available: true } => match ctx.store.get_limited(&s3_key, ctx.cfg.max_upload_bytes.min(left)).await {
-                Ok(Fetched::Found(bytes)) => {
-                    left -= bytes.len() as u64;
-                    files.push(InputFile::inline(path, &bytes));
+            WorkspaceFile::Stored { path, s3_key, available: true } => match ctx.store.get_base64_limited(&s3_key, ctx.cfg.max_upload_bytes.min(left)).await {
+                Ok(Fetched::Found(text)) => {
+                    left = left.saturating_sub(sandcell_protocol::submission::decoded_len(&text));
+                    files.push(InputFile { path, content_b64: Some(text), s3_key: None });
                 }
                 Ok(_) => missing.push(path),
                 Err(e) => {

@@ -21,7 +21,7 @@ use sandcell_protocol::{ErrorCode, ExecutionJob, ExecutionLimits, InputFile, Job
 
 use crate::bound::Bound;
 use crate::context::{Slot, WorkerContext};
-use crate::inputs::{FetchBudget, Resolved};
+use crate::inputs::Resolved;
 use crate::kernel::{CellRun, Kernel, OnTimeout, Priority, StartPriority, Stop};
 use crate::ledger::Disposition;
 use crate::outcome::{Extras, Outcome};
@@ -147,13 +147,13 @@ const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// the job was claimed before it got here (a session's opening job). `Ok` is the disposition
 /// of its message; an error means nothing was committed.
 pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arrival, claimed: Option<Claim>, host: &mut H) -> Result<Disposition> {
-    // Taken first, so that it is released on every path, the job's refusal included.
-    let held = host.held_slot();
-    // A job holding its slot does not wait for the fetch budget (`inputs::FetchBudget`).
-    let budget = held.is_none().then_some(&ctx.fetch_budget);
-    let Some((inputs, claim)) = prepare(ctx, job, arrival, claimed, host.restored(), budget).await? else { return Ok(Disposition::Ack) };
-    let files = with_restored(host.take_restored(), inputs.files);
-    let fetched = inputs.held;
+    // Taken first, so that it is released on every path, the job's refusal included. A job
+    // with uploads gives it back before it waits for the fetch budget, and takes a slot once
+    // they are fetched: a job waiting for a slot may hold the budget, so no job holding a slot
+    // waits for it (`inputs::FetchBudget`).
+    let held = host.held_slot().filter(|_| !crate::inputs::has_uploads(job));
+    let Some((inputs, claim)) = prepare(ctx, job, arrival, claimed, host.restored()).await? else { return Ok(Disposition::Ack) };
+    let inputs = Resolved { files: with_restored(host.take_restored(), inputs.files), held: inputs.held };
     let session_id = job.session.as_ref().map(|s| s.id.as_str());
     let started = Instant::now();
     let limits = ctx.cfg.policy.cap(&job.limits);
@@ -166,12 +166,10 @@ pub async fn job<H: Host>(ctx: &WorkerContext, job: &ExecutionJob, arrival: Arri
             None => ctx.slot().await?,
         };
         match host.kernel(ctx, job, &limits, &slot).await {
-            Ok(kernel) => kernel.run(job, &files, &limits, Stop { on_timeout, cancel }, fresh, &mut live).await,
+            Ok(kernel) => kernel.run(job, inputs, &limits, Stop { on_timeout, cancel }, fresh, &mut live).await,
             Err(e) => CellRun { outcome: Outcome::new(&limits).infra(ErrorCode::SandboxUnavailable, format!("{e:#}")), alive: false },
         }
     };
-    // The files are in the sandbox now: their memory and their part of the budget go back.
-    drop((files, fetched));
     let (outcome, extras) = host.after(ctx, job, cell).await;
     let status = commit(ctx, job, &limits, outcome, extras).await?;
     live.end(status);
@@ -195,7 +193,7 @@ fn with_restored(restored: Vec<InputFile>, own: Vec<InputFile>) -> Vec<InputFile
     all
 }
 
-/// Inputs first (`restored`, `budget`: as for [`crate::inputs::resolve`]), then the claim
+/// Inputs first (`restored`: as for [`crate::inputs::resolve`]), then the claim
 /// (unless `claimed` already): the files to run with and the claim, or `None` when the job must
 /// not run — it was refused (missing upload) or is not claimable — and its message is to be
 /// acked.
@@ -205,9 +203,8 @@ pub async fn prepare(
     arrival: Arrival,
     claimed: Option<Claim>,
     restored: &[InputFile],
-    budget: Option<&FetchBudget>,
 ) -> Result<Option<(Resolved, Claim)>> {
-    let files = match crate::inputs::resolve(ctx, job, restored, budget).await {
+    let files = match crate::inputs::resolve(ctx, job, restored).await {
         Ok(f) => f,
         Err(reason) => {
             refuse(ctx, job, &reason).await?;
