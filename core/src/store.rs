@@ -41,13 +41,6 @@ pub enum Fetched<T = Vec<u8>> {
     TooLarge(u64),
 }
 
-/// An object opened for reading, within a size.
-enum Opened {
-    Body(ByteStream, u64),
-    Missing,
-    TooLarge(u64),
-}
-
 /// The object key of an artifact.
 pub fn artifact_key(tenant: &str, job_id: &str, path: &str) -> String {
     format!("{tenant}/{job_id}/{path}")
@@ -126,26 +119,26 @@ impl ArtifactStore {
         Ok(req.uri().to_string())
     }
 
-    /// Open an object of at most `max_bytes`: its body, not yet read.
-    async fn open_limited(&self, key: &str, max_bytes: u64) -> Result<Opened> {
+    /// Open an object of at most `max_bytes`: its body, not yet read, and its size.
+    async fn open_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched<(ByteStream, u64)>> {
         let resp = match self.client.get_object().bucket(&self.bucket).key(key).send().await {
             Ok(r) => r,
-            Err(e) if e.as_service_error().is_some_and(|s| s.is_no_such_key()) => return Ok(Opened::Missing),
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_no_such_key()) => return Ok(Fetched::Missing),
             Err(e) => return Err(e).with_context(|| format!("fetching {key}")),
         };
         let size = u64::try_from(resp.content_length().unwrap_or(0)).unwrap_or(0);
         if size > max_bytes {
-            return Ok(Opened::TooLarge(size));
+            return Ok(Fetched::TooLarge(size));
         }
-        Ok(Opened::Body(resp.body, size))
+        Ok(Fetched::Found((resp.body, size)))
     }
 
     /// Read an object of at most `max_bytes` (a session's snapshot).
     pub async fn get_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched> {
         let body = match self.open_limited(key, max_bytes).await? {
-            Opened::Body(body, _) => body,
-            Opened::Missing => return Ok(Fetched::Missing),
-            Opened::TooLarge(size) => return Ok(Fetched::TooLarge(size)),
+            Fetched::Found((body, _)) => body,
+            Fetched::Missing => return Ok(Fetched::Missing),
+            Fetched::TooLarge(size) => return Ok(Fetched::TooLarge(size)),
         };
         let body = body.collect().await.with_context(|| format!("reading {key}"))?.into_bytes();
         if body.len() as u64 > max_bytes {
@@ -162,11 +155,11 @@ impl ArtifactStore {
     pub async fn get_base64_limited(&self, key: &str, max_bytes: u64) -> Result<Fetched<String>> {
         use std::io::Write as _;
         let (mut body, size) = match self.open_limited(key, max_bytes).await? {
-            Opened::Body(body, size) => (body, size),
-            Opened::Missing => return Ok(Fetched::Missing),
-            Opened::TooLarge(size) => return Ok(Fetched::TooLarge(size)),
+            Fetched::Found(opened) => opened,
+            Fetched::Missing => return Ok(Fetched::Missing),
+            Fetched::TooLarge(size) => return Ok(Fetched::TooLarge(size)),
         };
-        let capacity = usize::try_from(size.div_ceil(3).saturating_mul(4)).unwrap_or(usize::MAX);
+        let capacity = usize::try_from(sandcell_protocol::submission::encoded_len(size)).unwrap_or(usize::MAX);
         let mut text = base64::write::EncoderStringWriter::from_consumer(String::with_capacity(capacity), &base64::engine::general_purpose::STANDARD);
         let mut read = 0u64;
         while let Some(chunk) = body.try_next().await.with_context(|| format!("reading {key}"))? {

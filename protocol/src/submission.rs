@@ -70,6 +70,12 @@ pub fn decoded_len(b64: &str) -> u64 {
     b64.len() as u64 / 4 * 3
 }
 
+/// How long standard base64 text (padded) of `bytes` bytes is: what an upload is held as once
+/// fetched for a sandbox.
+pub fn encoded_len(bytes: u64) -> u64 {
+    bytes.div_ceil(3).saturating_mul(4)
+}
+
 /// Most entries in `get_files`.
 pub const MAX_GET_FILES: usize = 64;
 

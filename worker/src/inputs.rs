@@ -93,7 +93,7 @@ impl Resolved {
 /// What a job's uploads of these `sizes` make this worker hold: each as the base64 it is kept
 /// in (encoded as it arrives, `ArtifactStore::get_base64_limited`).
 fn held_as_base64(sizes: &[u64]) -> u64 {
-    sizes.iter().fold(0u64, |sum, size| sum.saturating_add(size.div_ceil(3).saturating_mul(4)))
+    sizes.iter().fold(0u64, |sum, size| sum.saturating_add(sandcell_protocol::submission::encoded_len(*size)))
 }
 
 /// What a job's uploads (`s3_key` files) may take of a `workspace` of that many bytes: what its
